@@ -1,0 +1,395 @@
+"""LLMEngine: requests in, rollouts with logprobs and preemption counts out, weights updated in place."""
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+from transformers import AutoTokenizer
+
+from fp8engine.config import EngineConfig
+from fp8engine.kvcache.block_manager import BlockManager
+from fp8engine.kvcache.kv_scales import KVScaleManager
+from fp8engine.model_executor.layers.sampler import SampleRow, sample
+from fp8engine.model_executor.model_runner import ModelRunner
+from fp8engine.outputs import CompletionOutput, EngineStats, RequestOutput, WeightUpdateReport
+from fp8engine.sampling_params import SamplingParams
+from fp8engine.scheduler.scheduler import ScheduledSeq, Scheduler
+from fp8engine.scheduler.sequence import Request, Sequence, SeqStatus
+from fp8engine.weights import updater
+from fp8engine.weights.default_model import default_model_path
+from fp8engine.weights.loader import resolve
+from fp8engine.weights.quant import dequantize_weight_blockwise
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | list[dict]
+
+
+class LLMEngine:
+    """A paged-attention engine for RL rollouts.
+
+    Drive it with `generate(prompts, params)`, or stream with `add_request` / `step`.
+    Weights change in place with `update_weights`; every output names its `weight_version`.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = default_model_path() if config.model == "default" else config.model
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.hf_config.vocab_size
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv_scales = KVScaleManager(config, self.runner.attn_layers, self.model_dir)
+        self.eos_token_ids = self._eos_token_ids()
+        self.requests: dict[str, Request] = {}
+        self.weight_version = 0
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._request_ids = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+        self._counters = dict(prompt_tokens=0, generation_tokens=0, steps=0, finished=0)
+        self.last_weight_update_seconds = 0.0
+        logger.info("fp8engine: %s on %s, %d KV blocks of %d tokens (%s), linear=%s, attention=%s",
+                    self.model_dir, config.device, self.runner.num_blocks, config.block_size,
+                    self.runner.kv_dtype, self.runner.linear_backend, self.runner.attention.name)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one prompt (text, token ids or chat messages); returns its request id."""
+        params = params or SamplingParams()
+        params.validate()
+        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        token_ids = self._tokenize(prompt)
+        self._check_fits(token_ids, params)
+        request = Request(request_id, token_ids, params, self.weight_version,
+                          prompt if isinstance(prompt, str) else None)
+        seq = Sequence(request, 0, list(token_ids), self._generator(params, 0))
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks are freed. Returns its partial output (None if unknown)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        request.aborted = True
+        return self._request_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the outputs of requests that advanced or finished."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            if self.scheduler.has_work():
+                raise RuntimeError("scheduler made no progress with work queued (internal error)")
+            return outputs
+        self.runner.copy_blocks(self.block_manager.take_pending_copies())
+        with self.kv_scales.calibrating(scheduled):
+            result = self.runner.execute(scheduled)
+        self._counters["steps"] += 1
+        touched = self._postprocess(scheduled, result)
+        return outputs + [self._emit(r) for r in touched]
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.add_request(prompt, p))
+        except ValueError:
+            for request_id in ids:
+                self.abort_request(request_id)
+            raise
+        return self._run_until_done(ids, use_tqdm)
+
+    def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = _progress(len(ids), use_tqdm)
+        wanted = set(ids)
+        while wanted - finished.keys():
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    finished[out.request_id] = out
+                    progress.update(1)
+        progress.close()
+        return [finished[i] for i in ids]
+
+    # ------------------------------------------------------------------ stepping
+    def _postprocess(self, scheduled: list[ScheduledSeq], result) -> list[Request]:
+        sampling: list[tuple[Sequence, int]] = []
+        touched: dict[str, Request] = {}
+        for item in scheduled:
+            seq = item.seq
+            if seq.needs_prompt_logprobs:
+                self._record_prompt_logprobs(seq, item.num_new_tokens, result.prompt_logits[seq.seq_id])
+            samples = item.samples
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.num_output_tokens == 0:
+                self._counters["prompt_tokens"] += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if samples:
+                row = len({r for _, r in sampling})
+                sampling += [(s, row) for s in self._fork_if_needed(seq)]
+            touched[seq.request.request_id] = seq.request
+        if sampling:
+            self._sample(sampling, result.logits)
+        return list(touched.values())
+
+    def _fork_if_needed(self, seq: Sequence) -> list[Sequence]:
+        request = seq.request
+        if seq.index != 0 or len(request.seqs) == request.params.n:
+            return [seq]
+        children = []
+        for i in range(1, request.params.n):
+            child = seq.fork(i, self._generator(request.params, i))
+            self.block_manager.fork(seq, child)
+            children.append(child)
+        request.seqs += children
+        self.scheduler.insert_running_after(seq, children)
+        return [seq] + children
+
+    def _sample(self, sampling: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+        rows = [SampleRow(s.params, s.generator, self._banned_tokens(s)) for s, _ in sampling]
+        index = torch.tensor([r for _, r in sampling], device=logits.device)
+        result = sample(logits[index], rows)
+        for i, (seq, _) in enumerate(sampling):
+            self._append_token(seq, result.token_ids[i], result.logprobs[i],
+                               result.top_logprobs[i], result.log_kept_mass[i])
+
+    def _append_token(self, seq: Sequence, token: int, logprob, top, log_kept) -> None:
+        seq.token_ids.append(token)
+        self._counters["generation_tokens"] += 1
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(logprob)
+            if top is not None:
+                seq.top_logprobs.append(top)
+            if log_kept is not None:
+                seq.log_kept_mass.append(log_kept)
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if p.stop and self._hit_stop_string(seq):
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
+        if not hits:
+            return False
+        cut, stop = min(hits)
+        seq.text, seq.stop_reason = text[:cut], stop
+        return True
+
+    def _banned_tokens(self, seq: Sequence) -> tuple[int, ...]:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return ()
+        eos = () if p.ignore_eos else tuple(self.eos_token_ids)
+        return eos + tuple(p.stop_token_ids)
+
+    def _record_prompt_logprobs(self, seq: Sequence, n: int, logits: torch.Tensor) -> None:
+        request, start = seq.request, seq.num_computed_tokens
+        if start == 0:
+            request.partial_prompt_logprobs = [None]
+        logp = torch.log_softmax(logits, dim=-1)
+        targets = seq.token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
+        request.partial_prompt_logprobs += logp[torch.arange(len(targets)), targets].tolist()
+        if len(request.partial_prompt_logprobs) == seq.num_prompt_tokens:
+            request.prompt_logprobs = request.partial_prompt_logprobs
+
+    def _emit(self, request: Request) -> RequestOutput:
+        out = self._request_output(request)
+        if out.finished:
+            self.requests.pop(request.request_id, None)
+            self._counters["finished"] += 1
+        return out
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        outputs = [self._completion(seq) for seq in sorted(request.seqs, key=lambda s: s.index)]
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, request.finished,
+                             request.weight_version, request.prompt, request.prompt_logprobs,
+                             request.num_cached_tokens)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        wants = seq.params.logprobs is not None
+        text = seq.text
+        if seq.params.detokenize and not (seq.is_finished and seq.stop_reason in seq.params.stop):
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        return CompletionOutput(
+            index=seq.index, token_ids=list(seq.output_token_ids), text=text,
+            logprobs=list(seq.logprobs) if wants else None,
+            top_logprobs=list(seq.top_logprobs) if wants and seq.params.logprobs else None,
+            log_kept_mass=list(seq.log_kept_mass) if wants and seq.params.logprobs_mode == "processed" else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            num_preemptions=seq.num_preemptions)
+
+    # ------------------------------------------------------------------ inputs
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer(prompt)["input_ids"]
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError(f"prompt must be a non-empty str, list of token ids or list of chat "
+                             f"messages, got {type(prompt).__name__} {prompt!r:.80}")
+        if all(isinstance(t, dict) for t in prompt):
+            return self.render_chat(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("a token-id prompt must hold only ints")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return list(prompt)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of chat messages under the model's chat template, with a generation prompt."""
+        for m in messages:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"chat messages need string 'role' and 'content', got {m!r:.80}")
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                             f"(prompt plus at least one generated token must fit)")
+        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        capacity = self.runner.num_blocks * self.config.block_size
+        if longest > capacity:
+            raise ValueError(f"request can never fit: prompt ({len(token_ids)}) + max_tokens "
+                             f"({params.max_tokens}) needs {longest} KV slots, the whole cache holds "
+                             f"{capacity}; raise kv_cache_memory_bytes or lower max_tokens")
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
+        seed = params.seed + index if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        return torch.Generator().manual_seed(seed)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        for source in (self.runner.hf_config, getattr(self.tokenizer, "eos_token_id", None)):
+            value = getattr(source, "eos_token_id", source) if source is not None else None
+            ids |= set(value) if isinstance(value, (list, tuple)) else ({value} if isinstance(value, int) else set())
+        return ids
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                       weight_version: int | None = None, kv_scales: Mapping | None = None,
+                       flush_cache: bool = True, in_flight: str = "wait") -> WeightUpdateReport:
+        """Write new weights into the engine's existing buffers (FP8 layers quantize on the way in).
+
+        weights: a mapping or an iterable of (hf_name, tensor); whole or partial model, any order.
+        Everything is validated before anything is written: a bad tensor (unknown name, shape,
+        dtype, NaN/Inf) or an iterable that raises leaves the engine exactly as it was.
+        in_flight: "wait" finishes unfinished requests on the old weights first (their outputs
+        come back from the next `step()`), "abort" aborts them. Returns a WeightUpdateReport.
+        """
+        if in_flight not in ("wait", "abort"):
+            raise ValueError(f"in_flight must be 'wait' or 'abort', got {in_flight!r}")
+        new_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+        start = time.perf_counter()
+        staged = updater.stage(self.runner.model, weights, self.kv_scales)
+        scales = self.kv_scales.check_external(kv_scales)
+        num_aborted = self._drain(in_flight)
+        num_quantized = updater.commit(staged, self.runner.quantize_into)
+        self.kv_scales.on_weights_changed(staged.kv_scales | scales)
+        if flush_cache:
+            self.block_manager.reset_prefix_cache()
+        self.weight_version = new_version
+        seconds = time.perf_counter() - start
+        self.last_weight_update_seconds = seconds
+        return WeightUpdateReport(len(staged.items), staged.num_bytes, seconds, num_quantized,
+                                  new_version, num_aborted)
+
+    def _drain(self, in_flight: str) -> int:
+        if in_flight == "abort":
+            ids = list(self.requests)
+            self._pending_outputs += [o for o in map(self.abort_request, ids) if o is not None]
+            return len(ids)
+        while self.requests:
+            self._pending_outputs += [o for o in self.step() if o.finished]
+        return 0
+
+    def flush_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine's own parameter tensors as stored (FP8 weights and their scales)."""
+        return self.runner.model.named_parameters()
+
+    def get_weights_by_name(self, hf_name: str) -> torch.Tensor:
+        """Weight `hf_name` dequantized to the model dtype, in the Hugging Face shape."""
+        target = resolve(self.runner.model, hf_name)
+        if target.kind == "fp8_weight":
+            return dequantize_weight_blockwise(target.view, target.scale_view, self.runner.dtype)
+        return target.view.clone()
+
+    # ------------------------------------------------------------------ stats
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_total=bm.num_blocks, num_kv_blocks_free=bm.num_free_blocks,
+            kv_cache_capacity_tokens=bm.num_blocks * bm.block_size,
+            prefix_cache_hit_rate=bm.hit_rate, weight_version=self.weight_version,
+            kv_scales=self.kv_scales.current(),
+            num_prompt_tokens_total=self._counters["prompt_tokens"],
+            num_generation_tokens_total=self._counters["generation_tokens"],
+            num_steps_total=self._counters["steps"], num_requests_finished=self._counters["finished"],
+            kv_cache_dtype=self.config.kv_cache_dtype, linear_backend=self.runner.linear_backend,
+            attention_backend=self.runner.attention.name, device=self.config.device,
+            last_weight_update_seconds=self.last_weight_update_seconds,
+            kv_recalibration_seconds_total=self.kv_scales.seconds_total)
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    from tqdm import tqdm
+    return tqdm(total=total, desc="requests", unit="req")

@@ -1,0 +1,138 @@
+"""KV block manager: paging with reference counts and prefix caching.
+
+A full block's hash chains the previous block's hash with its token ids; a hit also compares the
+tokens. Blocks whose last user is gone stay cached in the free list and are evicted least recently
+used first (blocks holding no reusable content go to the front of that list).
+"""
+
+from collections import OrderedDict
+
+from fp8engine.scheduler.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding a prefix of seq's tokens, leaving at least one token to compute."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for i in range(max_blocks):
+            block_hash = seq.block_hash(i, self.block_size)
+            block_id = self.cached.get(block_hash)
+            if block_id is None or self.blocks[block_id].token_ids != seq.block_tokens(i, self.block_size):
+                break
+            hits.append(block_id)
+        self.num_prefix_queries += max_blocks
+        self.num_prefix_hits += len(hits)
+        return hits
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:
+        reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        fresh = max(0, -(-num_tokens // self.block_size) - len(seq.block_table) - len(hits))
+        return reused_free + fresh <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> None:
+        """Give seq blocks for its first num_tokens tokens, reusing prefix hits first."""
+        for block_id in hits:
+            self._take_hit(block_id)
+            seq.block_table.append(block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, len(hits))
+        for _ in range(self.blocks_needed(seq, num_tokens)):
+            seq.block_table.append(self._take_fresh())
+
+    def free_seq(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.hash is None:
+                    self.free.move_to_end(block_id, last=False)
+        seq.block_table.clear()
+        seq.num_hashed_blocks = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares parent's full blocks; a partial last block is copied (copy on write)."""
+        num_full = parent.num_computed_tokens // self.block_size
+        for block_id in parent.block_table[:num_full]:
+            self.blocks[block_id].ref_count += 1
+            child.block_table.append(block_id)
+        child.num_hashed_blocks = parent.num_hashed_blocks
+        if len(parent.block_table) > num_full:
+            copy = self._take_fresh()
+            self.pending_copies.append((parent.block_table[num_full], copy))
+            child.block_table.append(copy)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's newly filled blocks in the prefix cache."""
+        num_full = seq.num_computed_tokens // self.block_size
+        while self.enable_prefix_caching and seq.num_hashed_blocks < num_full:
+            i = seq.num_hashed_blocks
+            block = self.blocks[seq.block_table[i]]
+            block_hash = seq.block_hash(i, self.block_size)
+            if block.hash is None and block_hash not in self.cached:
+                block.hash, block.token_ids = block_hash, seq.block_tokens(i, self.block_size)
+                self.cached[block_hash] = block.block_id
+            seq.num_hashed_blocks += 1
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+        self.cached.clear()
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
+
+    def _take_hit(self, block_id: int) -> int:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+        return block_id
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id

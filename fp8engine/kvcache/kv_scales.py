@@ -1,0 +1,143 @@
+"""Per-layer FP8 KV-cache scales and their three modes.
+
+recompute: the first forward pass after start-up and after every weight-version change measures
+           |k| and |v| amax per layer (and |q| with full-FP8 attention) and sets
+           scale = amax * margin / 448 before that pass writes any FP8 KV. The default margin,
+           1.2, leaves room for later prompts whose activations exceed the calibration batch.
+external:  scales come from the trainer, via update_weights(kv_scales=...) or named tensors
+           model.layers.{i}.self_attn.{k,v}_scale, and are used exactly as given.
+static:    scales from the checkpoint (or 1.0), never changed.
+With a non-FP8 KV cache every scale is 1.0 and nothing is measured.
+"""
+
+import contextlib
+import math
+import time
+
+import torch
+
+from fp8engine.config import EngineConfig
+from fp8engine.model_executor.layers.attention import Attention
+from fp8engine.weights.loader import KV_SCALE_NAME, is_kv_scale, iter_safetensors
+from fp8engine.weights.quant import FP8_MAX
+
+
+class KVScaleManager:
+    def __init__(self, config: EngineConfig, layers: list[Attention], model_dir: str):
+        self.enabled = config.kv_is_fp8
+        self.mode = config.kv_scale_mode
+        self.margin = config.kv_scale_margin
+        self.fp8_attention = config.fp8_attention
+        self.layers = layers
+        self.seconds_total = 0.0
+        self.num_calibrations = 0
+        if self.enabled:
+            for layer in layers:
+                layer.q_scale = 1.0 if self.fp8_attention else 0.0
+            self._apply(self._checkpoint_scales(model_dir))
+        self.pending = self.enabled and self.mode == "recompute"
+
+    def current(self) -> dict[str, tuple[float, float]]:
+        return {layer.name: (float(layer.k_scale), float(layer.v_scale)) for layer in self.layers}
+
+    # ------------------------------------------------------------- recompute
+    @contextlib.contextmanager
+    def calibrating(self, scheduled):
+        """Around one forward pass: measure and set scales if this is the first of a weight version."""
+        if not self.pending:
+            yield
+            return
+        start = time.perf_counter()
+        for layer in self.layers:
+            layer.observer = self._observe
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.observer = None
+            self.pending = False
+            self.num_calibrations += 1
+            self.seconds_total += time.perf_counter() - start
+
+    def _observe(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        amax = torch.stack([k.abs().amax(), v.abs().amax(), q.abs().amax()]).float()
+        k_s, v_s, q_s = (self._scale(float(a)) for a in amax.tolist())
+        layer.k_scale, layer.v_scale = k_s, v_s
+        if self.fp8_attention:
+            layer.q_scale = q_s
+
+    def _scale(self, amax: float) -> float:
+        return max(amax, 1e-6) * self.margin / FP8_MAX
+
+    def on_weights_changed(self, staged: dict[int, dict[str, float]]) -> None:
+        """After a weight update: apply scales that came with it, or recalibrate in recompute mode."""
+        if not self.enabled:
+            return
+        if self.mode == "external":
+            self._apply(staged)
+        elif self.mode == "recompute":
+            self.pending = True
+
+    # ------------------------------------------------------------- external
+    def parse_scale_name(self, name: str) -> tuple[int, str] | None:
+        m = KV_SCALE_NAME.match(name)
+        if m is None:
+            return None
+        layer = int(m.group(1))
+        if layer >= len(self.layers):
+            raise ValueError(f"{name!r}: the model has {len(self.layers)} layers")
+        return layer, m.group(2)
+
+    def check_scale_tensor(self, name: str, tensor: torch.Tensor) -> float:
+        if tensor.numel() != 1:
+            raise ValueError(f"{name!r}: a KV scale must be a single value, got shape {tuple(tensor.shape)}")
+        value = float(tensor.float().reshape(()))
+        self._check_value(name, value)
+        if self.mode != "external":
+            raise ValueError(f"{name!r}: KV scales are accepted only with kv_scale_mode='external' "
+                             f"(this engine uses {self.mode!r})")
+        return value
+
+    def check_external(self, kv_scales) -> dict[int, dict[str, float]]:
+        """Validate update_weights(kv_scales={layer: (k_scale, v_scale)}); layer = index or name."""
+        if not kv_scales:
+            return {}
+        if self.mode != "external" or not self.enabled:
+            raise ValueError(f"kv_scales given, but kv_scale_mode is {self.mode!r} and kv_cache_dtype "
+                             f"is {'fp8_e4m3' if self.enabled else 'auto'}; use kv_scale_mode='external' "
+                             f"with an FP8 KV cache")
+        names = {layer.name: i for i, layer in enumerate(self.layers)}
+        out = {}
+        for key, pair in kv_scales.items():
+            index = names.get(key, key)
+            if not isinstance(index, int) or not 0 <= index < len(self.layers):
+                raise ValueError(f"kv_scales: unknown layer {key!r} (use 0..{len(self.layers) - 1} or "
+                                 f"names like {self.layers[0].name!r})")
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise ValueError(f"kv_scales[{key!r}] must be (k_scale, v_scale), got {pair!r}")
+            k, v = (float(x) for x in pair)
+            self._check_value(f"kv_scales[{key!r}]", k)
+            self._check_value(f"kv_scales[{key!r}]", v)
+            out[index] = {"k": k, "v": v}
+        return out
+
+    @staticmethod
+    def _check_value(name: str, value: float) -> None:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}: a KV scale must be finite and > 0, got {value}")
+
+    def _apply(self, scales: dict[int, dict[str, float]]) -> None:
+        for index, pair in scales.items():
+            layer = self.layers[index]
+            layer.k_scale = pair.get("k", layer.k_scale)
+            layer.v_scale = pair.get("v", layer.v_scale)
+            if self.fp8_attention and "q" in pair:
+                layer.q_scale = pair["q"]
+
+    def _checkpoint_scales(self, model_dir: str) -> dict[int, dict[str, float]]:
+        scales: dict[int, dict[str, float]] = {}
+        for name, tensor in iter_safetensors(model_dir, is_kv_scale):
+            m = KV_SCALE_NAME.match(name)
+            if int(m.group(1)) < len(self.layers):
+                scales.setdefault(int(m.group(1)), {})[m.group(2)] = float(tensor.float().reshape(()))
+        return scales

@@ -1,0 +1,61 @@
+"""Kernel choice at start-up: C++ on CPU, Triton on CUDA, the torch reference everywhere else.
+
+Triton and the optional GPU libraries are imported only here, only when the device is CUDA.
+"""
+
+import logging
+from types import SimpleNamespace
+
+from fp8engine.config import EngineConfig
+from fp8engine.weights import quant
+
+logger = logging.getLogger(__name__)
+
+
+def fp8_linear(config: EngineConfig):
+    """(backend name, block-FP8 linear fn) or ("none", None) when quantization is off."""
+    if config.quantization != "fp8":
+        return "none", None
+    if config.device == "cuda":
+        from fp8engine.model_executor.kernels import fp8_triton
+        return ("deepgemm" if fp8_triton.deepgemm_available() else "triton"), _linear_with_scale_fmt(
+            fp8_triton.fp8_block_linear_triton)
+    from fp8engine.model_executor.kernels import fp8_linear_cpu
+    return fp8_linear_cpu.cpu_fp8_backend(), _linear_with_scale_fmt(fp8_linear_cpu.fp8_block_linear_cpu)
+
+
+def _linear_with_scale_fmt(fn):
+    def linear(x, w_q, w_scale_inv, bias=None, scale_fmt=None):
+        return fn(x, w_q, w_scale_inv, bias, scale_fmt=scale_fmt)
+    return linear
+
+
+def quantize_into(config: EngineConfig):
+    """In-place BF16 -> FP8 block quantizer for loads and weight updates."""
+    if config.device == "cuda":
+        from fp8engine.model_executor.kernels import fp8_triton
+
+        def triton_into(w, out_q, out_scale, scale_fmt=None):
+            fp8_triton.quantize_weight_blockwise_triton(w, out_q, out_scale, scale_fmt=scale_fmt)
+        return triton_into
+    if config.quantization == "fp8":
+        from fp8engine.model_executor.kernels import fp8_linear_cpu
+        return fp8_linear_cpu.quantize_weight_into_cpu
+    return quant.quantize_weight_into
+
+
+def attention(config: EngineConfig) -> SimpleNamespace:
+    """An object with write_kv_cache(...) and paged_attention(...) and a `name`."""
+    if config.device == "cuda":
+        try:
+            from fp8engine.model_executor.kernels import attention_triton
+            return SimpleNamespace(name="triton", write_kv_cache=attention_triton.write_kv_cache_triton,
+                                   paged_attention=attention_triton.paged_attention_triton)
+        except ImportError as exc:
+            logger.warning("fp8engine: Triton paged attention unavailable (%s); using the torch reference", exc)
+    from fp8engine.model_executor.kernels import attention_cpu, attention_ref
+    if config.device == "cpu" and attention_cpu.cpu_attention_available():
+        return SimpleNamespace(name="cpp", write_kv_cache=attention_cpu.write_kv_cache_cpu,
+                               paged_attention=attention_cpu.paged_attention_cpu)
+    return SimpleNamespace(name="torch", write_kv_cache=attention_ref.write_kv_cache_ref,
+                           paged_attention=attention_ref.paged_attention_ref)

@@ -1,0 +1,50 @@
+"""Builds and loads the C++ CPU kernels in csrc/ (compiled on first use, cached by source hash).
+
+Each csrc/*.cpp registers its ops with TORCH_LIBRARY_FRAGMENT(fp8engine, m); after loading they are
+reachable as torch.ops.fp8engine.<name>. Without a compiler the engine falls back to the torch
+reference implementations and says so once.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC_DIR = Path(__file__).resolve().parents[3] / "csrc"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FP8ENGINE_CACHE", Path.home() / ".cache" / "fp8engine"))
+
+
+def _sources() -> list[Path]:
+    return sorted(CSRC_DIR.glob("*.cpp"))
+
+
+@functools.cache
+def load_cpu_ops():
+    """torch.ops.fp8engine after building csrc/, or None when it cannot be built."""
+    if os.environ.get("FP8ENGINE_DISABLE_CPP") == "1":
+        return None
+    sources = _sources()
+    if not sources:
+        return None
+    digest = hashlib.sha256(torch.__version__.encode())
+    for src in sources + sorted(CSRC_DIR.glob("*.h")):
+        digest.update(src.name.encode() + src.read_bytes())
+    build_dir = cache_root() / "cpu_ops" / digest.hexdigest()[:16]
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import load
+        load(name="fp8engine_cpu", sources=[str(s) for s in sources], build_directory=str(build_dir),
+             extra_cflags=["-O3", "-march=native", "-fopenmp", "-std=c++17"],
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, or a build error
+        logger.warning("fp8engine: C++ CPU kernels unavailable (%s); using the torch reference", exc)
+        return None
+    return torch.ops.fp8engine

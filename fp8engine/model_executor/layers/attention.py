@@ -1,0 +1,51 @@
+"""Paged attention layer: writes this step's K/V into the paged cache, then attends over it."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Flat varlen batch: T query tokens from S sequences.
+
+    slot_mapping [T] int64: cache slot (block * block_size + offset) of each new token.
+    query_start_loc [S+1] int32, seq_lens [S] int32 (context incl. new tokens),
+    block_tables [S, max_blocks] int32.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+class Attention(nn.Module):
+    def __init__(self, name: str, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.name = name
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.q_scale = 0.0
+        self.observer: Callable | None = None
+        self.backend = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+        if self.observer is not None:
+            self.observer(self, q, k, v)
+        self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                    self.k_scale, self.v_scale)
+        out = self.backend.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                           meta.query_start_loc, meta.seq_lens, self.scale,
+                                           self.k_scale, self.v_scale, self.q_scale or None)
+        return out.reshape(q.shape[0], -1)

@@ -1,0 +1,30 @@
+"""Token embedding and LM head; both stay in the model dtype (never FP8)."""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Logits in the model dtype; shares its weight with the embedding when the model ties them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 tied_to: VocabEmbedding | None = None):
+        super().__init__()
+        if tied_to is not None:
+            self.weight = tied_to.weight
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype),
+                                       requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)

@@ -1,0 +1,66 @@
+"""Linear layers in the model dtype or FP8 (W8A8, 128x128 weight blocks, 1x128 activation groups).
+
+A layer may fuse several Hugging Face projections (q/k/v, gate/up) along the output dimension:
+`shard_sizes` lists them. In FP8 each shard keeps its own 128x128 scale grid (the checkpoint
+convention), stacked along the scale rows, so a shard can be loaded or updated on its own; when
+every shard is a multiple of 128 rows the stacked grid is the fused grid and one GEMM serves all.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
+
+Fp8LinearFn = Callable[..., torch.Tensor]
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, shard_sizes: list[int], dtype: torch.dtype,
+                 bias: bool = False, fp8_fn: Fp8LinearFn | None = None, scale_fmt: str | None = None):
+        super().__init__()
+        self.in_features = in_features
+        self.shard_sizes = list(shard_sizes)
+        self.shard_offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
+        self.out_features = sum(self.shard_sizes)
+        self.fp8_fn = fp8_fn
+        self.scale_fmt = scale_fmt
+        weight_dtype = FP8_DTYPE if fp8_fn is not None else dtype
+        self.weight = _param(torch.empty(self.out_features, in_features, dtype=weight_dtype))
+        self.bias = _param(torch.zeros(self.out_features, dtype=dtype)) if bias else None
+        if fp8_fn is not None:
+            rows = [cdiv(n, BLOCK) for n in self.shard_sizes]
+            self.scale_row_offsets = [sum(rows[:i]) for i in range(len(rows))]
+            self.weight_scale_inv = _param(torch.ones(sum(rows), cdiv(in_features, BLOCK)))
+            self.fused_scales = all(n % BLOCK == 0 for n in self.shard_sizes[:-1])
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.fp8_fn is not None
+
+    def shard_views(self, shard: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight rows, scale rows) of one shard: views into the layer's own storage."""
+        start, size = self.shard_offsets[shard], self.shard_sizes[shard]
+        weight = self.weight[start:start + size]
+        if not self.is_fp8:
+            return weight, None
+        row0 = self.scale_row_offsets[shard]
+        return weight, self.weight_scale_inv[row0:row0 + cdiv(size, BLOCK)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_fp8:
+            return F.linear(x, self.weight, self.bias)
+        if self.fused_scales:
+            return self.fp8_fn(x, self.weight, self.weight_scale_inv, self.bias, self.scale_fmt)
+        parts = []
+        for shard in range(len(self.shard_sizes)):
+            weight, scale = self.shard_views(shard)
+            parts.append(self.fp8_fn(x, weight, scale, None, self.scale_fmt))
+        out = torch.cat(parts, dim=-1)
+        return out if self.bias is None else out + self.bias
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)

@@ -1,0 +1,127 @@
+"""Model runner: builds the model and its paged KV cache, turns a schedule into a flat batch and runs it."""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig
+
+from fp8engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
+from fp8engine.model_executor import backends
+from fp8engine.model_executor.layers.attention import AttentionMetadata
+from fp8engine.model_executor.models import model_class
+from fp8engine.model_executor.models.llama import LinearFactory
+from fp8engine.scheduler.scheduler import ScheduledSeq
+from fp8engine.weights.loader import load_checkpoint
+from fp8engine.weights.quant import FP8_DTYPE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Logits of the rows to sample (one per sampling sequence, in schedule order) and prompt logprobs."""
+
+    logits: torch.Tensor | None
+    prompt_logits: dict[int, torch.Tensor]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.hf_config = AutoConfig.from_pretrained(model_dir)
+        self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
+        self.linear_backend, fp8_fn = backends.fp8_linear(config)
+        self.quantize_into = backends.quantize_into(config)
+        self.attention = backends.attention(config)
+        make_linear = LinearFactory(self.dtype, fp8_fn, config.fp8_scale_fmt)
+        with torch.device(self.device):
+            self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
+        load_checkpoint(self.model, model_dir, self.quantize_into)
+        self.model.eval()
+        self.attn_layers = self.model.attention_layers()
+        for layer in self.attn_layers:
+            layer.backend = self.attention
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_cache = self._allocate_kv_cache()
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return FP8_DTYPE if self.config.kv_is_fp8 else self.dtype
+
+    def kv_bytes_per_block(self) -> int:
+        first = self.attn_layers[0]
+        elems = 2 * len(self.attn_layers) * self.block_size * first.num_kv_heads * first.head_dim
+        return elems * torch.empty(0, dtype=self.kv_dtype).element_size()
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * DEFAULT_GPU_KV_FRACTION)
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        num = budget // self.kv_bytes_per_block()
+        if num < 1:
+            raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV block "
+                             f"({self.kv_bytes_per_block()} bytes)")
+        return num
+
+    def _allocate_kv_cache(self) -> torch.Tensor:
+        first = self.attn_layers[0]
+        cache = torch.zeros(len(self.attn_layers), 2, self.num_blocks, self.block_size,
+                            first.num_kv_heads, first.head_dim, dtype=self.kv_dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+        return cache
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:
+        input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(scheduled)
+        hidden = self.model(input_ids, positions, meta)
+        logits = self.model.compute_logits(hidden[sample_rows]) if len(sample_rows) else None
+        prompt_logits = {seq_id: self.model.compute_logits(hidden[rows]).float()
+                         for seq_id, rows in prompt_rows.items()}
+        return StepOutput(logits, prompt_logits)
+
+    def _prepare(self, scheduled: list[ScheduledSeq]):
+        ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
+        sample_rows, prompt_rows = [], {}
+        bs = self.block_size
+        for item in scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            c = seq.num_computed_tokens
+            ids += seq.token_ids[c:c + n]
+            positions += range(c, c + n)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
+            if seq.needs_prompt_logprobs:
+                prompt_rows[seq.seq_id] = torch.arange(starts[-1], starts[-1] + n)
+            starts.append(starts[-1] + n)
+            seq_lens.append(c + n)
+            tables.append(table)
+            if item.samples:
+                sample_rows.append(starts[-1] - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev))
+        return (torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta,
+                torch.tensor(sample_rows, dtype=torch.int64, device=dev), prompt_rows)

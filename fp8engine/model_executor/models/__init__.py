@@ -1,0 +1,13 @@
+"""Model registry: Hugging Face `model_type` -> engine model class."""
+
+from fp8engine.model_executor.models.llama import LlamaForCausalLM
+from fp8engine.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+
+
+def model_class(hf_config):
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in MODEL_REGISTRY:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(MODEL_REGISTRY)}")
+    return MODEL_REGISTRY[model_type]

@@ -1,0 +1,85 @@
+"""What the engine returns: request outputs, weight-update reports and engine statistics."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request.
+
+    logprobs[i]: logprob of token_ids[i] in the requested mode (None when not requested).
+    top_logprobs[i]: {token_id: logprob} of the top-k alternatives plus the sampled token.
+    log_kept_mass[i]: processed mode only, log of the probability mass kept by top-k/top-p/min-p
+        truncation (0 when nothing is truncated); add it to a processed logprob to get the
+        logprob under the temperature-only distribution.
+    num_preemptions: times this sample was preempted (and recomputed).
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    log_kept_mass: list[float] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else float(sum(self.logprobs))
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """All samples of one request; weight_version is the weights that generated every token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    weight_version: int
+    prompt: str | None = None
+    prompt_logprobs: list[float | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class WeightUpdateReport:
+    """What update_weights did: tensors written, bytes read, seconds, how many were quantized."""
+
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    num_quantized: int
+    weight_version: int
+    num_aborted: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's counters and state.
+
+    kv_scales: attention layer name -> (k_scale, v_scale), 1.0 with a non-FP8 KV cache.
+    """
+
+    num_preemptions_total: int
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_free: int
+    kv_cache_capacity_tokens: int
+    prefix_cache_hit_rate: float
+    weight_version: int
+    kv_scales: dict[str, tuple[float, float]]
+    num_prompt_tokens_total: int = 0
+    num_generation_tokens_total: int = 0
+    num_steps_total: int = 0
+    num_requests_finished: int = 0
+    kv_cache_dtype: str = "auto"
+    linear_backend: str = "torch"
+    attention_backend: str = "torch"
+    device: str = "cpu"
+    last_weight_update_seconds: float = 0.0
+    kv_recalibration_seconds_total: float = 0.0

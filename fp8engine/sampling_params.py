@@ -1,0 +1,79 @@
+"""SamplingParams: how one request is sampled and what it returns."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling options of one request.
+
+    n: samples per prompt (they share the prompt's KV blocks).
+    temperature: 0 means greedy. top_k: -1 = off. top_p in (0, 1]. min_p in [0, 1].
+    max_tokens / min_tokens: bounds on generated tokens (min_tokens suppresses EOS and stops).
+    stop / stop_token_ids / ignore_eos: extra stop conditions; a stop string is cut from the text.
+    seed: per-request seed; sample i of the request uses seed + i.
+    logprobs: None = none; k >= 0 = the sampled token's logprob plus the top-k alternatives.
+    logprobs_mode: "raw" = log-softmax of the logits; "processed" = log-probability under the
+        distribution actually sampled from (after temperature, top-k, top-p, min-p). Greedy
+        sampling is a point mass, so processed logprobs are 0 there.
+    prompt_logprobs: None or k >= 0: raw logprobs of the prompt tokens (first is None).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    logprobs_mode: str = "processed"
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        _require(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _require(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
+        _require(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _require(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+                 "top_k", self.top_k, "-1 (off) or >= 1")
+        _require(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                 "max_tokens", self.max_tokens, "an integer >= 1")
+        _require(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+                 "min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
+        _require(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+                 "logprobs", self.logprobs, "None or an integer >= 0")
+        _require(self.prompt_logprobs is None
+                 or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+                 "prompt_logprobs", self.prompt_logprobs, "None or an integer >= 0")
+        _require(self.logprobs_mode in ("raw", "processed"), "logprobs_mode", self.logprobs_mode,
+                 "'raw' or 'processed'")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+                 "non-empty strings")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids", self.stop_token_ids, "non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+def _require(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")

@@ -1,0 +1,100 @@
+"""Requests and their sequences (one per sample), the unit the scheduler moves forward."""
+
+import itertools
+from enum import Enum, auto
+
+import torch
+
+from fp8engine.kvcache.hashing import chain_hash
+from fp8engine.sampling_params import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Request:
+    """A prompt with its sampling params; its n samples start as one sequence and fork after prefill."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 weight_version: int, prompt: str | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.weight_version = weight_version
+        self.seqs: list[Sequence] = []
+        self.prompt_logprobs: list[float | None] | None = None
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, request: Request, index: int, token_ids: list[int], generator: torch.Generator):
+        self.seq_id = next(Sequence._ids)
+        self.request = request
+        self.index = index
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0
+        self._block_hashes: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.num_preemptions = 0
+        self.generator = generator
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.log_kept_mass: list[float] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.text = ""
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.request.prompt_logprobs is None
+
+    def block_tokens(self, i: int, block_size: int) -> tuple[int, ...]:
+        return tuple(self.token_ids[i * block_size:(i + 1) * block_size])
+
+    def block_hash(self, i: int, block_size: int) -> int:
+        """Chained hash of full block i (memoised; tokens of a full block never change)."""
+        while len(self._block_hashes) <= i:
+            j = len(self._block_hashes)
+            prev = self._block_hashes[-1] if j else None
+            self._block_hashes.append(chain_hash(prev, self.block_tokens(j, block_size)))
+        return self._block_hashes[i]
+
+    def fork(self, index: int, generator: torch.Generator) -> "Sequence":
+        child = Sequence(self.request, index, list(self.token_ids), generator)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child._block_hashes = list(self._block_hashes)
+        return child

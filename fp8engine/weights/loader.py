@@ -1,0 +1,165 @@
+"""Hugging Face tensor names -> the engine's parameters, and writing tensors into them in place.
+
+The same path serves the initial load and `update_weights`: `resolve` finds where a tensor lands
+(a fused shard, an FP8 weight or its scales, or a plain parameter), `check` validates it without
+writing, `write` quantizes or copies it into the existing storage.
+"""
+
+import glob
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from fp8engine.model_executor.layers.linear import Linear
+from fp8engine.weights.quant import FP8_DTYPE, quantize_weight_into
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v|q)_scale$")
+QuantizeInto = Callable[..., None]
+
+
+@dataclass(slots=True)
+class Target:
+    """Where one HF tensor lands. kind: 'dense', 'fp8_weight' or 'fp8_scale'."""
+
+    name: str
+    kind: str
+    view: torch.Tensor
+    scale_view: torch.Tensor | None = None
+    scale_fmt: str | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.view.shape)
+
+
+def iter_safetensors(model_dir: str, select: Callable[[str], bool] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in a directory's *.safetensors files (those `select` keeps)."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir!r}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if select is None or select(name):
+                    yield name, f.get_tensor(name)
+
+
+def is_skipped(name: str) -> bool:
+    return name.endswith(SKIPPED_SUFFIXES)
+
+
+def is_kv_scale(name: str) -> bool:
+    return KV_SCALE_NAME.match(name) is not None
+
+
+def resolve(model: torch.nn.Module, name: str) -> Target:
+    """The target of HF tensor `name`; ValueError if the model has no such tensor."""
+    if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+        name = "model.embed_tokens.weight"
+    module_path, _, attr = name.rpartition(".")
+    shard = 0
+    head, _, leaf = module_path.rpartition(".")
+    if leaf in model.packed_modules:
+        fused, shard = model.packed_modules[leaf]
+        module_path = f"{head}.{fused}"
+    try:
+        module = model.get_submodule(module_path)
+    except AttributeError:
+        raise ValueError(f"unknown weight name {name!r}: the model has no module {module_path!r}") from None
+    if isinstance(module, Linear):
+        return _linear_target(name, module, shard, attr)
+    param = getattr(module, attr, None)
+    if not isinstance(param, torch.Tensor):
+        raise ValueError(f"unknown weight name {name!r}: {module_path!r} has no tensor {attr!r}")
+    return Target(name, "dense", param.data)
+
+
+def _linear_target(name: str, layer: Linear, shard: int, attr: str) -> Target:
+    weight, scale = layer.shard_views(shard)
+    if attr == "bias" and layer.bias is not None:
+        start, size = layer.shard_offsets[shard], layer.shard_sizes[shard]
+        return Target(name, "dense", layer.bias.data[start:start + size])
+    if attr == "weight":
+        if layer.is_fp8:
+            return Target(name, "fp8_weight", weight.data, scale.data, layer.scale_fmt)
+        return Target(name, "dense", weight.data)
+    if attr == "weight_scale_inv" and layer.is_fp8:
+        return Target(name, "fp8_scale", scale.data)
+    raise ValueError(f"unknown weight name {name!r}: this linear layer has no {attr!r}"
+                     + ("" if layer.is_fp8 else " (the engine runs it unquantized)"))
+
+
+def check(target: Target, tensor: torch.Tensor) -> None:
+    """Validate a tensor for its target without writing anything."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"weight {target.name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != target.shape:
+        raise ValueError(f"weight {target.name!r}: shape {tuple(tensor.shape)} does not match the "
+                         f"model's {target.shape}")
+    allowed = _allowed_dtypes(target)
+    if tensor.dtype not in allowed:
+        raise ValueError(f"weight {target.name!r}: dtype {tensor.dtype} not accepted here "
+                         f"(expected one of {[str(d) for d in allowed]})")
+    values = tensor.float() if tensor.dtype == FP8_DTYPE else tensor
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"weight {target.name!r}: contains NaN or Inf values")
+    if target.kind == "fp8_scale" and not bool((tensor > 0).all()):
+        raise ValueError(f"weight {target.name!r}: scales must be positive")
+
+
+def _allowed_dtypes(target: Target) -> tuple[torch.dtype, ...]:
+    if target.kind == "fp8_weight":
+        return FLOAT_DTYPES + (FP8_DTYPE,)
+    if target.kind == "fp8_scale":
+        return (torch.float32,)
+    return FLOAT_DTYPES
+
+
+def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = quantize_weight_into) -> bool:
+    """Write into the target's storage in place; True when the tensor was quantized."""
+    tensor = tensor.to(target.view.device)
+    if target.kind == "fp8_weight" and tensor.dtype != FP8_DTYPE:
+        quantize_into(tensor, target.view, target.scale_view, scale_fmt=target.scale_fmt)
+        return True
+    target.view.copy_(tensor)
+    return False
+
+
+def load_checkpoint(model: torch.nn.Module, model_dir: str,
+                    quantize_into: QuantizeInto = quantize_weight_into) -> None:
+    """Load every tensor of a Hugging Face directory; each model tensor must be covered."""
+    seen = set()
+    for name, tensor in iter_safetensors(model_dir, lambda n: not (is_skipped(n) or is_kv_scale(n))):
+        target = resolve(model, name)
+        check(target, tensor)
+        write(target, tensor, quantize_into)
+        seen.add(target.name if target.kind != "fp8_scale" else name.removesuffix("_scale_inv"))
+    missing = [n for n in expected_names(model) if n not in seen and n != "lm_head.weight"]
+    if missing:
+        raise ValueError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def expected_names(model: torch.nn.Module) -> list[str]:
+    """The HF names of every weight the model needs (fused layers expanded into their shards)."""
+    inverse = {}
+    for hf, (fused, shard) in model.packed_modules.items():
+        inverse.setdefault(fused, {})[shard] = hf
+    names = []
+    for module_name, module in model.named_modules():
+        params = [n for n, _ in module.named_parameters(recurse=False) if n != "weight_scale_inv"]
+        head, _, leaf = module_name.rpartition(".")
+        for attr in params:
+            if leaf in inverse:
+                names += [f"{head}.{hf}.{attr}" for _, hf in sorted(inverse[leaf].items())]
+            else:
+                names.append(f"{module_name}.{attr}")
+    if getattr(model, "tie_word_embeddings", False):
+        names = [n for n in names if n != "lm_head.weight"]
+    return names

@@ -1,0 +1,72 @@
+"""In-place weight updates: stage (validate everything), then commit (write into existing storage).
+
+Staging keeps references to the incoming tensors and writes nothing, so an unknown name, a wrong
+shape or dtype, a NaN, or an iterable that raises halfway leaves the engine exactly as it was.
+The commit quantizes or copies each tensor into the parameter storage the engine already has:
+no parameter is re-allocated and no second copy of the model is made.
+"""
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from fp8engine.weights.loader import Target, check, is_skipped, resolve, write
+from fp8engine.weights.quant import FP8_DTYPE
+
+
+@dataclass(slots=True)
+class Staged:
+    items: list[tuple[Target, torch.Tensor]] = field(default_factory=list)
+    num_bytes: int = 0
+    kv_scales: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+def stage(model: torch.nn.Module, weights, kv_scales) -> Staged:
+    """Validate every (hf_name, tensor) of `weights` against the model; nothing is written."""
+    staged = Staged()
+    for entry in _entries(weights):
+        name, tensor = _unpack(entry)
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"weight {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        staged.num_bytes += tensor.numel() * tensor.element_size()
+        layer_scale = kv_scales.parse_scale_name(name)
+        if layer_scale is not None:
+            layer, which = layer_scale
+            staged.kv_scales.setdefault(layer, {})[which] = kv_scales.check_scale_tensor(name, tensor)
+        elif not is_skipped(name):
+            target = resolve(model, name)
+            check(target, tensor)
+            staged.items.append((target, tensor))
+    _check_prequantized_pairs(staged.items)
+    return staged
+
+
+def commit(staged: Staged, quantize_into) -> int:
+    """Write staged tensors into place; returns how many were quantized."""
+    return sum(write(target, tensor, quantize_into) for target, tensor in staged.items)
+
+
+def _entries(weights) -> Iterable:
+    if isinstance(weights, Mapping):
+        return weights.items()
+    if isinstance(weights, (str, bytes, torch.Tensor)) or not isinstance(weights, Iterable):
+        raise ValueError(f"weights must be a mapping or an iterable of (name, tensor) pairs, "
+                         f"got {type(weights).__name__}")
+    return weights
+
+
+def _unpack(entry) -> tuple[str, torch.Tensor]:
+    if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
+        raise ValueError(f"each weight must be a (name, tensor) pair, got {entry!r:.80}")
+    return entry
+
+
+def _check_prequantized_pairs(items: list[tuple[Target, torch.Tensor]]) -> None:
+    fp8_weights = {t.name for t, x in items if t.kind == "fp8_weight" and x.dtype == FP8_DTYPE}
+    scales = {t.name.removesuffix("_scale_inv") for t, _ in items if t.kind == "fp8_scale"}
+    for name in sorted(fp8_weights - scales):
+        raise ValueError(f"weight {name!r} is pre-quantized (float8_e4m3fn) but "
+                         f"{name}_scale_inv is missing from the update")
+    for name in sorted(scales - fp8_weights):
+        raise ValueError(f"{name}_scale_inv given without its float8_e4m3fn weight {name!r}")

@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fp8engine",
+    version="0.1.0",
+    description="Paged-attention LLM inference engine for RL rollouts, with in-place FP8 weight updates",
+    python_requires=">=3.10",
+    packages=find_packages(include=["fp8engine", "fp8engine.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=4.45",
+        "safetensors",
+        "tokenizers",
+        "numpy",
+        "tqdm",
+        "jinja2",
+        "filelock",
+        "ninja",
+    ],
+    extras_require={
+        "gpu": ["triton", "flashinfer-python", "deep-gemm", "xformers"],
+        "server": ["fastapi", "uvicorn", "uvloop", "prometheus-client", "httpx"],
+        "dev": ["pytest", "gguf", "accelerate", "matplotlib", "openai", "triton"],
+    },
+    entry_points={"console_scripts": ["fp8engine=fp8engine.entrypoints.cli:main"]},
+)
