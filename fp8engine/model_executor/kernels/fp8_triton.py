@@ -1,0 +1,249 @@
+"""Triton kernels for W8A8 block FP8: activation / weight quantization and the block-scaled GEMM.
+
+Numerics are those of fp8engine.weights.quant (the tests compare bit for bit): 1 x 128 activation
+groups, 128 x 128 weight blocks, scale = max(amax, 1e-12) / 448 (optionally rounded up to a power of
+two, "ue8m0"), x_q = E4M3(clamp(x / scale, +-448)) with IEEE division and round-to-nearest-even.
+The GEMM multiplies each 128-wide K block on the tensor cores and applies both scales to that
+partial sum in float32, as DeepSeek-V3 / DeepGEMM do.
+
+This is the only module that imports triton; the engine imports it lazily. Under TRITON_INTERPRET=1
+(CPU tensors) it runs on the Triton interpreter, whose float32 -> fp8 cast does not round correctly,
+so there the kernels encode E4M3 with integer ops instead (_E4M3_BY_BITS).
+"""
+
+import functools
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
+
+logger = logging.getLogger(__name__)
+
+_E4M3_BY_BITS = bool(triton.knobs.runtime.interpret)
+_deepgemm_failed = False
+
+
+@triton.jit
+def _block_scale(amax, UE8M0: tl.constexpr):
+    scale = tl.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    if UE8M0:
+        # 2^ceil(log2(scale)) exactly: a non-zero mantissa carries into the exponent.
+        bits = scale.to(tl.int32, bitcast=True)
+        scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _e4m3_from_bits(y):
+    """RNE float32 -> E4M3 with integer ops; y is already clamped to +-448."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # Normal range: drop 20 mantissa bits with round-half-even, then rebias the exponent 127 -> 7.
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal range (< 2^-6): the code is |y| / 2^-9 rounded half-even by a float32 add.
+    sub = (((tl.abs(y) + 16384.0) - 16384.0) * 512.0).to(tl.int32)
+    code = tl.where(mag >= (121 << 23), normal, sub) | sign
+    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _quantize(x, scale, E4M3_BY_BITS: tl.constexpr):
+    y = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
+    if E4M3_BY_BITS:
+        return _e4m3_from_bits(y)
+    return y.to(tl.float8e4nv)  # round-to-nearest-even, the default for fp downcasts
+
+
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                        UE8M0: tl.constexpr, E4M3_BY_BITS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    lane = tl.arange(0, BLOCK_G)
+    offs = group * GROUP + lane
+    mask = (lane < GROUP) & (offs < K)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = _block_scale(tl.max(tl.abs(x)), UE8M0)
+    tl.store(q_ptr + row * stride_qm + offs, _quantize(x, scale, E4M3_BY_BITS), mask=mask)
+    tl.store(s_ptr + row * stride_sm + group, scale)
+
+
+@triton.jit
+def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, stride_qn, stride_qk,
+                         stride_sn, stride_sk, BLOCK_W: tl.constexpr,
+                         UE8M0: tl.constexpr, E4M3_BY_BITS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = (pid_n * BLOCK_W + tl.arange(0, BLOCK_W)).to(tl.int64)
+    offs_k = pid_k * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    scale = _block_scale(tl.max(tl.abs(w)), UE8M0)
+    q_ptrs = q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :] * stride_qk
+    tl.store(q_ptrs, _quantize(w, scale, E4M3_BY_BITS), mask=mask)
+    tl.store(s_ptr + pid_n * stride_sn + pid_k * stride_sk, scale)
+
+
+@triton.jit
+def _w8a8_block_matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
+                              stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                              stride_asm, stride_ask, stride_bsn, stride_bsk,
+                              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    as_ptrs = as_ptr + offs_m * stride_asm
+    # Weight scales are per 128 rows of W, and BLOCK_K == 128 is that block size.
+    bs_ptrs = bs_ptr + (offs_n // BLOCK_K) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        mask_k = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb * stride_ask, mask=mask_m, other=0.0)
+        b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=mask_n, other=0.0)
+        # A fresh dot per K block: Hopper's fp8 MMA accumulates with reduced precision, so it is
+        # promoted into the float32 accumulator every 128 elements.
+        acc += tl.dot(a, b, out_dtype=tl.float32) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _ue8m0(scale_fmt: str | None) -> bool:
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"fp8 scale_fmt must be None or 'ue8m0', got {scale_fmt!r}")
+    return scale_fmt == "ue8m0"
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = BLOCK,
+                              scale_fmt: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x[M, K] -> (x_q E4M3 [M, K], scale float32 [M, ceil(K / group_size)]) per 1 x group tile."""
+    if x.dim() != 2:
+        raise ValueError(f"activations must be 2-D, got shape {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    groups = cdiv(k, group_size)
+    x_q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m and k:
+        _group_quant_kernel[(m, groups)](
+            x, x_q, scale, k, x.stride(0), x_q.stride(0), scale.stride(0),
+            GROUP=group_size, BLOCK_G=triton.next_power_of_2(group_size), UE8M0=_ue8m0(scale_fmt),
+            E4M3_BY_BITS=_E4M3_BY_BITS, num_warps=1)
+    return x_q, scale
+
+
+def quantize_weight_blockwise_triton(w: torch.Tensor, out_q: torch.Tensor | None = None,
+                                     out_scale: torch.Tensor | None = None,
+                                     scale_fmt: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W[N, K] -> (W_q E4M3 [N, K], scale_inv float32 [ceil(N/128), ceil(K/128)]), into out_* if given."""
+    if w.dim() != 2:
+        raise ValueError(f"weight must be 2-D, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    grid = (cdiv(n, BLOCK), cdiv(k, BLOCK))
+    if out_q is None:
+        out_q = torch.empty(n, k, dtype=FP8_DTYPE, device=w.device)
+    if out_scale is None:
+        out_scale = torch.empty(grid, dtype=torch.float32, device=w.device)
+    if out_q.shape != w.shape or out_q.dtype != FP8_DTYPE:
+        raise ValueError(f"out_q must be {FP8_DTYPE} {tuple(w.shape)}, "
+                         f"got {out_q.dtype} {tuple(out_q.shape)}")
+    if out_scale.shape != grid or out_scale.dtype != torch.float32:
+        raise ValueError(f"out_scale must be float32 {grid}, got {out_scale.dtype} {tuple(out_scale.shape)}")
+    if n and k:
+        _weight_quant_kernel[grid](
+            w, out_q, out_scale, n, k, *w.stride(), *out_q.stride(), *out_scale.stride(),
+            BLOCK_W=BLOCK, UE8M0=_ue8m0(scale_fmt), E4M3_BY_BITS=_E4M3_BY_BITS, num_warps=8)
+    return out_q, out_scale
+
+
+def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
+                          w_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """C[M, N] = sum_b (x_q . w_q^T)_b * x_scale[m, b] * w_scale_inv[n // 128, b], float32 accumulation."""
+    m, k = x_q.shape
+    n, k_w = w_q.shape
+    nkb = cdiv(k, BLOCK)
+    if k_w != k or x_scale.shape != (m, nkb) or w_scale_inv.shape != (cdiv(n, BLOCK), nkb):
+        raise ValueError(f"shape mismatch: x_q {tuple(x_q.shape)}, x_scale {tuple(x_scale.shape)}, "
+                         f"w_q {tuple(w_q.shape)}, w_scale_inv {tuple(w_scale_inv.shape)}")
+    out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+    block_m = 16 if m <= 16 else 64
+    grid = (cdiv(m, block_m), cdiv(n, 128))
+    if m and n:
+        _w8a8_block_matmul_kernel[grid](
+            x_q, w_q, out, x_scale, w_scale_inv, bias, m, n, k,
+            *x_q.stride(), *w_q.stride(), *out.stride(), *x_scale.stride(), *w_scale_inv.stride(),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=BLOCK,
+            num_warps=4, num_stages=2)
+    return out
+
+
+@functools.cache
+def deepgemm_available() -> bool:
+    """deep_gemm imports and the current CUDA device is a Hopper (SM 9.x)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    try:
+        import deep_gemm  # noqa: F401
+    except Exception:  # not installed, or its extension fails to load
+        return False
+    return True
+
+
+def _deepgemm_fits(x_q: torch.Tensor, w_q: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    n, k = w_q.shape
+    return (not _deepgemm_failed and x_q.is_cuda and out_dtype == torch.bfloat16
+            and n % 64 == 0 and k % 128 == 0 and w_q.is_contiguous() and deepgemm_available())
+
+
+def _deepgemm_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
+                     w_scale_inv: torch.Tensor) -> torch.Tensor | None:
+    """bf16 x_q . w_q^T via DeepGEMM, or None (and never again) if it fails."""
+    global _deepgemm_failed
+    import deep_gemm
+    # fp8_gemm_nt is the DeepGEMM >= 2.0 name; gemm_fp8_fp8_bf16_nt the 1.x one. Both take
+    # (data, scales) pairs, 1x128 / 128x128 float32 scales, and transpose the scales themselves.
+    out = torch.empty(x_q.shape[0], w_q.shape[0], dtype=torch.bfloat16, device=x_q.device)
+    try:
+        gemm = getattr(deep_gemm, "fp8_gemm_nt", None) or deep_gemm.gemm_fp8_fp8_bf16_nt
+        gemm((x_q, x_scale), (w_q, w_scale_inv.float().contiguous()), out)
+    except Exception as exc:
+        logger.warning("fp8engine: DeepGEMM fp8 GEMM failed (%s); using the Triton kernel", exc)
+        _deepgemm_failed = True
+        return None
+    return out
+
+
+def fp8_block_linear_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
+                            bias: torch.Tensor | None = None, scale_fmt: str | None = None) -> torch.Tensor:
+    """W8A8 block linear, the semantics of quant.fp8_block_linear_ref: x [..., K] -> [..., N] in x's dtype."""
+    shape = x.shape
+    n = w_q.shape[0]
+    x_q, x_scale = per_token_group_quant_fp8(x.reshape(-1, shape[-1]), BLOCK, scale_fmt)
+    out = None
+    if _deepgemm_fits(x_q, w_q, x.dtype):
+        out = _deepgemm_matmul(x_q, x_scale, w_q, w_scale_inv)
+        if out is not None and bias is not None:
+            out += bias
+    if out is None:
+        out = w8a8_block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, x.dtype, bias)
+    return out.reshape(*shape[:-1], n)
