@@ -54,7 +54,7 @@ def attention(config: EngineConfig) -> SimpleNamespace:
         except ImportError as exc:
             logger.warning("fp8engine: Triton paged attention unavailable (%s); using the torch reference", exc)
     from fp8engine.model_executor.kernels import attention_cpu, attention_ref
-    if config.device == "cpu" and attention_cpu.cpu_attention_available():
+    if config.device == "cpu" and attention_cpu.kernel_ops() is not None:
         return SimpleNamespace(name="cpp", write_kv_cache=attention_cpu.write_kv_cache_cpu,
                                paged_attention=attention_cpu.paged_attention_cpu)
     return SimpleNamespace(name="torch", write_kv_cache=attention_ref.write_kv_cache_ref,
