@@ -1,0 +1,695 @@
+// Paged attention over a block-paged KV cache, and the cache write, for x86 CPUs with AVX-512.
+//
+// Cache (per layer): k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim] in bf16,
+// fp32 or float8_e4m3fn (real value = stored * k_scale / v_scale; the scales only apply to FP8).
+// Queries: a varlen batch q [T, num_heads, head_dim]. The exact definition reproduced here is
+// fp8engine/model_executor/kernels/attention_ref.py.
+//
+// Work is split into tiles of (sequence, kv head, up to kTargetRows query rows), where a row is one
+// (query token, query head of the GQA group) pair, so every K/V row is read and converted once per
+// tile. Each tile runs a flash-decoding style online softmax over 16-key chunks; tiles with long
+// contexts in small batches are further split over the keys and merged afterwards (split-KV).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+// Without AVX-512 the ops are not registered and the Python wrappers use the torch reference;
+// the rest of the extension (other csrc files) still builds.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;          // fp32 lanes per vector; also the keys per softmax step
+constexpr int kTargetRows = 16;     // query rows per tile: amortises the K/V conversion
+constexpr int kMinPartition = 512;  // split-KV partitions hold at least this many keys
+constexpr int kTargetWorks = 256;   // split long contexts until about this many work items exist
+constexpr float kFp8Max = 448.f;
+
+inline __m512 splat(float x) { return _mm512_set1_ps(x); }
+inline __m512i splat_i(int32_t x) { return _mm512_set1_epi32(x); }
+inline __mmask16 tail_mask(int n) { return n >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// ---------------------------------------------------------------- storage <-> fp32 conversions
+
+// Byte values (one per 32-bit lane) holding E4M3 -> fp32, exactly.
+inline __m512 e4m3_to_fp32(__m512i byte) {
+  const __m512i mag = _mm512_and_si512(byte, splat_i(0x7F));
+  // Rebias the exponent (7 -> 127); subnormals get one more exponent step and lose the implicit
+  // 1 by subtracting 2^-6, which avoids fp32 denormal inputs (and so any DAZ setting).
+  __m512i bits = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), splat_i(120 << 23));
+  const __mmask16 subnormal = _mm512_testn_epi32_mask(mag, splat_i(0x78));
+  bits = _mm512_mask_add_epi32(bits, subnormal, bits, splat_i(1 << 23));
+  __m512 x = _mm512_castsi512_ps(bits);
+  x = _mm512_mask_sub_ps(x, subnormal, x, splat(0x1p-6f));
+  x = _mm512_mask_mov_ps(x, _mm512_cmpeq_epi32_mask(mag, splat_i(0x7F)), splat(NAN));  // E4M3 has no inf
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(byte, splat_i(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(x), sign));
+}
+
+// fp32 -> E4M3 byte per lane, saturating at +-448, bit-identical to
+// x.clamp(-448, 448).to(torch.float8_e4m3fn) (c10's fp8e4m3fn_from_fp32_value, vectorised).
+inline __m512i fp32_to_e4m3(__m512 x) {
+  // Constants first: min/max return their second operand when one is NaN, so NaN survives.
+  x = _mm512_max_ps(splat(-kFp8Max), _mm512_min_ps(splat(kFp8Max), x));
+  __m512i u = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(u, splat_i(INT32_MIN));
+  u = _mm512_xor_si512(u, sign);
+  // Normal range: round to nearest even on the top 3 mantissa bits while rebiasing the exponent.
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 20), splat_i(1));
+  const __m512i normal = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, splat_i(static_cast<int32_t>((uint32_t(7 - 127) << 23) + 0x7FFFF))), odd),
+      20);
+  // Below 2^-6: adding 2^14 lets the fp32 adder round the value onto the subnormal grid.
+  const __m512i magic = splat_i(141 << 23);
+  const __m512i subnormal =
+      _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(u), _mm512_castsi512_ps(magic))), magic);
+  __m512i r = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(u, splat_i(121 << 23)), normal, subnormal);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmpge_epu32_mask(u, splat_i(1087 << 20)), splat_i(0x7F));  // NaN
+  return _mm512_or_si512(_mm512_and_si512(r, splat_i(0xFF)), _mm512_srli_epi32(sign, 24));
+}
+
+// fp32 -> bf16 (16-bit lanes), bit-identical to torch's vectorised x.to(torch.bfloat16): round to
+// nearest even, denormals kept, NaN -> 0xFFFF. (vcvtneps2bf16 would flush denormals.)
+inline __m256i fp32_to_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), splat_i(1)), splat_i(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), splat_i(0xFFFF));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+inline __m512 load16(const at::Float8_e4m3fn* p, __mmask16 m) {
+  return e4m3_to_fp32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+inline void store16(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+inline void store16(at::BFloat16* p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, fp32_to_bf16(x)); }
+inline void store16(at::Float8_e4m3fn* p, __m512 x, __mmask16 m) {
+  _mm_mask_storeu_epi8(p, m, _mm512_cvtepi32_epi8(fp32_to_e4m3(x)));
+}
+
+// Converts `dim` elements to fp32 and zero-pads dst up to `padded` (a multiple of 16), so the
+// compute loops below never need tail masks.
+template <typename T>
+inline void row_to_fp32(const T* src, int dim, int padded, float* dst) {
+  for (int c = 0; c < padded; c += kLanes) _mm512_storeu_ps(dst + c, load16(src + c, tail_mask(dim - c)));
+}
+
+#if defined(__AVX512VBMI__)
+// E4M3 -> fp32 for whole rows, 64 values per step: two 128-entry byte lookups (vpermi2b on the 7
+// magnitude bits) give the top two bytes of each fp32 (the low two are always zero), and one byte
+// permute per 16 values spreads them into place.
+struct E4m3Tables {
+  alignas(64) uint8_t hi[128];  // fp32 bits 31..24 of each magnitude
+  alignas(64) uint8_t lo[128];  // fp32 bits 23..16
+  alignas(64) uint8_t spread[4][64];
+  constexpr E4m3Tables() : hi(), lo(), spread() {
+    for (int mag = 0; mag < 128; ++mag) {
+      const int e = mag >> 3, m = mag & 7;
+      uint32_t bits = 0;
+      if (mag == 0x7F) {
+        bits = 0x7FC00000;  // the only NaN encoding; E4M3 has no infinities
+      } else if (e > 0) {
+        bits = uint32_t(e + 120) << 23 | uint32_t(m) << 20;
+      } else if (m > 0) {  // subnormal m * 2^-9: normalise around m's top bit h
+        const int h = m >= 4 ? 2 : m >= 2 ? 1 : 0;
+        bits = uint32_t(127 - 9 + h) << 23 | uint32_t(m - (1 << h)) << (23 - h);
+      }
+      hi[mag] = static_cast<uint8_t>(bits >> 24);
+      lo[mag] = static_cast<uint8_t>(bits >> 16);
+    }
+    // Output dword j of step i takes lo[16i + j] as byte 2 and hi[16i + j] (second source) as byte 3.
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 16; ++j) {
+        spread[i][4 * j + 2] = static_cast<uint8_t>(16 * i + j);
+        spread[i][4 * j + 3] = static_cast<uint8_t>(64 + 16 * i + j);
+      }
+  }
+};
+constexpr E4m3Tables kE4m3;
+
+inline void row_to_fp32(const at::Float8_e4m3fn* src, int dim, int padded, float* dst) {
+  const __m512i hi0 = _mm512_load_si512(kE4m3.hi), hi1 = _mm512_load_si512(kE4m3.hi + 64);
+  const __m512i lo0 = _mm512_load_si512(kE4m3.lo), lo1 = _mm512_load_si512(kE4m3.lo + 64);
+  for (int c = 0; c < padded; c += 64) {
+    const __mmask64 m = dim - c >= 64 ? ~__mmask64(0) : (__mmask64(1) << (dim - c)) - 1;
+    const __m512i bytes = _mm512_maskz_loadu_epi8(m, src + c);
+    // hi | (bytes & 0x80): the sign bit lands on fp32 bit 31.
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, bytes, hi1), bytes,
+                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, bytes, lo1);
+    for (int i = 0; i < 4 && c + i * kLanes < padded; ++i) {
+      const __m512i idx = _mm512_load_si512(kE4m3.spread[i]);
+      _mm512_storeu_ps(dst + c + i * kLanes,
+                       _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, lo, idx, hi)));
+    }
+  }
+}
+#endif
+
+template <typename T>
+inline void rows_to_fp32(const T* src, int64_t stride, int n, int dim, int padded, float* dst) {
+  for (int t = 0; t < n; ++t) row_to_fp32(src + t * stride, dim, padded, dst + t * padded);
+}
+
+// Blocks are scattered in memory, so the hardware prefetcher cannot run ahead across them; fetching
+// the next chunk while computing this one hides most of the latency of memory-bound decode.
+template <typename T>
+inline void prefetch_rows(const T* src, int64_t stride, int n, int dim) {
+  const int64_t bytes = int64_t(dim) * sizeof(T);
+  for (int t = 0; t < n; ++t)
+    for (int64_t b = 0; b < bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(src + t * stride) + b, _MM_HINT_T0);
+}
+
+template <typename T>
+inline void store_row(T* dst, const float* src, float mul, int dim) {
+  for (int c = 0; c < dim; c += kLanes)
+    store16(dst + c, _mm512_mul_ps(_mm512_loadu_ps(src + c), splat(mul)), tail_mask(dim - c));
+}
+
+// ---------------------------------------------------------------- vector math
+
+// Cephes expf: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2]; about 1 ulp.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(splat(-104.f), x);  // exp underflows to 0 below this; NaN passes through
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, splat(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, splat(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, splat(-2.12194440e-4f), r);
+  __m512 p = splat(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, splat(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, splat(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, splat(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, splat(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, splat(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, splat(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lane t of the result = sum of the lanes of a[t]: 16 dot products finished with 15 adds instead of
+// 16 horizontal reductions.
+inline __m512 hsum16(const __m512 (&a)[kLanes]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Each 128-bit lane of c[i] now holds partial sums of a[4i..4i+3]; add the four lanes up.
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// ---------------------------------------------------------------- attention
+
+struct Problem {
+  const void* q;
+  void* out;
+  at::ScalarType io_dtype;  // q and out
+  const void* k;
+  const void* v;
+  const int32_t* block_tables;
+  int heads, group, dim, padded, block_size;
+  int64_t q_tok_stride, blk_stride, tok_stride, bt_stride;
+  float score_scale;  // multiplies q.k
+  float out_scale;    // multiplies sum(p v): v_scale, divided by 448 for FP8 probabilities
+  float q_scale;      // > 0: full-FP8 emulation, q quantised to E4M3 with this scale
+  bool full_fp8() const { return q_scale > 0; }
+};
+
+struct Tile {
+  int seq, kv_head;
+  int tok0, nq;  // query tokens [tok0, tok0 + nq) of the flat batch
+  int pos0;      // position of token tok0; token tok0 + i sees keys [0, pos0 + i]
+  int nparts;    // split-KV partitions
+  int64_t partials;  // offset of the partitions' (m, l, acc) in the scratch buffer when nparts > 1
+  int keys() const { return pos0 + nq; }
+  int rows(int group) const { return nq * group; }
+};
+
+struct Work {
+  int tile, part, key_begin, key_end;
+};
+
+// Per-thread state of one tile; row r is query token r / group, head r % group of the GQA group.
+struct Buffers {
+  Buffers(int rows, int padded)
+      : q(rows * padded), acc(rows * padded), kv(kLanes * padded), s(rows * kLanes), m(rows), l(rows), alpha(rows) {}
+  std::vector<float> q, acc, kv, s, m, l, alpha;
+};
+
+enum class Pass {
+  kOnline,    // running max / sum with rescaled accumulators
+  kStats,     // max and sum only (first pass of full FP8)
+  kFp8Probs,  // final max and 1/sum known: quantise the normalised probabilities, accumulate P V
+};
+
+// Scores of rows [r0, rows) against the kLanes keys in kv (rows past the chunk hold stale data and
+// are masked by the caller).
+template <int kD>
+inline void chunk_scores(const Buffers& b, int r0, int rows, int padded, float scale, float* s) {
+  const int d = kD ? kD : padded;
+  for (int r = r0; r < rows; ++r) {
+    __m512 a[kLanes];
+    for (auto& x : a) x = _mm512_setzero_ps();
+    for (int c = 0; c < d; c += kLanes) {
+      const __m512 qv = _mm512_loadu_ps(b.q.data() + r * d + c);
+      for (int t = 0; t < kLanes; ++t) a[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(b.kv.data() + t * d + c), a[t]);
+    }
+    _mm512_storeu_ps(s + r * kLanes, _mm512_mul_ps(hsum16(a), splat(scale)));
+  }
+}
+
+// Turns row r's scores into (unnormalised or quantised) probabilities in place.
+inline void softmax_step(Pass pass, __mmask16 visible, int r, Buffers& b) {
+  float* s = b.s.data() + r * kLanes;
+  const __m512 x = _mm512_loadu_ps(s);
+  if (pass == Pass::kFp8Probs) {
+    // Same rounding steps as the reference: softmax = e * (1 / sum), then E4M3(P * 448).
+    const __m512 e = exp512(_mm512_sub_ps(x, splat(b.m[r])));
+    const __m512 p = _mm512_mul_ps(_mm512_mul_ps(e, splat(b.l[r])), splat(kFp8Max));
+    _mm512_storeu_ps(s, _mm512_maskz_mov_ps(visible, e4m3_to_fp32(fp32_to_e4m3(p))));
+    b.alpha[r] = 1.f;
+    return;
+  }
+  const float m_new = std::max(b.m[r], _mm512_mask_reduce_max_ps(visible, x));
+  const __m512 e = _mm512_maskz_mov_ps(visible, exp512(_mm512_sub_ps(x, splat(m_new))));
+  b.alpha[r] = std::exp(b.m[r] - m_new);  // 0 on the first chunk, where m is -inf
+  b.l[r] = b.l[r] * b.alpha[r] + _mm512_reduce_add_ps(e);
+  b.m[r] = m_new;
+  _mm512_storeu_ps(s, e);
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_t p[r][t] * v[t] for kRows rows from r, accumulators in registers
+// so that each V vector is loaded once per kRows rows.
+template <int kD, int kRows>
+inline void pv_rows(Buffers& b, int r, int n) {
+  constexpr int kVecs = kD / kLanes;
+  __m512 acc[kRows][kVecs];
+  for (int i = 0; i < kRows; ++i)
+    for (int c = 0; c < kVecs; ++c)
+      acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(b.acc.data() + (r + i) * kD + c * kLanes), splat(b.alpha[r + i]));
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < kVecs; ++c) {
+      const __m512 v = _mm512_loadu_ps(b.kv.data() + t * kD + c * kLanes);
+      for (int i = 0; i < kRows; ++i) acc[i][c] = _mm512_fmadd_ps(splat(b.s[(r + i) * kLanes + t]), v, acc[i][c]);
+    }
+  for (int i = 0; i < kRows; ++i)
+    for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(b.acc.data() + (r + i) * kD + c * kLanes, acc[i][c]);
+}
+
+// pv_rows for k <= kRows rows, with k known only at run time.
+template <int kD, int kRows>
+inline void pv_block(Buffers& b, int r, int k, int n) {
+  if constexpr (kRows > 1) {
+    if (k < kRows) return pv_block<kD, kRows - 1>(b, r, k, n);
+  }
+  pv_rows<kD, kRows>(b, r, n);
+}
+
+template <int kD>
+inline void chunk_pv(Buffers& b, int r0, int rows, int n, int padded) {
+  if constexpr (kD == 0) {  // generic head dim: accumulators stay in memory
+    for (int r = r0; r < rows; ++r) {
+      const float* p = b.s.data() + r * kLanes;
+      float* acc = b.acc.data() + r * padded;
+      for (int c = 0; c < padded; c += kLanes) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), splat(b.alpha[r]));
+        for (int t = 0; t < n; ++t) a = _mm512_fmadd_ps(splat(p[t]), _mm512_loadu_ps(b.kv.data() + t * padded + c), a);
+        _mm512_storeu_ps(acc + c, a);
+      }
+    }
+  } else {
+    constexpr int kBlock = 256 / kD;  // 16 accumulator registers per block of rows
+    for (int r = r0; r < rows; r += kBlock) pv_block<kD, kBlock>(b, r, std::min(rows - r, kBlock), n);
+  }
+}
+
+// One pass of tile t over keys [kb, ke), reading the paged cache in place.
+template <typename CT, int kD>
+void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers& b) {
+  const int d = kD ? kD : p.padded, dim = kD ? kD : p.dim;  // constants let the masks fold away
+  const int rows = t.rows(p.group);
+  const auto* kc = static_cast<const CT*>(p.k);
+  const auto* vc = static_cast<const CT*>(p.v);
+  const int32_t* blocks = p.block_tables + t.seq * p.bt_stride;
+  const int64_t head = int64_t(t.kv_head) * dim;
+  for (int j0 = kb; j0 < ke;) {
+    const int off = j0 % p.block_size;
+    const int n = std::min({kLanes, p.block_size - off, ke - j0});
+    const int64_t base = blocks[j0 / p.block_size] * p.blk_stride + off * p.tok_stride + head;
+    if (const int j1 = j0 + n; j1 < ke) {
+      const int off1 = j1 % p.block_size, n1 = std::min({kLanes, p.block_size - off1, ke - j1});
+      const int64_t next = blocks[j1 / p.block_size] * p.blk_stride + off1 * p.tok_stride + head;
+      prefetch_rows(kc + next, p.tok_stride, n1, dim);
+      if (pass != Pass::kStats) prefetch_rows(vc + next, p.tok_stride, n1, dim);
+    }
+    // Rows are token-major, so the rows that can see key j0 (and maybe later ones) are a suffix.
+    const int r0 = std::max(0, j0 - t.pos0) * p.group;
+    rows_to_fp32(kc + base, p.tok_stride, n, dim, d, b.kv.data());
+    chunk_scores<kD>(b, r0, rows, d, p.score_scale, b.s.data());
+    for (int r = r0; r < rows; ++r) softmax_step(pass, tail_mask(std::min(n, t.pos0 + r / p.group - j0 + 1)), r, b);
+    if (pass != Pass::kStats) {
+      rows_to_fp32(vc + base, p.tok_stride, n, dim, d, b.kv.data());
+      chunk_pv<kD>(b, r0, rows, n, d);
+    }
+    j0 += n;
+  }
+}
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+template <typename F>
+void dispatch_io(at::ScalarType t, F&& f) {
+  if (t == at::kFloat) {
+    f(Tag<float>{});
+  } else {
+    f(Tag<at::BFloat16>{});
+  }
+}
+
+template <typename F>
+void dispatch_cache(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: return f(Tag<float>{});
+    case at::kBFloat16: return f(Tag<at::BFloat16>{});
+    default: return f(Tag<at::Float8_e4m3fn>{});
+  }
+}
+
+// The real head dims get fully unrolled loops; anything else runs the padded generic path (0).
+template <typename F>
+void dispatch_dim(int dim, F&& f) {
+  if (dim == 64) {
+    f(std::integral_constant<int, 64>{});
+  } else if (dim == 128) {
+    f(std::integral_constant<int, 128>{});
+  } else {
+    f(std::integral_constant<int, 0>{});
+  }
+}
+
+template <typename T>
+void load_queries(const Problem& p, const Tile& t, Buffers& b) {
+  const int d = p.padded;
+  for (int r = 0; r < t.rows(p.group); ++r) {
+    const auto* src = static_cast<const T*>(p.q) + (t.tok0 + r / p.group) * p.q_tok_stride +
+                      (int64_t(t.kv_head) * p.group + r % p.group) * p.dim;
+    float* dst = b.q.data() + r * d;
+    row_to_fp32(src, p.dim, d, dst);
+    if (!p.full_fp8()) continue;
+    for (int c = 0; c < d; c += kLanes) {  // E4M3(clamp(q / q_scale)), as in the reference
+      const __m512 x = _mm512_div_ps(_mm512_loadu_ps(dst + c), splat(p.q_scale));
+      _mm512_storeu_ps(dst + c, e4m3_to_fp32(fp32_to_e4m3(x)));
+    }
+  }
+}
+
+// out[row] = acc[row] * mul[row] in the output dtype.
+void store_output(const Problem& p, const Tile& t, const float* acc, const float* mul) {
+  dispatch_io(p.io_dtype, [&](auto io) {
+    using T = typename decltype(io)::type;
+    for (int r = 0; r < t.rows(p.group); ++r) {
+      T* dst = static_cast<T*>(p.out) + (int64_t(t.tok0) + r / p.group) * p.heads * p.dim +
+               (int64_t(t.kv_head) * p.group + r % p.group) * p.dim;
+      store_row(dst, acc + r * p.padded, mul[r], p.dim);
+    }
+  });
+}
+
+// Split-KV partials of one partition: m[rows], l[rows], acc[rows][padded].
+inline float* partial(const Problem& p, const Tile& t, int part, float* scratch) {
+  return scratch + t.partials + int64_t(part) * t.rows(p.group) * (p.padded + 2);
+}
+
+template <typename CT, int kD>
+void run_work(const Problem& p, const Tile& t, const Work& w, float* scratch, Buffers& b) {
+  const int rows = t.rows(p.group);
+  dispatch_io(p.io_dtype, [&](auto io) { load_queries<typename decltype(io)::type>(p, t, b); });
+  std::fill_n(b.m.begin(), rows, -std::numeric_limits<float>::infinity());
+  std::fill_n(b.l.begin(), rows, 0.f);
+  std::fill_n(b.acc.begin(), rows * p.padded, 0.f);
+  if (p.full_fp8()) {
+    // Quantising P needs the final max and sum, hence a statistics pass first (full-FP8 tiles are
+    // never split, so both passes see every key).
+    attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kStats, b);
+    for (int r = 0; r < rows; ++r) b.l[r] = 1.f / b.l[r];
+    attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kFp8Probs, b);
+    std::fill_n(b.alpha.begin(), rows, p.out_scale);
+    store_output(p, t, b.acc.data(), b.alpha.data());
+    return;
+  }
+  attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kOnline, b);
+  if (t.nparts == 1) {
+    for (int r = 0; r < rows; ++r) b.alpha[r] = p.out_scale / b.l[r];
+    store_output(p, t, b.acc.data(), b.alpha.data());
+    return;
+  }
+  float* dst = partial(p, t, w.part, scratch);
+  std::copy_n(b.m.begin(), rows, dst);
+  std::copy_n(b.l.begin(), rows, dst + rows);
+  std::copy_n(b.acc.begin(), rows * p.padded, dst + 2 * rows);
+}
+
+// Combines a split tile's partitions (rows that saw no key of a partition have m = -inf there).
+void merge_partials(const Problem& p, const Tile& t, float* scratch, Buffers& b) {
+  const int rows = t.rows(p.group), d = p.padded;
+  for (int r = 0; r < rows; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int k = 0; k < t.nparts; ++k) m = std::max(m, partial(p, t, k, scratch)[r]);
+    float l = 0.f;
+    float* acc = b.acc.data() + r * d;
+    std::fill_n(acc, d, 0.f);
+    for (int k = 0; k < t.nparts; ++k) {
+      const float* src = partial(p, t, k, scratch);
+      const float w = std::exp(src[r] - m);
+      l += w * src[rows + r];
+      for (int c = 0; c < d; c += kLanes)
+        _mm512_storeu_ps(acc + c, _mm512_fmadd_ps(splat(w), _mm512_loadu_ps(src + 2 * rows + r * d + c),
+                                                  _mm512_loadu_ps(acc + c)));
+    }
+    b.alpha[r] = p.out_scale / l;
+  }
+  store_output(p, t, b.acc.data(), b.alpha.data());
+}
+
+// Runs f(i, buffers) for i in [0, n) on torch's intra-op threads, handing out items one at a time
+// because their costs differ by orders of magnitude (decode vs. long prefill tiles).
+template <typename F>
+void parallel_dynamic(size_t n, int rows, int padded, F&& f) {
+  std::atomic<size_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(n));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Buffers b(rows, padded);
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) f(i, b);
+  });
+}
+
+std::vector<Tile> plan_tiles(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                             const at::Tensor& block_tables, int64_t num_tokens, int64_t num_blocks,
+                             int kv_heads, int group, int block_size) {
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int per_tile = std::max(1, kTargetRows / group);
+  std::vector<Tile> tiles;
+  for (int s = 0; s < seq_lens.size(0); ++s) {
+    const int tok0 = starts[s], nq = starts[s + 1] - tok0, len = lens[s];
+    TORCH_CHECK(tok0 >= 0 && nq >= 0 && starts[s + 1] <= num_tokens,
+                "query_start_loc must be non-decreasing within [0, num_tokens]");
+    TORCH_CHECK(len >= nq, "seq_lens[", s, "] = ", len, " is shorter than its ", nq, " query tokens");
+    const int64_t nblocks = (len + block_size - 1) / block_size;
+    TORCH_CHECK(nblocks <= block_tables.size(1), "block_tables has too few columns for seq_lens[", s, "]");
+    const int32_t* ids = block_tables.data_ptr<int32_t>() + s * block_tables.size(1);
+    for (int64_t i = 0; i < nblocks; ++i)
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < num_blocks, "block_tables[", s, ", ", i, "] is out of range");
+    for (int g = 0; g < kv_heads; ++g)
+      for (int i = 0; i < nq; i += per_tile)
+        tiles.push_back(Tile{s, g, tok0 + i, std::min(per_tile, nq - i), len - nq + i, 1, -1});
+  }
+  return tiles;
+}
+
+// Splits the keys of every tile longer than max(kMinPartition, total keys / kTargetWorks) into
+// partitions of that length, so a few long sequences still keep every thread busy (and the split
+// never depends on the thread count), and returns the work items largest first.
+std::vector<Work> plan_works(std::vector<Tile>& tiles, const Problem& p, int64_t& scratch_size) {
+  int64_t part = std::numeric_limits<int>::max();
+  if (!p.full_fp8()) {
+    int64_t keys = 0;
+    for (const Tile& t : tiles) keys += t.keys();
+    part = std::max<int64_t>(kMinPartition, (keys + kTargetWorks * kLanes - 1) / (kTargetWorks * kLanes) * kLanes);
+  }
+  std::vector<Work> works;
+  scratch_size = 0;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    Tile& t = tiles[i];
+    t.nparts = static_cast<int>((t.keys() + part - 1) / part);
+    if (t.nparts > 1) {
+      t.partials = scratch_size;
+      scratch_size += int64_t(t.nparts) * t.rows(p.group) * (p.padded + 2);
+    }
+    for (int k = 0; k < t.nparts; ++k)
+      works.push_back(Work{static_cast<int>(i), k, static_cast<int>(k * part),
+                           static_cast<int>(std::min<int64_t>(t.keys(), (k + 1) * part))});
+  }
+  const auto cost = [&](const Work& w) { return int64_t(w.key_end - w.key_begin) * tiles[w.tile].rows(p.group); };
+  std::stable_sort(works.begin(), works.end(), [&](const Work& a, const Work& b) { return cost(a) > cost(b); });
+  return works;
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] with equal strides");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
+  const auto t = k_cache.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kFloat8_e4m3fn,
+              "KV cache must be float32, bfloat16 or float8_e4m3fn, got ", t);
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3),
+              "KV cache rows [num_kv_heads, head_dim] must be contiguous");
+  TORCH_CHECK(k_cache.device().is_cpu(), "KV cache must be on the CPU");
+}
+
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables_in, const at::Tensor& query_start_loc_in,
+                           const at::Tensor& seq_lens_in, double scale, double k_scale, double v_scale,
+                           double q_scale) {
+  check_cache(k_cache, v_cache);
+  const int dim = static_cast<int>(k_cache.size(3)), kv_heads = static_cast<int>(k_cache.size(2));
+  TORCH_CHECK(q_in.dim() == 3 && q_in.size(2) == dim && q_in.size(1) % kv_heads == 0,
+              "q must be [num_tokens, num_heads, head_dim] with num_heads a multiple of num_kv_heads");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(q_scale <= 0 || fp8, "full-FP8 attention (q_scale > 0) needs an FP8 KV cache");
+  const at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == dim ? q_in : q_in.contiguous();
+  const at::Tensor block_tables = block_tables_in.to(at::kInt).contiguous();
+  const at::Tensor query_start_loc = query_start_loc_in.to(at::kInt).contiguous();
+  const at::Tensor seq_lens = seq_lens_in.to(at::kInt).contiguous();
+  TORCH_CHECK(seq_lens.dim() == 1 && query_start_loc.numel() == seq_lens.numel() + 1 && block_tables.dim() == 2 &&
+                  block_tables.size(0) == seq_lens.numel(),
+              "expected query_start_loc [S + 1], seq_lens [S] and block_tables [S, max_blocks]");
+  // Tokens outside every sequence's query range stay zero.
+  at::Tensor out = at::zeros({q.size(0), q.size(1), dim}, q.options());
+
+  const int group = static_cast<int>(q.size(1)) / kv_heads;
+  const bool full = q_scale > 0;
+  const double ks = fp8 ? k_scale : 1.0, vs = fp8 ? v_scale : 1.0;
+  const Problem p{q.data_ptr(), out.data_ptr(), q.scalar_type(), k_cache.data_ptr(), v_cache.data_ptr(),
+                  block_tables.data_ptr<int32_t>(), static_cast<int>(q.size(1)), group, dim, round_up(dim, kLanes),
+                  static_cast<int>(k_cache.size(1)), q.stride(0), k_cache.stride(0), k_cache.stride(1),
+                  block_tables.size(1), static_cast<float>(full ? q_scale * ks * scale : ks * scale),
+                  static_cast<float>(full ? vs / kFp8Max : vs), static_cast<float>(full ? q_scale : 0.0)};
+
+  std::vector<Tile> tiles = plan_tiles(query_start_loc, seq_lens, block_tables, q.size(0), k_cache.size(0),
+                                       kv_heads, group, p.block_size);
+  int64_t scratch_size = 0;
+  const std::vector<Work> works = plan_works(tiles, p, scratch_size);
+  std::vector<float> scratch(scratch_size);
+  const int max_rows = std::max(1, kTargetRows / group) * group;
+  dispatch_cache(k_cache.scalar_type(), [&](auto ct) {
+    dispatch_dim(dim, [&](auto kd) {
+      using CT = typename decltype(ct)::type;
+      parallel_dynamic(works.size(), max_rows, p.padded, [&](size_t i, Buffers& b) {
+        run_work<CT, decltype(kd)::value>(p, tiles[works[i].tile], works[i], scratch.data(), b);
+      });
+    });
+  });
+  std::vector<int> split;
+  for (size_t i = 0; i < tiles.size(); ++i)
+    if (tiles[i].nparts > 1) split.push_back(static_cast<int>(i));
+  parallel_dynamic(split.size(), max_rows, p.padded,
+                   [&](size_t i, Buffers& b) { merge_partials(p, tiles[split[i]], scratch.data(), b); });
+  return out;
+}
+
+// ---------------------------------------------------------------- cache write
+
+template <typename ST, typename CT>
+void write_rows(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots, float scale) {
+  const int64_t width = src.size(1) * src.size(2), block_size = cache.size(1);
+  const ST* s = src.data_ptr<ST>();
+  CT* c = cache.data_ptr<CT>();
+  at::parallel_for(0, src.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;  // padding token
+      CT* dst = c + slots[t] / block_size * cache.stride(0) + slots[t] % block_size * cache.stride(1);
+      for (int64_t i = 0; i < width; i += kLanes) {
+        const __mmask16 m = tail_mask(static_cast<int>(width - i));
+        __m512 x = load16(s + t * src.stride(0) + i, m);
+        if constexpr (std::is_same_v<CT, at::Float8_e4m3fn>) x = _mm512_div_ps(x, splat(scale));
+        store16(dst + i, x, m);
+      }
+    }
+  });
+}
+
+void write_kv_cache(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping_in, double k_scale, double v_scale) {
+  check_cache(k_cache, v_cache);
+  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(slots.dim() == 1 && slots.numel() == k_in.size(0), "slot_mapping must hold one slot per token");
+  TORCH_CHECK(slots.numel() == 0 || slots.max().item<int64_t>() < capacity, "slot_mapping exceeds the cache");
+  const auto prepare = [&](const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == k_cache.size(2) && x.size(2) == k_cache.size(3) &&
+                    x.size(0) == slots.numel(),
+                "k and v must be [num_tokens, num_kv_heads, head_dim] matching the cache");
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                "k and v must be float32 or bfloat16");
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  const at::Tensor k = prepare(k_in), v = prepare(v_in);
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  const auto write = [&](const at::Tensor& src, const at::Tensor& cache, double scale) {
+    dispatch_io(src.scalar_type(), [&](auto st) {
+      dispatch_cache(cache.scalar_type(), [&](auto ct) {
+        write_rows<typename decltype(st)::type, typename decltype(ct)::type>(src, cache, slot_ptr,
+                                                                             static_cast<float>(scale));
+      });
+    });
+  };
+  write(k, k_cache, k_scale);
+  write(v, v_cache, v_scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
+      "Tensor seq_lens, float scale, float k_scale, float v_scale, float q_scale) -> Tensor");
+  m.def(
+      "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+      "float k_scale, float v_scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fp8engine, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+}
+
+#endif

@@ -1,0 +1,206 @@
+"""The C++ paged-attention and cache-write kernels (csrc/paged_attention.cpp) against the torch reference,
+and the reference itself against SDPA."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8engine.model_executor.kernels import attention_cpu
+from fp8engine.model_executor.kernels.attention_cpu import kernel_ops, paged_attention_cpu, write_kv_cache_cpu
+from fp8engine.model_executor.kernels.attention_ref import (FP8_DTYPE, FP8_MAX, paged_attention_ref, quantize_fp8,
+                                                            write_kv_cache_ref)
+from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
+
+BLOCK_SIZE = 16
+K_SCALE, V_SCALE, Q_SCALE = 0.05, 0.03, 0.02  # real values ~N(0, 1) use a good part of the E4M3 range
+
+# (num_heads, num_kv_heads, head_dim); 72 takes the generic (non-unrolled, masked-tail) path.
+HEADS = [(9, 3, 64), (8, 2, 128), (6, 2, 72)]
+CACHE_DTYPES = [torch.float32, torch.bfloat16, FP8_DTYPE]
+# Per sequence: (context length including the new tokens, new query tokens).
+BATCHES = {
+    "decode": [(1, 1), (15, 1), (16, 1), (17, 1), (100, 1), (255, 1)],
+    "chunked_prefill": [(70, 21), (48, 48), (33, 16)],
+    "mixed": [(40, 40), (100, 1), (130, 23), (50, 0), (17, 1), (5, 5)],
+    # Few long sequences: the keys are split into partitions and merged; the prefill chunk straddles
+    # a partition boundary, so some of its rows see no key of the last partition.
+    "split_kv": [(2000, 1), (1500, 1), (520, 20)],
+}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if load_cpu_ops() is None:
+        pytest.skip("the C++ CPU kernels could not be built")
+    ops = kernel_ops()
+    if ops is None:
+        pytest.skip("built without AVX-512, so the attention ops are not registered")
+    return ops
+
+
+def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+               cache_dtype: torch.dtype, q_dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+    """Arguments of paged_attention for random data, with every sequence's blocks scattered over the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [math.ceil(seq_len / BLOCK_SIZE) for seq_len, _ in seqs]
+    num_blocks = sum(needed) + 3
+    ids = torch.randperm(num_blocks, generator=gen).int()
+    # Entries past a sequence's need are invalid on purpose: the kernel must not read them.
+    block_tables = torch.full((len(seqs), max(needed) + 2), -1, dtype=torch.int32)
+    for s, start in enumerate(torch.tensor([0] + needed).cumsum(0)[:-1].tolist()):
+        block_tables[s, :needed[s]] = ids[start:start + needed[s]]
+
+    def cache(scale: float) -> torch.Tensor:
+        x = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+        return quantize_fp8(x, scale) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
+
+    q_lens = torch.tensor([n for _, n in seqs])
+    return dict(
+        q=torch.randn(int(q_lens.sum()), num_heads, head_dim, generator=gen).to(q_dtype),
+        k_cache=cache(K_SCALE), v_cache=cache(V_SCALE), block_tables=block_tables,
+        query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).int(),
+        seq_lens=torch.tensor([seq_len for seq_len, _ in seqs], dtype=torch.int32),
+        scale=head_dim ** -0.5, k_scale=K_SCALE, v_scale=V_SCALE,
+    )
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == torch.bfloat16:
+        # Both round an fp32 result to bf16; values a few fp32 ulps apart may land one bf16 step apart.
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-5)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ reference
+
+
+@pytest.mark.parametrize("q_len", [45, 10, 1])
+def test_reference_matches_sdpa(q_len):
+    """One contiguous sequence: the reference equals causal SDPA, and a chunk of the last q_len queries
+    equals the last q_len rows of the full-sequence result."""
+    gen = torch.Generator().manual_seed(1)
+    seq_len, num_heads, num_kv_heads, head_dim = 45, 9, 3, 64
+    q = torch.randn(seq_len, num_heads, head_dim, generator=gen)
+    k, v = (torch.randn(seq_len, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    num_blocks = math.ceil(seq_len / BLOCK_SIZE)
+
+    def paged(x: torch.Tensor) -> torch.Tensor:
+        cache = torch.zeros(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim)
+        cache[:seq_len] = x
+        return cache.view(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+
+    scale = head_dim ** -0.5
+    ref = paged_attention_ref(q[-q_len:], paged(k), paged(v), torch.arange(num_blocks, dtype=torch.int32)[None],
+                              torch.tensor([0, q_len], dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32),
+                              scale)
+    sdpa = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                          scale=scale, enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(ref, sdpa[-q_len:], rtol=1e-5, atol=1e-5)
+
+
+def test_wrapper_falls_back_to_reference(monkeypatch):
+    monkeypatch.setattr(attention_cpu, "kernel_ops", lambda: None)
+    args = make_batch(BATCHES["mixed"], 9, 3, 64, FP8_DTYPE)
+    assert torch.equal(paged_attention_cpu(**args), paged_attention_ref(**args))
+
+
+# ------------------------------------------------------------------------------------------ kernel
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["q_fp32", "q_bf16"])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "{}q{}kv{}d".format(*h))
+def test_kernel_matches_reference(ops, heads, cache_dtype, q_dtype, batch):
+    args = make_batch(BATCHES[batch], *heads, cache_dtype, q_dtype)
+    assert_matches(paged_attention_cpu(**args), paged_attention_ref(**args))
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["q_fp32", "q_bf16"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "{}q{}kv{}d".format(*h))
+def test_full_fp8_matches_reference(ops, heads, q_dtype, batch):
+    args = make_batch(BATCHES[batch], *heads, FP8_DTYPE, q_dtype)
+    out = paged_attention_cpu(**args, fp8_q_scale=Q_SCALE).float()
+    ref = paged_attention_ref(**args, fp8_q_scale=Q_SCALE).float()
+    # A probability a few fp32 ulps from an E4M3 rounding tie may round the other way in one of the two
+    # (different exp and summation order); allow that for a few outputs, by at most one E4M3 step of
+    # P * 448 (<= 32, at the top of the range) times the largest |V|.
+    close = torch.isclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert close.float().mean() >= 0.999
+    max_v = args["v_cache"].float().abs().max() * V_SCALE
+    torch.testing.assert_close(out, ref, rtol=0, atol=float(32 / FP8_MAX * max_v))
+    # And the mode does quantise: it differs visibly from FP8-cache attention with exact q and P.
+    assert (out - paged_attention_ref(**args).float()).abs().max() > 1e-3
+
+
+def test_fp8_cache_decodes_every_code(ops):
+    """A one-token context returns its V row times v_scale exactly; the rows hold all 256 E4M3 codes
+    (subnormals, +-0, max, NaN)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).view(2, 128)
+    v_cache = torch.zeros(2, BLOCK_SIZE, 1, 128, dtype=FP8_DTYPE)
+    v_cache[:, 0, 0] = codes
+    out = paged_attention_cpu(torch.randn(2, 1, 128), torch.zeros_like(v_cache), v_cache,
+                              torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32),
+                              torch.ones(2, dtype=torch.int32), 0.1, k_scale=K_SCALE, v_scale=V_SCALE)
+    torch.testing.assert_close(out[:, 0], codes.float() * V_SCALE, rtol=0, atol=0, equal_nan=True)
+
+
+def test_independent_of_thread_count(ops):
+    args = make_batch(BATCHES["split_kv"] + BATCHES["mixed"], 9, 3, 64, torch.bfloat16, torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = paged_attention_cpu(**args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, paged_attention_cpu(**args))
+
+
+def test_rejects_bad_inputs(ops):
+    args = make_batch([(10, 4)], 9, 3, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="shorter than its 4 query tokens"):
+        paged_attention_cpu(**{**args, "seq_lens": torch.tensor([3], dtype=torch.int32)})
+    with pytest.raises(ValueError, match="needs an FP8 KV cache"):
+        paged_attention_cpu(**args, fp8_q_scale=Q_SCALE)
+    with pytest.raises(RuntimeError, match="needs an FP8 KV cache"):
+        ops.paged_attention(*args.values(), Q_SCALE)
+
+
+# ------------------------------------------------------------------------------------------ cache write
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["src_fp32", "src_bf16"])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp8"])
+def test_write_kv_cache_bit_exact(ops, cache_dtype, src_dtype):
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, num_kv_heads, head_dim, num_blocks = 37, 3, 40, 5  # rows of 120: a masked tail
+    # Wide dynamic range: saturation beyond 448 * scale, E4M3 subnormals, bf16 rounding ties; plus specials.
+    wide = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen)
+    wide *= torch.exp(3 * torch.randn(wide.shape, generator=gen))
+    wide[0, 0, :5] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])
+    k, v = (x.to(src_dtype) for x in wide.chunk(2, dim=1))  # strided views, as sliced from a qkv output
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:num_tokens]
+    slots[::4] = -1  # padding tokens are skipped
+
+    def cache() -> torch.Tensor:
+        x = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+        return quantize_fp8(x, 1.0) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
+
+    k_cache, v_cache = cache(), cache()
+    expected = [k_cache.clone(), v_cache.clone()]
+    write_kv_cache_ref(k, v, *expected, slots, K_SCALE, V_SCALE)
+    write_kv_cache_cpu(k, v, k_cache, v_cache, slots, K_SCALE, V_SCALE)
+    for got, want in zip((k_cache, v_cache), expected):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_write_kv_cache_rejects_slots_past_the_cache(ops):
+    k_cache = torch.zeros(2, BLOCK_SIZE, 1, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="exceeds the cache"):
+        write_kv_cache_cpu(k, k, k_cache, k_cache.clone(), torch.tensor([2 * BLOCK_SIZE]))
