@@ -1,0 +1,162 @@
+"""Throughput benchmarks behind `fp8engine bench`: engine modes side by side in one run.
+
+Every mode runs the same prompts with the same sampling params in the same process, one after the
+other, so the ratios (mode / first mode, engine / Hugging Face) are what to read: these machines are
+noisy and absolute figures move between runs.
+"""
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from fp8engine.config import EngineConfig
+from fp8engine.engine import LLMEngine
+from fp8engine.sampling_params import SamplingParams
+
+MODES = {
+    "bf16": dict(),
+    "fp8-linear": dict(quantization="fp8"),
+    "fp8-kv": dict(kv_cache_dtype="fp8_e4m3"),
+    "full-fp8": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", fp8_attention=True),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    num_prompts: int
+    n: int
+    max_tokens: int
+    temperature: float = 1.0
+    kv_cache_tokens: int | None = None  # KV budget in tokens of a BF16 cache (memory pressure)
+    max_num_seqs: int = 256
+
+
+WORKLOADS = {
+    "quick": Workload("quick", 8, 2, 32),
+    "decode": Workload("decode", 1, 1, 256, temperature=0.0),
+    "rl-short": Workload("rl-short", 32, 4, 128),
+    "rl-long": Workload("rl-long", 32, 8, 512, kv_cache_tokens=32 * 8 * 160),
+}
+
+
+def rl_prompts(count: int) -> list[list[dict]]:
+    """Deterministic arithmetic word problems as chat messages, the shape of an RL math batch."""
+    prompts = []
+    for i in range(count):
+        a, b = 17 + 7 * i, 5 + 3 * i
+        prompts.append([{"role": "user", "content": f"Sam has {a} apples and buys {b} more. How many "
+                                                    f"apples does Sam have now? Think step by step."}])
+    return prompts
+
+
+def machine_info() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def engine_config(mode: str, workload: Workload, model: str, dtype: str, device: str) -> EngineConfig:
+    options = dict(MODES[mode])
+    if workload.kv_cache_tokens is not None:
+        options["kv_cache_memory_bytes"] = _bf16_kv_bytes(model, workload.kv_cache_tokens)
+    return EngineConfig(model=model, dtype=dtype, device=device, max_num_seqs=workload.max_num_seqs,
+                        **options)
+
+
+def _bf16_kv_bytes(model: str, tokens: int) -> int:
+    from transformers import AutoConfig
+
+    from fp8engine.weights.default_model import default_model_path
+    cfg = AutoConfig.from_pretrained(default_model_path() if model == "default" else model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return tokens * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+
+
+def run_engine(mode: str, workload: Workload, model: str, dtype: str, device: str, progress: bool) -> dict:
+    engine = LLMEngine(engine_config(mode, workload, model, dtype, device))
+    prompts = rl_prompts(workload.num_prompts)
+    params = SamplingParams(n=workload.n, temperature=workload.temperature, max_tokens=workload.max_tokens,
+                            ignore_eos=True, seed=0, logprobs=0)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up: kernels built, caches touched
+    recal_before = engine.kv_scales.seconds_total
+    preempt_before = engine.get_stats().num_preemptions_total
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params, use_tqdm=progress)
+    seconds = time.perf_counter() - start
+    stats = engine.get_stats()
+    per_seq = [c.num_preemptions for o in outs for c in o.outputs]
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"mode": mode, "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+            "preemptions_total": stats.num_preemptions_total - preempt_before,
+            "preemptions_per_seq_mean": sum(per_seq) / len(per_seq), "preemptions_per_seq_max": max(per_seq),
+            "kv_capacity_tokens": stats.kv_cache_capacity_tokens,
+            "recalibration_share": (engine.kv_scales.seconds_total - recal_before) / seconds,
+            "linear_backend": stats.linear_backend, "attention_backend": stats.attention_backend}
+
+
+def run_hf(workload: Workload, model: str, dtype: str, progress: bool) -> dict:
+    """Hugging Face `generate` on the same prompts, left-padded into one batch, n samples each."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fp8engine.weights.default_model import default_model_path
+    path = default_model_path() if model == "default" else model
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+             for p in rl_prompts(workload.num_prompts)]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    sample = workload.temperature > 0
+    kwargs = dict(do_sample=sample, temperature=workload.temperature if sample else None, top_p=None, top_k=None,
+                  max_new_tokens=workload.max_tokens, min_new_tokens=workload.max_tokens,
+                  num_return_sequences=workload.n, pad_token_id=tokenizer.pad_token_id or 0)
+    with torch.inference_mode():
+        hf.generate(**tokenizer(texts[:1], return_tensors="pt", add_special_tokens=False), max_new_tokens=2)
+        start = time.perf_counter()
+        out = hf.generate(**batch, **kwargs)
+        seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
+    return {"mode": "hf", "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds}
+
+
+def run(workload: str, modes: list[str], baseline: str | None = None, model: str = "default",
+        dtype: str = "bfloat16", device: str = "auto", progress: bool = True) -> dict:
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose from {sorted(WORKLOADS)}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown modes {unknown}; choose from {list(MODES)}")
+    spec = WORKLOADS[workload]
+    results = [run_engine(m, spec, model, dtype, device, progress) for m in modes]
+    if baseline == "hf":
+        results.append(run_hf(spec, model, dtype, progress))
+    elif baseline is not None:
+        raise ValueError(f"unknown baseline {baseline!r}; the only baseline is 'hf'")
+    first = results[0]["output_tok_s"]
+    for r in results:
+        r["ratio_vs_first"] = r["output_tok_s"] / first
+    return {"workload": asdict(spec), "model": model, "dtype": dtype, "machine": machine_info(),
+            "results": results}
+
+
+def format_table(report: dict) -> str:
+    cols = [("mode", "{}"), ("output_tok_s", "{:.1f}"), ("ratio_vs_first", "{:.2f}x"),
+            ("preemptions_total", "{}"), ("preemptions_per_seq_mean", "{:.2f}"),
+            ("preemptions_per_seq_max", "{}"), ("kv_capacity_tokens", "{}"), ("recalibration_share", "{:.2%}"),
+            ("seconds", "{:.1f}")]
+    rows = [[fmt.format(r[c]) if c in r else "-" for c, fmt in cols] for r in report["results"]]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, (c, _) in enumerate(cols)]
+    line = lambda cells: "  ".join(cell.rjust(w) for cell, w in zip(cells, widths))  # noqa: E731
+    w = report["workload"]
+    head = (f"workload {w['name']}: {w['num_prompts']} prompts x n={w['n']} x {w['max_tokens']} tokens, "
+            f"{report['dtype']}, torch {report['machine']['torch']}, {report['machine']['processor']}")
+    return "\n".join([head, line([c for c, _ in cols])] + [line(r) for r in rows])
+
+
+def save_json(report: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
