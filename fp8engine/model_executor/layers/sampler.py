@@ -9,8 +9,7 @@ The processed distribution (what tokens are actually drawn from), for temperatur
     processed logprob = log p - log(kept mass), -inf outside the kept set.
 `log_kept_mass` = log(sum of p over the kept set) is returned per token so a trainer that does not
 truncate can remove the renormalisation. Greedy (T = 0) is a point mass: processed logprob 0.
-Sampling draws argmax(p_kept / E) with E ~ Exp(1) from each sequence's own generator, which is
-the same as drawing from p_kept.
+Sampling inverts the CDF of p_kept with one uniform number from each sequence's own generator.
 """
 
 from dataclasses import dataclass
@@ -81,10 +80,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     proc, log_kept = None, None
     if sampled:
         proc, log_kept = _processed_rows(logits[sampled], [rows[i] for i in sampled])
-        noise = torch.stack([torch.empty(logits.shape[1]).exponential_(generator=rows[i].generator)
-                             for i in sampled])
-        tokens[sampled] = (proc.exp() / noise).argmax(dim=-1)
+        tokens[sampled] = _draw(proc.exp(), [rows[i].generator for i in sampled])
     return _collect(tokens, rows, raw, proc, log_kept, sampled)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs [R, V] by inverse CDF; zero-probability tokens are never drawn."""
+    cdf = probs.cumsum(dim=-1)
+    uniform = torch.cat([torch.rand(1, generator=g) for g in generators])
+    target = (1.0 - uniform) * cdf[:, -1]  # in (0, total]
+    return torch.searchsorted(cdf, target[:, None]).squeeze(1).clamp(max=probs.shape[1] - 1)
 
 
 def _wants(row: SampleRow, mode: str) -> bool:

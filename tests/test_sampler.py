@@ -1,0 +1,88 @@
+"""Sampler: processed/raw logprobs, kept mass, seeded draws, on hand-built distributions."""
+
+import math
+
+import torch
+
+from fp8engine import SamplingParams
+from fp8engine.model_executor.layers.sampler import SampleRow, processed_logprobs, sample, truncation_mask
+
+PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+
+
+def rows_params(n, vocab=5, **kw):
+    return (torch.full((n,), kw.get("temperature", 1.0)), torch.full((n,), kw.get("top_k", vocab)),
+            torch.full((n,), kw.get("top_p", 1.0)), torch.full((n,), kw.get("min_p", 0.0)))
+
+
+def test_kept_mass_on_hand_built_distribution():
+    logits = PROBS.log()[None]
+    cases = [(dict(top_p=0.6), [0, 1], 0.7), (dict(top_k=3), [0, 1, 2], 0.85),
+             (dict(min_p=0.25), [0, 1, 2], 0.85), (dict(top_p=0.5), [0], 0.5),
+             (dict(top_k=4, top_p=0.72), [0, 1], 0.7)]  # renormalised after top-k
+    for kw, kept, mass in cases:
+        proc, log_kept = processed_logprobs(logits, *rows_params(1, **kw))
+        assert math.isclose(log_kept.item(), math.log(mass), rel_tol=1e-5), kw
+        finite = torch.isfinite(proc[0]).nonzero().flatten().tolist()
+        assert finite == kept, kw
+        expected = (PROBS[kept] / mass).log()
+        assert torch.allclose(proc[0, kept], expected, atol=1e-6), kw
+
+
+def test_processed_logprobs_sum_to_one_over_the_kept_set():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000) * 3
+    for kw in [dict(), dict(temperature=0.7), dict(top_p=0.9), dict(top_k=50, temperature=1.3),
+               dict(min_p=0.05, top_p=0.95, temperature=0.6)]:
+        proc, _ = processed_logprobs(logits, *rows_params(6, vocab=1000, **kw))
+        assert torch.allclose(proc.exp().sum(-1), torch.ones(6), atol=1e-5), kw
+
+
+def test_top_k_keeps_ties():
+    probs = torch.tensor([[0.4, 0.2, 0.2, 0.2]])
+    assert truncation_mask(probs, torch.tensor([2]), torch.tensor([1.0]), torch.tensor([0.0])).all()
+
+
+def test_raw_and_processed_differ_as_temperature_and_top_p_say():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 50) * 2
+    for mode in ("raw", "processed"):
+        params = SamplingParams(temperature=0.7, top_p=0.9, logprobs=2, logprobs_mode=mode, seed=5)
+        res = sample(logits.clone(), [SampleRow(params, torch.Generator().manual_seed(5))])
+        tok = res.token_ids[0]
+        if mode == "raw":
+            assert math.isclose(res.logprobs[0], torch.log_softmax(logits[0], -1)[tok].item(), rel_tol=1e-6)
+            assert res.log_kept_mass[0] is None
+        else:
+            tempered = torch.log_softmax(logits[0] / 0.7, -1)
+            assert res.log_kept_mass[0] < 0
+            assert math.isclose(res.logprobs[0] + res.log_kept_mass[0], tempered[tok].item(), abs_tol=1e-5)
+        assert tok in res.top_logprobs[0] and len(res.top_logprobs[0]) in (2, 3)
+
+
+def test_greedy_processed_is_point_mass_and_raw_is_log_softmax():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    g = torch.Generator().manual_seed(0)
+    proc = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0, logprobs=0), g)])
+    raw = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0, logprobs=0, logprobs_mode="raw"), g)])
+    assert proc.token_ids == raw.token_ids == [1]
+    assert proc.logprobs == [0.0] and proc.log_kept_mass == [0.0]
+    assert math.isclose(raw.logprobs[0], torch.log_softmax(logits[0], -1)[1].item(), rel_tol=1e-6)
+
+
+def test_banned_tokens_never_drawn_and_draws_follow_the_distribution():
+    logits = PROBS.log()[None].repeat(4000, 1)
+    params = SamplingParams(temperature=1.0, seed=0)
+    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    res = sample(logits.clone(), [SampleRow(params, g, banned_token_ids=(0,)) for g in gens])
+    counts = torch.bincount(torch.tensor(res.token_ids), minlength=5).float() / 4000
+    assert counts[0] == 0
+    assert torch.allclose(counts[1:], PROBS[1:] / 0.5, atol=0.03)
+
+
+def test_seeded_draws_repeat():
+    logits = torch.randn(3, 100)
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    draw = lambda: sample(logits.clone(), [SampleRow(params, torch.Generator().manual_seed(i))  # noqa: E731
+                                           for i in range(3)]).token_ids
+    assert draw() == draw()
