@@ -1,0 +1,154 @@
+"""update_weights: in place, validated before writing, equal to a fresh engine on the new weights."""
+
+import random
+
+import pytest
+import torch
+
+from fp8engine import SamplingParams
+from fp8engine.weights.quant import quantize_weight_blockwise
+from tests.checkpoints import perturbed_state, write_checkpoint
+from tests.conftest import make_engine
+from tests.prompts import PROMPTS
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, logprobs_mode="raw")
+PROMPT_SET = PROMPTS[::3]
+
+
+def rollout(engine):
+    outs = engine.generate(PROMPT_SET, GREEDY)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+def assert_same(a, b, tol=1e-5):
+    assert a[0] == b[0]
+    diffs = [abs(x - y) for la, lb in zip(a[1], b[1]) for x, y in zip(la, lb)]
+    assert max(diffs) <= tol
+
+
+def buckets(items, size):
+    for i in range(0, len(items), size):
+        yield from items[i:i + size]
+
+
+def pointers(engine):
+    return {name: p.data_ptr() for name, p in engine.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def state_b(default_dir):
+    return perturbed_state(default_dir, seed=7)
+
+
+@pytest.fixture(scope="module")
+def dir_b(default_dir, state_b, tmp_path_factory):
+    return write_checkpoint(default_dir, tmp_path_factory.mktemp("ckpt_b"), state_b)
+
+
+@pytest.fixture(scope="module")
+def fresh_b(dir_b):
+    return rollout(make_engine(dir_b, quantization="fp8"))
+
+
+@pytest.fixture()
+def engine_a():
+    return make_engine("default", quantization="fp8")
+
+
+def test_bf16_update_in_small_shuffled_buckets_equals_fresh_engine(engine_a, state_b, fresh_b):
+    before = pointers(engine_a)
+    items = list(state_b.items())
+    random.Random(0).shuffle(items)
+    report = engine_a.update_weights(buckets(items, 5), weight_version=3)
+    assert pointers(engine_a) == before
+    assert report.weight_version == 3 and report.num_tensors == len(items)
+    assert report.num_quantized == 30 * 7
+    assert report.num_bytes == sum(t.numel() * t.element_size() for _, t in items)
+    assert_same(rollout(engine_a), fresh_b)
+    assert engine_a.generate(["hi"], GREEDY)[0].weight_version == 3
+
+
+def test_prequantized_update_equals_fresh_engine(engine_a, state_b, fresh_b):
+    before = pointers(engine_a)
+    items = []
+    for name, tensor in state_b.items():
+        if name.endswith("proj.weight"):
+            q, s = quantize_weight_blockwise(tensor)
+            items += [(name, q), (name + "_scale_inv", s)]
+        else:
+            items.append((name, tensor))
+    report = engine_a.update_weights(items)
+    assert report.num_quantized == 0 and pointers(engine_a) == before
+    assert_same(rollout(engine_a), fresh_b)
+
+
+def test_partial_update_equals_fresh_engine_on_mixed_checkpoint(engine_a, default_dir, state_b, tmp_path):
+    from fp8engine.weights.loader import iter_safetensors
+    partial = {k: v for k, v in state_b.items() if k.startswith(tuple(f"model.layers.{i}." for i in range(10)))}
+    mixed = dict(iter_safetensors(default_dir)) | partial
+    expected = rollout(make_engine(write_checkpoint(default_dir, tmp_path / "mixed", mixed), quantization="fp8"))
+    engine_a.update_weights(partial)
+    assert_same(rollout(engine_a), expected)
+
+
+def test_get_weights_by_name_returns_dequantized_hf_shape(engine_a, state_b):
+    name = "model.layers.3.self_attn.k_proj.weight"
+    engine_a.update_weights({name: state_b[name], "model.norm.weight": state_b["model.norm.weight"]})
+    got = engine_a.get_weights_by_name(name)
+    assert got.shape == (192, 576) and got.dtype == torch.bfloat16
+    from fp8engine.weights.quant import dequantize_weight_blockwise
+    q, s = quantize_weight_blockwise(state_b[name])
+    assert torch.equal(got, dequantize_weight_blockwise(q, s, torch.bfloat16))
+    assert torch.equal(engine_a.get_weights_by_name("model.norm.weight"), state_b["model.norm.weight"])
+
+
+def _raising_generator(items):
+    yield from items[:20]
+    raise RuntimeError("trainer died halfway")
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("unknown", ValueError, "unknown weight name 'model.layers.0.self_attn.z_proj.weight'"),
+    ("shape", ValueError, "'model.layers.2.mlp.up_proj.weight': shape"),
+    ("dtype", ValueError, "'model.layers.2.mlp.up_proj.weight': dtype torch.int32"),
+    ("nan", ValueError, "'model.layers.5.self_attn.o_proj.weight': contains NaN"),
+    ("generator", RuntimeError, "trainer died halfway"),
+    ("fp8_without_scale", ValueError, "_scale_inv is missing"),
+])
+def test_bad_update_raises_and_changes_nothing(engine_a, state_b, case, error, match):
+    before_out = rollout(engine_a)
+    before = {n: p.detach().clone() for n, p in engine_a.named_parameters()}
+    items = list(state_b.items())
+    up = "model.layers.2.mlp.up_proj.weight"
+    bad = {
+        "unknown": items + [("model.layers.0.self_attn.z_proj.weight", torch.zeros(4, 4))],
+        "shape": items + [(up, torch.zeros(1536, 575, dtype=torch.bfloat16))],
+        "dtype": items + [(up, torch.zeros(1536, 576, dtype=torch.int32))],
+        "nan": items + [("model.layers.5.self_attn.o_proj.weight",
+                         torch.full((576, 576), float("nan"), dtype=torch.bfloat16))],
+        "generator": _raising_generator(items),
+        "fp8_without_scale": items + [(up, quantize_weight_blockwise(state_b[up])[0])],
+    }[case]
+    with pytest.raises(error, match=match):
+        engine_a.update_weights(bad, weight_version=99)
+    assert engine_a.weight_version == 0
+    for name, p in engine_a.named_parameters():
+        assert torch.equal(p.detach().view(torch.uint8), before[name].view(torch.uint8)), name
+    assert rollout(engine_a) == before_out
+
+
+def test_in_flight_requests_wait_or_abort(engine_a, state_b):
+    rid = engine_a.add_request("Count to ten:", SamplingParams(max_tokens=30, ignore_eos=True))
+    engine_a.step()
+    engine_a.update_weights(state_b, in_flight="wait")
+    finished = [o for o in engine_a.step() if o.request_id == rid]
+    assert finished[0].finished and finished[0].weight_version == 0
+    assert len(finished[0].outputs[0].token_ids) == 30
+    rid = engine_a.add_request("Count to ten:", SamplingParams(max_tokens=30, ignore_eos=True))
+    engine_a.step()
+    report = engine_a.update_weights(state_b, in_flight="abort")
+    assert report.num_aborted == 1
+    aborted = [o for o in engine_a.step() if o.request_id == rid]
+    assert aborted[0].outputs[0].finish_reason == "abort" and aborted[0].weight_version == 1
+    stats = engine_a.get_stats()
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total and stats.weight_version == 2
