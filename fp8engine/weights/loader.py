@@ -6,6 +6,7 @@ writing, `write` quantizes or copies it into the existing storage.
 """
 
 import glob
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -107,11 +108,19 @@ def check(target: Target, tensor: torch.Tensor) -> None:
     if tensor.dtype not in allowed:
         raise ValueError(f"weight {target.name!r}: dtype {tensor.dtype} not accepted here "
                          f"(expected one of {[str(d) for d in allowed]})")
-    values = tensor.float() if tensor.dtype == FP8_DTYPE else tensor
-    if not bool(torch.isfinite(values).all()):
+    low, high = _min_max(tensor)
+    if not (math.isfinite(low) and math.isfinite(high)):
         raise ValueError(f"weight {target.name!r}: contains NaN or Inf values")
-    if target.kind == "fp8_scale" and not bool((tensor > 0).all()):
+    if target.kind == "fp8_scale" and not low > 0:
         raise ValueError(f"weight {target.name!r}: scales must be positive")
+
+
+def _min_max(tensor: torch.Tensor) -> tuple[float, float]:
+    """One pass, no temporaries; NaN and +-Inf propagate into the result."""
+    if tensor.numel() == 0:
+        return 0.0, 0.0
+    low, high = torch.aminmax(tensor.float() if tensor.dtype == FP8_DTYPE else tensor)
+    return float(low), float(high)
 
 
 def _allowed_dtypes(target: Target) -> tuple[torch.dtype, ...]:
