@@ -39,7 +39,9 @@ WORKLOADS = {
     "quick": Workload("quick", 8, 2, 32),
     "decode": Workload("decode", 1, 1, 256, temperature=0.0),
     "rl-short": Workload("rl-short", 32, 4, 128),
-    "rl-long": Workload("rl-long", 32, 8, 512, kv_cache_tokens=32 * 8 * 160),
+    # 128 sequences of ~430 tokens need ~55k KV slots: a BF16 cache of 30k tokens must preempt,
+    # an FP8 cache of the same bytes (60k tokens) holds them all.
+    "rl-long": Workload("rl-long", 16, 8, 384, kv_cache_tokens=30_000),
 }
 
 
