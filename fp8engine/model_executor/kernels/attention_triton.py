@@ -1,0 +1,370 @@
+"""Triton paged attention and KV-cache write for CUDA, with the semantics of attention_ref.
+
+One attention kernel serves decode, chunked prefill and mixed batches. Its grid is (query block, kv head):
+a query block is up to BLOCK_Q consecutive query tokens of one sequence, and its tile holds the GROUP
+query heads of each of those tokens that share the kv head (rows token-major), so GQA reads every K/V row
+once per tile. The kernel walks the sequence's keys BLOCK_N at a time through its block table, reading
+the paged cache in place, dequantising FP8 in registers, with an online softmax in float32.
+
+Precision: every matmul accumulates in float32. With bf16 q and a bf16 or FP8 cache, q, K and V are exact
+in bf16 and go to the tensor cores as they are; the probabilities are split into a high and a low bf16
+part (two MMAs), which keeps about 16 of their bits where a single bf16 P would keep 8. Other dtype
+mixes multiply float32 operands in IEEE precision (no TF32).
+
+Full FP8 (fp8_q_scale): the reference quantises the normalised probabilities, E4M3(P * 448), which
+needs each row's final max and sum before any P is formed; no single online pass can reproduce that,
+so the kernel makes two passes over the keys (max and sum, then quantised P @ V), as the C++ kernel
+does. What remains is float rounding (exp, summation order): a P * 448 within an ulp of an E4M3
+rounding tie may round the other way than in the reference.
+
+Under TRITON_INTERPRET=1 (CPU tensors; the tests) the interpreter stores bf16 as uint16 and fp8 as
+uint8 and gets some of their conversions wrong, so there (INTERPRET) the kernels take other routes:
+  * float32 -> E4M3 rounds wrongly: fp8_triton's integer encoder, plus NaN, which it does not cover;
+  * E4M3 -> float decodes the NaN codes as +-480: an integer decoder;
+  * bf16 -> float32 flushes subnormals to zero: a 16-bit shift;
+  * float32 -> bf16 truncates: round-to-nearest-even with integer ops;
+  * tl.dot multiplies bf16 bit patterns as integers: its operands go to float32 first, which gives
+    the same products (bf16 x bf16 is exact in float32).
+
+FP8 caches need sm_89 or later: below, Triton has no E4M3 type. An optional FlashInfer fast path takes
+over on CUDA when flashinfer imports (not for full FP8).
+"""
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fp8engine.model_executor.kernels.attention_ref import FP8_DTYPE, FP8_MAX, check_full_fp8
+from fp8engine.model_executor.kernels.fp8_triton import _e4m3_from_bits
+
+logger = logging.getLogger(__name__)
+
+_INTERPRET = bool(triton.knobs.runtime.interpret)
+_flashinfer_failed = False
+
+
+# ------------------------------------------------------------------------------------------ conversions
+
+
+@triton.jit
+def _e4m3(y, INTERPRET: tl.constexpr):
+    """E4M3(clamp(y, +-448)) with round-to-nearest-even, as torch casts; NaN stays NaN."""
+    y = tl.clamp(y, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    if INTERPRET:
+        nan = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F  # torch keeps the sign
+        code = _e4m3_from_bits(tl.where(y == y, y, 0.0))
+        return tl.where(y == y, code, nan.to(tl.uint8).to(tl.float8e4nv, bitcast=True))
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
+def _upcast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """x as dtype, which holds its values exactly (E4M3 values fit in bf16 and float32)."""
+    if INTERPRET and x.dtype == tl.float8e4nv:
+        code = x.to(tl.uint8, bitcast=True).to(tl.int32)
+        mag = code & 0x7F
+        # Normal codes: rebias the exponent 7 -> 127. Subnormals are mag * 2^-9; 0x7F is NaN.
+        normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        value = tl.where(mag < 8, mag.to(tl.float32) * 0.001953125, normal)
+        value = tl.where(mag == 0x7F, float("nan"), value)
+        return tl.where(code >= 0x80, -value, value).to(dtype)
+    if INTERPRET and x.dtype == tl.bfloat16 and dtype == tl.float32:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 x rounded to dtype to nearest even, as torch rounds."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x == x, rounded, 0x7FC0)  # a NaN's payload could carry into the sign
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _mma(a, b, acc, INTERPRET: tl.constexpr):
+    """acc + a @ b in float32; float32 operands multiply in IEEE precision, not TF32."""
+    if INTERPRET or a.dtype == tl.float32:
+        a = _upcast(a, tl.float32, INTERPRET)
+        return tl.dot(a, _upcast(b, tl.float32, INTERPRET), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+# ------------------------------------------------------------------------------------------ cache write
+
+
+@triton.jit
+def _store_rows(src_ptr, cache_ptr, dst, heads, dims, mask, stride_h, scale, INTERPRET: tl.constexpr):
+    """One token's [heads, dims] rows into the cache, rounded as the reference rounds."""
+    x = _upcast(tl.load(src_ptr + heads[:, None] * stride_h + dims[None, :], mask=mask), tl.float32, INTERPRET)
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        y = _e4m3(tl.div_rn(x, scale), INTERPRET)  # IEEE division, as the reference divides
+    else:
+        y = _round(x, cache_ptr.dtype.element_ty, INTERPRET)
+    tl.store(cache_ptr + dst, y, mask=mask)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, v_scale,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        mask = (heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
+            + heads[:, None] * stride_ch + dims[None, :]
+        _store_rows(k_ptr + token.to(tl.int64) * stride_kt, k_cache_ptr, dst, heads, dims, mask, stride_kh,
+                    k_scale, INTERPRET)
+        _store_rows(v_ptr + token.to(tl.int64) * stride_vt, v_cache_ptr, dst, heads, dims, mask, stride_vh,
+                    v_scale, INTERPRET)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Writes k, v [T, num_kv_heads, head_dim] into their slots in place; slot -1 marks a token to skip."""
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need the same strides and a contiguous last dim")
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), *k_cache.stride()[:3], NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        INTERPRET=_INTERPRET, num_warps=4)
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence of global query block q_block. Sequence s's blocks start at query_start_loc[s] // BLOCK_Q
+    + s: increasing, and far enough apart for its ceil(q_len / BLOCK_Q) blocks, so no host sync is needed
+    to lay out the grid; the price is a few spare programs, which return at once."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _scores(q, q_pos, start, num_keys, seq, kv_head, block_tables_ptr, k_cache_ptr, qk_scale, dims, dim_ok,
+            stride_bt, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+            MMA_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Causally masked scores of keys start..start+BLOCK_N, and those keys' cache row offsets."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < num_keys
+    block = tl.load(block_tables_ptr + seq * stride_bt + keys // BLOCK_SIZE, mask=key_ok, other=0)
+    rows = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=dim_ok[:, None] & key_ok[None, :], other=0.0)
+    s = _mma(q, _upcast(k, MMA_DTYPE, INTERPRET), tl.zeros([q.shape[0], BLOCK_N], tl.float32), INTERPRET)
+    return tl.where(keys[None, :] <= q_pos[:, None], s * qk_scale, float("-inf")), rows, key_ok
+
+
+@triton.jit
+def _load_v(v_cache_ptr, rows, key_ok, dims, dim_ok, MMA_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    return _upcast(v, MMA_DTYPE, INTERPRET)
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        num_seqs, qk_scale, out_scale, q_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_cb, stride_cs, stride_ch, stride_bt,
+        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MMA_DTYPE: tl.constexpr,
+        FULL_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    first = (q_block - q_begin // BLOCK_Q - seq) * BLOCK_Q  # the tile's first query, counted in its sequence
+    if first >= q_len:
+        return
+    context = tl.load(seq_lens_ptr + seq) - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    tile_ok = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + (q_begin + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
+                + dims[None, :], mask=tile_ok, other=0.0)
+    if FULL_FP8:
+        q = _e4m3(tl.div_rn(_upcast(q, tl.float32, INTERPRET), q_scale), INTERPRET)
+    q = _upcast(q, MMA_DTYPE, INTERPRET)
+    q_pos = context + tok
+    num_keys = context + tl.minimum(first + BLOCK_Q, q_len)  # the keys the tile's last query sees
+    # Every row, padding included, sees key 0 in the first tile, so the running max is finite after it.
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, num_keys, BLOCK_N):
+        s, kv_rows, key_ok = _scores(q, q_pos, start, num_keys, seq, kv_head, block_tables_ptr, k_cache_ptr,
+                                     qk_scale, dims, dim_ok, stride_bt, stride_cb, stride_cs, stride_ch,
+                                     BLOCK_SIZE, BLOCK_N, MMA_DTYPE, INTERPRET)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        m = m_new
+        if not FULL_FP8:
+            v = _load_v(v_cache_ptr, kv_rows, key_ok, dims, dim_ok, MMA_DTYPE, INTERPRET)
+            acc *= alpha[:, None]
+            if MMA_DTYPE == tl.float32:
+                acc = _mma(p, v, acc, INTERPRET)
+            else:
+                p_hi = p.to(MMA_DTYPE)
+                acc = _mma(p_hi, v, acc, INTERPRET)
+                acc = _mma((p - _upcast(p_hi, tl.float32, INTERPRET)).to(MMA_DTYPE), v, acc, INTERPRET)
+    if FULL_FP8:
+        # Second pass: the normalised probabilities exist only now. softmax's own order: exp, then * 1/sum.
+        inv_sum = 1.0 / row_sum
+        for start in range(0, num_keys, BLOCK_N):
+            s, kv_rows, key_ok = _scores(q, q_pos, start, num_keys, seq, kv_head, block_tables_ptr, k_cache_ptr,
+                                         qk_scale, dims, dim_ok, stride_bt, stride_cb, stride_cs, stride_ch,
+                                         BLOCK_SIZE, BLOCK_N, MMA_DTYPE, INTERPRET)
+            p = tl.exp(s - m[:, None]) * inv_sum[:, None]
+            p = _upcast(_e4m3(p * 448.0, INTERPRET), MMA_DTYPE, INTERPRET)
+            acc = _mma(p, _load_v(v_cache_ptr, kv_rows, key_ok, dims, dim_ok, MMA_DTYPE, INTERPRET), acc, INTERPRET)
+        acc *= out_scale
+    else:
+        acc *= (out_scale / row_sum)[:, None]
+    out = _round(acc, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + (q_begin + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+             + dims[None, :], out, mask=tile_ok)
+
+
+def _mma_dtype(q: torch.Tensor, k_cache: torch.Tensor, full_fp8: bool) -> tl.dtype:
+    """bf16 where q and the cache values are exact in it (E4M3 codes are), float32 otherwise."""
+    exact = full_fp8 or (q.dtype == torch.bfloat16 and k_cache.dtype in (torch.bfloat16, FP8_DTYPE))
+    return tl.bfloat16 if exact else tl.float32
+
+
+def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float,
+                      v_scale: float, fp8_q_scale: float | None) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # tokens outside every sequence stay zero
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need the same strides and a contiguous last dim")
+    q = _last_dim_contiguous(q)
+    group = num_heads // num_kv_heads
+    # Pure decode needs few rows per tile; prefill tiles share each K/V load among more queries.
+    block_m = max(16 if num_tokens == num_seqs else 64, triton.next_power_of_2(group))
+    block_q = block_m // group
+    full_fp8 = fp8_q_scale is not None
+    if full_fp8:
+        qk_scale, out_scale = fp8_q_scale * k_scale * scale, v_scale / FP8_MAX
+    else:
+        qk_scale, out_scale = k_scale * scale, v_scale
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, num_seqs, qk_scale, out_scale,
+        fp8_q_scale or 1.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
+        block_tables.stride(0), HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
+        BLOCK_Q=block_q, BLOCK_N=32, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        MMA_DTYPE=_mma_dtype(q, k_cache, full_fp8), FULL_FP8=full_fp8, INTERPRET=_INTERPRET, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ FlashInfer
+
+
+@functools.cache
+def flashinfer_available() -> bool:
+    """flashinfer imports and CUDA is available."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # not installed, or its extension fails to load
+        return False
+    return True
+
+
+def _flashinfer_fits(q: torch.Tensor, k_cache: torch.Tensor, fp8_q_scale: float | None) -> bool:
+    # Full FP8 is this engine's own emulation; FlashInfer has no float32 kernels.
+    return (not _flashinfer_failed and fp8_q_scale is None and q.is_cuda and q.dtype == torch.bfloat16
+            and k_cache.dtype in (torch.bfloat16, FP8_DTYPE) and q.shape[-1] in (64, 128, 256)
+            and flashinfer_available())
+
+
+@functools.cache
+def _flashinfer_wrapper(device: torch.device):
+    import flashinfer
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+    return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+
+
+def _flashinfer_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float,
+                          v_scale: float) -> torch.Tensor | None:
+    """FlashInfer's paged prefill kernel (its causal mask aligns the queries to the end of the context, as
+    here), or None, and never again, if it fails. It plans on every call: plan() reads the layout on the
+    host, which a caller owning the wrapper could do once per step instead of once per layer."""
+    global _flashinfer_failed
+    block_size = k_cache.shape[1]
+    pages = (seq_lens + block_size - 1) // block_size
+    used = torch.arange(block_tables.shape[1], device=q.device) < pages[:, None]
+    total = int(query_start_loc[-1])
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    try:
+        wrapper = _flashinfer_wrapper(q.device)
+        wrapper.plan(query_start_loc.int(), F.pad(pages.cumsum(0), (1, 0)).int(), block_tables[used].int(),
+                     (seq_lens - (pages - 1) * block_size).int(), q.shape[1], k_cache.shape[2], q.shape[2],
+                     block_size, causal=True, sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        wrapper.run(q[:total].contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, out=out[:total])
+    except Exception as exc:
+        logger.warning("fp8engine: FlashInfer attention failed (%s); using the Triton kernel", exc)
+        _flashinfer_failed = True
+        return None
+    return out
+
+
+# ------------------------------------------------------------------------------------------ entry point
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
+                           v_scale: float = 1.0, fp8_q_scale: float | None = None) -> torch.Tensor:
+    """Varlen causal attention over a paged KV cache: the semantics of attention_ref.paged_attention_ref."""
+    check_full_fp8(k_cache, fp8_q_scale)
+    if k_cache.dtype != FP8_DTYPE:
+        k_scale = v_scale = 1.0
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale)
+    if _flashinfer_fits(q, k_cache, fp8_q_scale):
+        out = _flashinfer_attention(*args)
+        if out is not None:
+            return out
+    return _triton_attention(*args, fp8_q_scale)

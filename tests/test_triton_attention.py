@@ -1,0 +1,177 @@
+"""The Triton paged-attention and KV-cache-write kernels on the Triton CPU interpreter against the torch
+reference (attention_ref).
+
+Cache writes must match bit for bit; attention must match the float32 reference up to summation order
+(and, with a bf16 q, bf16 output rounding); full FP8 up to rare E4M3 rounding-tie flips.
+"""
+
+import math
+import os
+
+# The interpreter is chosen when the kernels are decorated, so this must precede importing triton.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from fp8engine.model_executor.kernels import attention_triton as at  # noqa: E402
+from fp8engine.model_executor.kernels.attention_ref import (FP8_DTYPE, FP8_MAX, paged_attention_ref,  # noqa: E402
+                                                            quantize_fp8, write_kv_cache_ref)
+
+K_SCALE, V_SCALE, Q_SCALE = 0.05, 0.03, 0.02  # real values ~N(0, 1) use a good part of the E4M3 range
+
+# (num_heads, num_kv_heads, head_dim, block_size): GQA groups of 3 and 2.
+HEADS = [(9, 3, 64, 16), (4, 2, 32, 8)]
+CACHE_DTYPES = [torch.float32, torch.bfloat16, FP8_DTYPE]
+# Per sequence: (context length including the new tokens, new query tokens). Contexts end inside and on
+# block boundaries; 36 queries need two query tiles; sequences without queries sit at both ends.
+BATCHES = {
+    "decode": [(1, 1), (8, 1), (16, 1), (17, 1), (40, 1)],
+    "chunked_prefill": [(40, 24), (16, 16), (33, 7)],
+    "mixed": [(20, 0), (36, 36), (40, 1), (29, 9), (17, 1), (5, 5), (9, 0)],
+}
+
+
+def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+               cache_dtype: torch.dtype, q_dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+    """Arguments of paged_attention for random data, with every sequence's blocks shuffled over the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [math.ceil(seq_len / block_size) for seq_len, _ in seqs]
+    num_blocks = sum(needed) + 3
+    ids = torch.randperm(num_blocks, generator=gen).int()
+    # Entries past a sequence's need are invalid on purpose: the kernel must not read them.
+    block_tables = torch.full((len(seqs), max(needed) + 2), -1, dtype=torch.int32)
+    for s, start in enumerate(torch.tensor([0] + needed).cumsum(0)[:-1].tolist()):
+        block_tables[s, :needed[s]] = ids[start:start + needed[s]]
+
+    def cache(scale: float) -> torch.Tensor:
+        x = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+        return quantize_fp8(x, scale) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
+
+    q_lens = torch.tensor([n for _, n in seqs])
+    num_tokens = int(q_lens.sum())
+    # q as sliced from a fused qkv projection: rows are strided.
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(q_dtype)
+    return dict(
+        q=qkv[:, :num_heads], k_cache=cache(K_SCALE), v_cache=cache(V_SCALE), block_tables=block_tables,
+        query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).int(),
+        seq_lens=torch.tensor([seq_len for seq_len, _ in seqs], dtype=torch.int32),
+        scale=head_dim ** -0.5, k_scale=K_SCALE, v_scale=V_SCALE,
+    )
+
+
+def output_rtol(dtype: torch.dtype) -> float:
+    # float32 sums in another order; a bf16 result a few fp32 ulps off may round one bf16 step away.
+    return 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), rtol=output_rtol(out.dtype), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ attention
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["q_fp32", "q_bf16"])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "{}q{}kv{}d_bs{}".format(*h))
+def test_matches_reference(heads, cache_dtype, q_dtype, batch):
+    args = make_batch(BATCHES[batch], *heads, cache_dtype, q_dtype)
+    assert_matches(at.paged_attention_triton(**args), paged_attention_ref(**args))
+
+
+def test_head_dim_not_a_power_of_two():
+    args = make_batch(BATCHES["mixed"], 6, 2, 40, 16, FP8_DTYPE, torch.bfloat16)
+    assert_matches(at.paged_attention_triton(**args), paged_attention_ref(**args))
+
+
+def test_tokens_outside_every_sequence_are_zero():
+    args = make_batch(BATCHES["chunked_prefill"], 4, 2, 32, 8, torch.bfloat16, torch.bfloat16)
+    args["q"] = torch.cat([args["q"], torch.randn(3, 4, 32).bfloat16()])  # padding after the last sequence
+    out = at.paged_attention_triton(**args)
+    assert_matches(out, paged_attention_ref(**args))
+    assert not out[-3:].any()
+
+
+def test_fp8_cache_decodes_every_code():
+    """A one-token context returns its V row times v_scale exactly; the rows hold all 256 E4M3 codes
+    (subnormals, +-0, max, NaN)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).view(4, 64)
+    v_cache = torch.zeros(4, 16, 1, 64, dtype=FP8_DTYPE)
+    v_cache[:, 0, 0] = codes
+    out = at.paged_attention_triton(torch.randn(4, 1, 64), torch.zeros_like(v_cache), v_cache,
+                                    torch.arange(4, dtype=torch.int32)[:, None],
+                                    torch.arange(5, dtype=torch.int32), torch.ones(4, dtype=torch.int32), 0.1,
+                                    k_scale=K_SCALE, v_scale=V_SCALE)
+    torch.testing.assert_close(out[:, 0], codes.float() * V_SCALE, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=["q_fp32", "q_bf16"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "{}q{}kv{}d_bs{}".format(*h))
+def test_full_fp8_matches_reference(heads, q_dtype, batch):
+    args = make_batch(BATCHES[batch], *heads, FP8_DTYPE, q_dtype)
+    out = at.paged_attention_triton(**args, fp8_q_scale=Q_SCALE).float()
+    ref = paged_attention_ref(**args, fp8_q_scale=Q_SCALE).float()
+    # Both quantise the normalised P (two passes here), but exp and summation order differ in the last
+    # float32 bits, so a P * 448 next to an E4M3 rounding tie may round the other way: allow that for a
+    # few outputs, by at most one E4M3 step of P * 448 (<= 32, at the top of the range) times max |V|.
+    close = torch.isclose(out, ref, rtol=output_rtol(q_dtype), atol=1e-5)
+    assert close.float().mean() >= 0.999
+    max_v = args["v_cache"].float().abs().max() * V_SCALE
+    torch.testing.assert_close(out, ref, rtol=0, atol=float(32 / FP8_MAX * max_v))
+    # And the mode does quantise: it differs visibly from FP8-cache attention with exact q and P.
+    assert (out - at.paged_attention_triton(**args).float()).abs().max() > 1e-3
+
+
+def test_full_fp8_needs_an_fp8_cache():
+    args = make_batch([(10, 4)], 4, 2, 32, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="needs an FP8 KV cache"):
+        at.paged_attention_triton(**args, fp8_q_scale=Q_SCALE)
+
+
+def test_flashinfer_unavailable_without_cuda():
+    assert at.flashinfer_available() is False
+
+
+# ------------------------------------------------------------------------------------------ cache write
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16], ids=["src_fp32", "src_bf16"])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=["fp32", "bf16", "fp8"])
+def test_write_kv_cache_bit_exact(cache_dtype, src_dtype):
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, num_kv_heads, head_dim, block_size, num_blocks = 37, 3, 40, 16, 5  # masked heads and dims
+    # Wide dynamic range: saturation beyond 448 * scale, E4M3 subnormals, bf16 rounding ties; plus specials.
+    wide = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, generator=gen)
+    wide *= torch.exp(3 * torch.randn(wide.shape, generator=gen))
+    wide[0, 0, :6] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan")])
+    wide[1, 0, :4] = torch.tensor([1e-40, -1e-42, 1 + 2 ** -8, 1 + 3 * 2 ** -8])  # fp32 subnormals, bf16 ties
+    k, v = (x.to(src_dtype) for x in wide.chunk(2, dim=1))  # strided views, as sliced from a qkv output
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[2::4] = -1  # padding tokens are skipped
+
+    def cache() -> torch.Tensor:
+        x = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+        return quantize_fp8(x, 1.0) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
+
+    k_cache, v_cache = cache(), cache()
+    expected = [k_cache.clone(), v_cache.clone()]
+    write_kv_cache_ref(k, v, *expected, slots, K_SCALE, V_SCALE)
+    at.write_kv_cache_triton(k, v, k_cache, v_cache, slots, K_SCALE, V_SCALE)
+    for got, want in zip((k_cache, v_cache), expected):
+        # NaN payloads differ between implementations (torch's own CPU and CUDA casts disagree).
+        nan = want.float().isnan()
+        assert torch.equal(got.float().isnan(), nan)
+        assert torch.equal(got[~nan].view(torch.uint8), want[~nan].view(torch.uint8))
+
+
+def test_write_kv_cache_without_tokens():
+    k_cache = torch.zeros(2, 8, 1, 32, dtype=FP8_DTYPE)
+    empty = torch.zeros(0, 1, 32)
+    at.write_kv_cache_triton(empty, empty, k_cache, k_cache.clone(), torch.zeros(0, dtype=torch.int64))
+    assert not k_cache.float().any()
