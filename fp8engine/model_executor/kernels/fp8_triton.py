@@ -6,7 +6,7 @@ two, "ue8m0"), x_q = E4M3(clamp(x / scale, +-448)) with IEEE division and round-
 The GEMM multiplies each 128-wide K block on the tensor cores and applies both scales to that
 partial sum in float32, as DeepSeek-V3 / DeepGEMM do.
 
-This is the only module that imports triton; the engine imports it lazily. Under TRITON_INTERPRET=1
+Triton is imported only here and in attention_triton.py, both loaded lazily on CUDA. Under TRITON_INTERPRET=1
 (CPU tensors) it runs on the Triton interpreter, whose float32 -> fp8 cast does not round correctly,
 so there the kernels encode E4M3 with integer ops instead (_E4M3_BY_BITS).
 """
