@@ -152,3 +152,16 @@ def test_in_flight_requests_wait_or_abort(engine_a, state_b):
     assert aborted[0].outputs[0].finish_reason == "abort" and aborted[0].weight_version == 1
     stats = engine_a.get_stats()
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total and stats.weight_version == 2
+
+
+def test_prequantized_checkpoint_loads_as_is(default_dir, state_b, fresh_b, tmp_path):
+    state = {}
+    for name, tensor in state_b.items():
+        if name.endswith("proj.weight"):
+            state[name], state[name + "_scale_inv"] = quantize_weight_blockwise(tensor)
+        else:
+            state[name] = tensor
+    engine = make_engine(write_checkpoint(default_dir, tmp_path / "fp8_ckpt", state), quantization="fp8")
+    assert_same(rollout(engine), fresh_b)
+    with pytest.raises(ValueError, match="use EngineConfig\\(quantization='fp8'\\)"):
+        make_engine(str(tmp_path / "fp8_ckpt"))

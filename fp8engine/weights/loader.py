@@ -105,6 +105,9 @@ def check(target: Target, tensor: torch.Tensor) -> None:
         raise ValueError(f"weight {target.name!r}: shape {tuple(tensor.shape)} does not match the "
                          f"model's {target.shape}")
     allowed = _allowed_dtypes(target)
+    if tensor.dtype == FP8_DTYPE and target.kind == "dense":
+        raise ValueError(f"weight {target.name!r} is pre-quantized (float8_e4m3fn) but the engine runs "
+                         f"this layer unquantized; use EngineConfig(quantization='fp8')")
     if tensor.dtype not in allowed:
         raise ValueError(f"weight {target.name!r}: dtype {tensor.dtype} not accepted here "
                          f"(expected one of {[str(d) for d in allowed]})")
