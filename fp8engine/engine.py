@@ -338,6 +338,10 @@ class LLMEngine:
         return WeightUpdateReport(len(staged.items), staged.num_bytes, seconds, num_quantized,
                                   new_version, num_aborted)
 
+    def check_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Validate weights exactly as update_weights would (names, shapes, dtypes, values); writes nothing."""
+        updater.stage(self.runner.model, weights, self.kv_scales)
+
     def _drain(self, in_flight: str) -> int:
         if in_flight == "abort":
             ids = list(self.requests)

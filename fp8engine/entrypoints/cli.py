@@ -8,6 +8,7 @@ import sys
 import time
 
 from fp8engine.config import EngineConfig
+from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +68,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
-    if args.workload == "sync":
+    if args.workload == "serve":
+        from fp8engine.benchmarks import serve_load
+        report = serve_load.run_side_by_side(concurrency=args.concurrency, num_requests=args.num_requests,
+                                             max_tokens=args.max_tokens, model=args.model, dtype=args.dtype,
+                                             engine_options=None, rounds=3)
+        print(serve_load.format_table(report))
+    elif args.workload == "sync":
         from fp8engine.benchmarks import weight_sync
         report = weight_sync.run(model=args.model, modes=modes)
         print(weight_sync.format_table(report))
@@ -105,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", help="throughput / weight-sync benchmarks, modes side by side")
     bench.add_argument("--workload", default="quick",
-                       choices=["quick", "decode", "rl-short", "rl-long", "sync"])
+                       choices=["quick", "decode", "rl-short", "rl-long", "sync", "serve"])
     bench.add_argument("--modes", default="bf16")
     bench.add_argument("--baseline", default=None, choices=["hf"])
     bench.add_argument("--model", default="default")
@@ -114,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None)
     bench.add_argument("--plot", default=None)
     bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--concurrency", type=int, default=64, help="serve: concurrent streaming clients")
+    bench.add_argument("--num-requests", type=int, default=200, help="serve: requests in all")
+    bench.add_argument("--max-tokens", type=int, default=16, help="serve: tokens per request")
     bench.set_defaults(func=cmd_bench)
     serve = sub.add_parser("serve", help="OpenAI-compatible rollout server")
     add_engine_args(serve)
@@ -122,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--admin-key", default=None)
     serve.add_argument("--allowed-weight-dir", action="append", default=[])
+    serve.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="limit for OpenAI requests")
+    serve.add_argument("--max-update-bytes", type=int, default=MAX_UPDATE_BYTES,
+                       help="limit for /update_weights bodies")
     serve.set_defaults(func=cmd_serve)
     return parser
 

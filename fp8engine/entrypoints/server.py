@@ -1,0 +1,503 @@
+"""`fp8engine serve`: the OpenAI-compatible rollout server with RL endpoints.
+
+Endpoints (every one but /health needs `Authorization: Bearer <api key>` when --api-key is set;
+the RL endpoints need the admin key when --admin-key is set, else the api key; the admin key is
+accepted everywhere):
+  GET  /health                     liveness and pause state
+  GET  /version, /v1/models, /metrics (Prometheus)
+  POST /v1/completions, /v1/chat/completions   OpenAI, streaming as server-sent events
+  RL:
+  POST /pause {"mode": "abort"|"wait"|"keep"}   (see async_engine.py; "wait" answers once idle)
+  POST /resume, POST /flush_cache
+  POST /update_weights_from_disk {"path", "weight_version", "flush_cache", "in_flight"}
+       reads path/*.safetensors; path must resolve inside an --allowed-weight-dir
+  POST /update_weights?weight_version=V&flush_cache=true&in_flight=wait   body: a safetensors file
+       bucketed: ?bucket=start, then ?bucket=add once per bucket (body: a safetensors file), then
+       ?bucket=commit&weight_version=V (an optional last bucket as its body). Each bucket is
+       validated when it arrives (names, shapes, dtypes, finite values; a pre-quantized weight and
+       its _scale_inv travel in the same bucket); nothing is written before commit, which applies
+       every bucket in one LLMEngine.update_weights call. A bad bucket answers 400 and discards the
+       whole update, leaving the engine unchanged; a new start also discards an open one.
+  GET  /weight_version, /kv_scales, /stats
+Generation requests answer 503 while paused in "abort" or "wait" mode. Request and choice
+extensions are listed in protocol.py.
+"""
+
+import argparse
+import asyncio
+import dataclasses
+import glob
+import hmac
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from safetensors import SafetensorError
+from starlette.exceptions import HTTPException
+
+import fp8engine
+from fp8engine.engine import LLMEngine
+from fp8engine.entrypoints.async_engine import AsyncEngine, EnginePaused, RequestStream
+from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
+from fp8engine.entrypoints.protocol import (
+    ApiError,
+    BucketQuery,
+    ChatBuilder,
+    ChatCompletionRequest,
+    CompletionBuilder,
+    CompletionRequest,
+    DiskUpdateRequest,
+    PauseRequest,
+    ResponseBuilder,
+    SamplingRequest,
+    TokenTable,
+    WeightUpdateOptions,
+    parse_json,
+    validate,
+)
+from fp8engine.outputs import EngineStats, RequestOutput
+from fp8engine.weights.loader import iter_safetensors
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+UPDATE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """Network, security and limit options (the engine's come from EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    admin_key: str | None = None
+    allowed_weight_dirs: tuple[str, ...] = ()
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_update_bytes: int = MAX_UPDATE_BYTES
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
+        return cls(host=args.host, port=args.port, api_key=args.api_key, admin_key=args.admin_key,
+                   allowed_weight_dirs=tuple(args.allowed_weight_dir or ()),
+                   max_body_bytes=args.max_body_bytes, max_update_bytes=args.max_update_bytes)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Build the engine from the CLI options and serve until interrupted."""
+    import uvicorn
+
+    from fp8engine.entrypoints.cli import engine_config
+    settings = ServerSettings.from_args(args)
+    if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", settings.host)
+    app = create_app(LLMEngine(engine_config(args)), settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    return 0
+
+
+def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app serving `engine`; the engine thread runs for the app's lifespan."""
+    server = Server(AsyncEngine(engine), settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine.start()
+        yield
+        await asyncio.to_thread(server.engine.stop)
+
+    app = FastAPI(title="fp8engine", version=fp8engine.__version__, lifespan=lifespan)
+    for method, path, handler, auth in server.routes():
+        app.add_api_route(path, handler, methods=[method], dependencies=[Depends(auth)] if auth else [])
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _internal_error)
+    return app
+
+
+class Server:
+    """Route handlers; every engine call goes through the AsyncEngine's command queue."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings):
+        llm = engine.engine
+        self.engine = engine
+        self.settings = settings
+        self.tokens = TokenTable(llm.tokenizer)
+        self.max_model_len = llm.max_model_len
+        basename = os.path.basename(os.path.normpath(llm.model_dir))
+        self.model_name = "default" if llm.config.model == "default" else basename
+        self.model_names = {"default", basename}
+        self.metrics = Metrics()
+        self._bucket: list[tuple[str, torch.Tensor]] | None = None
+        self._weights_lock = asyncio.Lock()
+
+    def routes(self) -> list[tuple[str, str, Callable, Callable | None]]:
+        user, admin = self.require_api_key, self.require_admin_key
+        return [("GET", "/health", self.health, None), ("GET", "/version", self.version, user),
+                ("GET", "/v1/models", self.models, user), ("GET", "/metrics", self.prometheus, user),
+                ("POST", "/v1/completions", self.completions, user),
+                ("POST", "/v1/chat/completions", self.chat_completions, user),
+                ("POST", "/pause", self.pause, admin), ("POST", "/resume", self.resume, admin),
+                ("POST", "/flush_cache", self.flush_cache, admin),
+                ("POST", "/update_weights_from_disk", self.update_weights_from_disk, admin),
+                ("POST", "/update_weights", self.update_weights, admin),
+                ("GET", "/weight_version", self.weight_version, admin),
+                ("GET", "/kv_scales", self.kv_scales, admin), ("GET", "/stats", self.stats, admin)]
+
+    # ----------------------------------------------------------------- auth
+    async def require_api_key(self, request: Request) -> None:
+        if self.settings.api_key is not None:
+            _check_bearer(request, (self.settings.api_key, self.settings.admin_key))
+
+    async def require_admin_key(self, request: Request) -> None:
+        key = self.settings.admin_key or self.settings.api_key
+        if key is not None:
+            _check_bearer(request, (key,))
+
+    # ----------------------------------------------------------------- info
+    async def health(self) -> dict:
+        return {"status": "ok", "paused": self.engine.pause_mode}
+
+    async def version(self) -> dict:
+        return {"version": fp8engine.__version__}
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "fp8engine", "max_model_len": self.max_model_len}]}
+
+    async def prometheus(self) -> Response:
+        self.metrics.engine_stats.latest = await self.engine.stats()
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ----------------------------------------------------------------- OpenAI
+    async def completions(self, request: Request) -> Response:
+        body = parse_json(await _read_body(request, self.settings.max_body_bytes), CompletionRequest)
+        return await self._generate(request, body, CompletionBuilder(body, self.model_name, self.tokens))
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = parse_json(await _read_body(request, self.settings.max_body_bytes), ChatCompletionRequest)
+        return await self._generate(request, body, ChatBuilder(body, self.model_name, self.tokens))
+
+    async def _generate(self, request: Request, body: SamplingRequest, builder: ResponseBuilder) -> Response:
+        if body.model is not None and body.model not in self.model_names:
+            raise ApiError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        timer = self.metrics.timer()
+        try:
+            params = body.sampling_params(default_max_tokens=self.max_model_len)
+        except ValueError as exc:
+            raise _bad_request(exc) from None
+        try:
+            stream = await self.engine.add(body.prompts(), params, builder.id)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=body.prompt_field) from None
+        except EnginePaused as exc:
+            raise ApiError(503, str(exc), code="paused") from None
+        if body.stream:
+            events = _sse_events(stream, builder, timer, body.stream_options.include_usage)
+            return _EventStream(events, stream)
+        try:
+            finals = await _until_disconnect(request, _final_outputs(stream, timer))
+        finally:
+            stream.close()
+        if finals is None:
+            return Response(status_code=499)
+        return JSONResponse(builder.response(finals))
+
+    # ----------------------------------------------------------------- RL
+    async def pause(self, request: Request) -> dict:
+        body = parse_json(await _read_body(request, self.settings.max_body_bytes), PauseRequest)
+        num_aborted = await self.engine.pause(body.mode)
+        return {"paused": body.mode, "num_aborted": num_aborted}
+
+    async def resume(self) -> dict:
+        await self.engine.resume()
+        return {"paused": None}
+
+    async def flush_cache(self) -> dict:
+        await self.engine.call(LLMEngine.flush_prefix_cache)
+        return {"flushed": True}
+
+    async def weight_version(self) -> dict:
+        return {"weight_version": (await self.engine.stats()).weight_version}
+
+    async def kv_scales(self) -> dict:
+        scales = (await self.engine.stats()).kv_scales
+        return {layer: {"k_scale": k, "v_scale": v} for layer, (k, v) in scales.items()}
+
+    async def stats(self) -> dict:
+        return dataclasses.asdict(await self.engine.stats()) | {"paused": self.engine.pause_mode}
+
+    async def update_weights_from_disk(self, request: Request) -> dict:
+        body = parse_json(await _read_body(request, self.settings.max_body_bytes), DiskUpdateRequest)
+        directory = self._allowed_directory(body.path)
+        try:
+            tensors = await asyncio.to_thread(lambda: list(iter_safetensors(directory)))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="path") from None
+        async with self._weights_lock:
+            return await self._apply(tensors, body)
+
+    async def update_weights(self, request: Request) -> dict:
+        query = validate(BucketQuery, dict(request.query_params))
+        data = await _read_body(request, self.settings.max_update_bytes)
+        async with self._weights_lock:
+            if query.bucket is None:
+                return await self._apply(await _load_safetensors(data), query)
+            return await self._bucketed(query, data)
+
+    async def _bucketed(self, query: BucketQuery, data: bytes) -> dict:
+        if query.bucket == "start":
+            self._bucket = []
+            return {"bucket": "started"}
+        if self._bucket is None:
+            raise ApiError(409, f"bucket={query.bucket} without an open update; send bucket=start first",
+                           param="bucket", code="no_open_update")
+        if data or query.bucket == "add":
+            await self._add_bucket(data)
+        if query.bucket == "add":
+            return {"bucket": "added", "num_tensors": len(self._bucket),
+                    "num_bytes": sum(t.numel() * t.element_size() for _, t in self._bucket)}
+        tensors, self._bucket = self._bucket, None
+        return await self._apply(tensors, query)
+
+    async def _add_bucket(self, data: bytes) -> None:
+        try:
+            tensors = await _load_safetensors(data)
+            await self.engine.call(lambda llm: llm.check_weights(tensors))
+        except (ApiError, ValueError) as exc:
+            self._bucket = None
+            raise ApiError(400, f"bad bucket, the whole update is discarded: {exc}", param="body") from None
+        self._bucket += tensors
+
+    async def _apply(self, tensors: list[tuple[str, torch.Tensor]], options: WeightUpdateOptions) -> dict:
+        try:
+            report = await self.engine.update_weights(tensors, weight_version=options.weight_version,
+                                                      flush_cache=options.flush_cache,
+                                                      in_flight=options.in_flight)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="weights") from None
+        self.metrics.update_seconds.observe(report.seconds)
+        return dataclasses.asdict(report)
+
+    def _allowed_directory(self, path: str) -> str:
+        roots = [os.path.realpath(d) for d in self.settings.allowed_weight_dirs]
+        if not roots:
+            raise ApiError(403, "update_weights_from_disk is disabled: start the server with "
+                                "--allowed-weight-dir", param="path", code="no_allowed_weight_dir")
+        real = os.path.realpath(path)
+        if ".." in Path(path).parts or not any(_inside(real, r) for r in roots):
+            raise ApiError(403, f"path {path!r} is outside the allowed weight directories", param="path",
+                           code="path_not_allowed")
+        if not os.path.isdir(real):
+            raise ApiError(400, f"path {path!r} is not a directory", param="path")
+        escaping = [f for f in glob.glob(os.path.join(real, "*.safetensors"))
+                    if not any(_inside(os.path.realpath(f), r) for r in roots)]
+        if escaping:
+            raise ApiError(403, f"{os.path.basename(escaping[0])!r} links outside the allowed weight "
+                                f"directories", param="path", code="path_not_allowed")
+        return real
+
+
+# --------------------------------------------------------------------- streaming
+class _EventStream(StreamingResponse):
+    """Server-sent events that abort the requests behind them however the response ends."""
+
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
+
+
+async def _sse_events(stream: RequestStream, builder: ResponseBuilder, timer: "Timer",
+                      include_usage: bool) -> AsyncIterator[str]:
+    try:
+        async for index, out in stream:
+            timer.tick(index, out)
+            choices = builder.chunk_choices(index, out)
+            if choices:
+                yield _event(builder.chunk(choices))
+        if include_usage:
+            yield _event(builder.chunk([], usage=builder.usage()))
+    except Exception as exc:
+        logger.exception("stream %s failed", builder.id)
+        yield _event(ApiError(500, f"generation failed: {exc}").body())
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(',', ':'))}\n\n"
+
+
+async def _final_outputs(stream: RequestStream, timer: "Timer") -> dict[int, RequestOutput]:
+    finals = {}
+    async for index, out in stream:
+        timer.tick(index, out)
+        finals[index] = out
+    return finals
+
+
+async def _until_disconnect(request: Request, work):
+    """Await `work`, or return None as soon as the client disconnects (the work is cancelled)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()
+    return task.result() if task in done else None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --------------------------------------------------------------------- metrics
+class Metrics:
+    """Prometheus metrics: engine counters read at scrape time, latencies observed as they happen."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.engine_stats = _EngineStatsCollector()
+        self.registry.register(self.engine_stats)
+        self.ttft = Histogram("fp8engine_time_to_first_token_seconds", "Request arrival to its first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("fp8engine_inter_token_latency_seconds",
+                             "Time between consecutive token steps of a request",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.update_seconds = Histogram("fp8engine_update_weights_seconds", "update_weights duration",
+                                        buckets=UPDATE_BUCKETS, registry=self.registry)
+
+    def timer(self) -> "Timer":
+        return Timer(self)
+
+
+class Timer:
+    """Observes time to first token and inter-token latency of one HTTP request."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.last = time.perf_counter()
+        self.first = True
+        self.num_tokens: dict[int, int] = {}
+
+    def tick(self, prompt_index: int, out: RequestOutput) -> None:
+        count = sum(len(s.token_ids) for s in out.outputs)
+        if count <= self.num_tokens.get(prompt_index, 0):
+            return
+        self.num_tokens[prompt_index] = count
+        now = time.perf_counter()
+        (self.metrics.ttft if self.first else self.metrics.itl).observe(now - self.last)
+        self.first, self.last = False, now
+
+
+class _EngineStatsCollector:
+    """Exposes the latest EngineStats snapshot (refreshed by each /metrics scrape)."""
+
+    def __init__(self):
+        self.latest: EngineStats | None = None
+
+    def collect(self):
+        s = self.latest
+        if s is None:
+            return
+        yield CounterMetricFamily("fp8engine_num_preemptions", "Sequences preempted (recompute)",
+                                  value=s.num_preemptions_total)
+        yield CounterMetricFamily("fp8engine_prompt_tokens", "Prompt tokens computed", value=s.num_prompt_tokens_total)
+        yield CounterMetricFamily("fp8engine_generation_tokens", "Tokens generated",
+                                  value=s.num_generation_tokens_total)
+        gauges = {"num_requests_running": (s.num_running, "Sequences (samples) running"),
+                  "num_requests_waiting": (s.num_waiting, "Sequences (samples) waiting"),
+                  "kv_blocks_used": (s.num_kv_blocks_total - s.num_kv_blocks_free, "KV blocks in use"),
+                  "kv_blocks_total": (s.num_kv_blocks_total, "KV blocks in the cache"),
+                  "weight_version": (s.weight_version, "Weight version being served")}
+        for name, (value, doc) in gauges.items():
+            yield GaugeMetricFamily(f"fp8engine_{name}", doc, value=value)
+        scales = GaugeMetricFamily("fp8engine_kv_scale", "Current FP8 KV-cache scale", labels=["layer", "tensor"])
+        for layer, (k, v) in s.kv_scales.items():
+            scales.add_metric([layer, "k"], k)
+            scales.add_metric([layer, "v"], v)
+        yield scales
+
+
+# --------------------------------------------------------------------- helpers
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body; ApiError 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes", param="body",
+                    code="body_too_large")
+
+
+async def _load_safetensors(data: bytes) -> list[tuple[str, torch.Tensor]]:
+    if not data:
+        raise ApiError(400, "the body must be a safetensors file, got an empty body", param="body")
+    try:
+        return list((await asyncio.to_thread(safetensors.torch.load, data)).items())
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise ApiError(400, f"the body is not a valid safetensors file: {exc}", param="body") from None
+
+
+def _check_bearer(request: Request, keys: tuple[str | None, ...]) -> None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = token.strip().encode()
+    if scheme.lower() != "bearer" or not any(k and hmac.compare_digest(given, k.encode()) for k in keys):
+        raise ApiError(401, "missing or invalid key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def _bad_request(exc: ValueError) -> ApiError:
+    match = re.search(r"SamplingParams\.(\w+)", str(exc))
+    return ApiError(400, str(exc), param=match.group(1) if match else None)
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return await _api_error(request, ApiError(exc.status_code, str(exc.detail)))
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return await _api_error(request, ApiError(400, str(exc)))
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s", request.url.path)
+    return await _api_error(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
