@@ -1,0 +1,794 @@
+// W8A8 blockwise FP8 (E4M3) linear layers and weight quantization for CPUs.
+//
+// Numerics follow fp8engine/weights/quant.py bit for bit: 1x128 activation groups, 128x128 weight
+// blocks, scale = max(amax, 1e-12) / 448 (optionally rounded up to a power of two), x / scale in
+// float32, clamp to +-448, round-to-nearest-even to E4M3. Every E4M3 value is exactly a bf16, so the
+// dot products run on AVX512-BF16 (vdpbf16ps) over operands converted from E4M3 in registers; each
+// 128-wide K block is summed in float32 and scaled once.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define FP8E_BF16_KERNELS 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FP8E_AVX512 1
+#endif
+#if defined(FP8E_BF16_KERNELS) || defined(FP8E_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 128;
+constexpr float kFp8Max = 448.f;
+constexpr float kMinAmax = 1e-12f;
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// scale = max(amax, 1e-12) / 448; ue8m0 rounds it up to a power of two exactly (mantissa carry).
+float block_scale(float amax, bool ue8m0) {
+  const float s = (amax < kMinAmax ? kMinAmax : amax) / kFp8Max;  // a NaN amax stays NaN
+  if (!ue8m0 || std::isnan(s)) return s;
+  return f32_from_bits((f32_bits(s) + 0x7FFFFFu) & 0x7F800000u);
+}
+
+// bf16 bit pattern of an E4M3 value (exact); the E4M3 NaN 0x7F maps to a bf16 NaN.
+constexpr uint16_t e4m3_bf16_bits(int v) {
+  const int sign = (v & 0x80) << 8;
+  int e = (v >> 3) & 15, m = v & 7;
+  if ((v & 0x7F) == 0x7F) return static_cast<uint16_t>(sign | 0x7FC0);
+  if (e != 0) return static_cast<uint16_t>(sign | (e + 120) << 7 | m << 4);
+  if (m == 0) return static_cast<uint16_t>(sign);
+  int exp = -6;  // subnormal m/8 * 2^-6: normalise the mantissa
+  while (m < 8) {
+    m <<= 1;
+    --exp;
+  }
+  return static_cast<uint16_t>(sign | (exp + 127) << 7 | (m & 7) << 4);
+}
+
+struct Bf16Tables {
+  std::array<uint16_t, 256> full{};
+  alignas(64) std::array<uint8_t, 128> hi{};  // high byte of the magnitude's bf16, by 7-bit magnitude
+  alignas(64) std::array<uint8_t, 128> lo{};
+  constexpr Bf16Tables() {
+    for (int v = 0; v < 256; ++v) full[v] = e4m3_bf16_bits(v);
+    for (int v = 0; v < 128; ++v) {
+      hi[v] = static_cast<uint8_t>(full[v] >> 8);
+      lo[v] = static_cast<uint8_t>(full[v] & 0xFF);
+    }
+  }
+};
+constexpr Bf16Tables kTables{};
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+template <typename T>
+using Buffer = std::unique_ptr<T[], AlignedFree>;
+
+template <typename T>
+Buffer<T> alloc_buffer(int64_t n) {
+  const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 63) / 64 * 64;
+  auto* p = static_cast<T*>(std::aligned_alloc(64, bytes));
+  TORCH_CHECK(p != nullptr, "fp8 kernels: out of memory");
+  return Buffer<T>(p);
+}
+
+template <typename T>
+T from_f32(float v) {
+  return static_cast<T>(v);  // c10::BFloat16 rounds to nearest even, like Tensor.to()
+}
+
+#ifdef FP8E_AVX512
+
+__m512 load_f32(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+__m512 load_f32(const at::BFloat16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+__m512 load_f32(const at::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+
+__mmask16 tail_mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
+__mmask64 tail_mask64(int64_t n) { return n >= 64 ? ~__mmask64(0) : n <= 0 ? 0 : (__mmask64(1) << n) - 1; }
+
+// Calls f(offset, mask) over 16-lane chunks of [0, n); whole chunks get a constant all-ones mask.
+template <typename F>
+void for_chunks16(int64_t n, F&& f) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) f(c, __mmask16(0xFFFF));
+  if (c < n) f(c, tail_mask16(n - c));
+}
+
+// c10's float -> float8_e4m3fn conversion for 16 lanes (round to nearest even; >= 480 and NaN -> 0x7F).
+__m128i e4m3_from_f32x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(int(0x80000000u)));
+  const __m512i a = _mm512_xor_si512(bits, sign);
+  const __mmask16 nan = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(1087 << 20));
+  const __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23));
+  const __m512i denorm = _mm512_set1_epi32(141 << 23);
+  const __m512i rs = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(denorm))), denorm);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  const __m512i rn = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(int(0xC407FFFFu))), odd), 20);
+  __m512i r = _mm512_mask_blend_epi32(small, rn, rs);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7F));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(r, _mm512_srli_epi32(sign, 24)));
+}
+
+// E4M3 bytes of clamp(v / scale): the division (not a reciprocal multiply) matches the reference.
+__m128i quantize_f32x16(__m512 v, __m512 scale) {
+  const __m512 q = _mm512_div_ps(v, scale);
+  // max(lo, q) / min(hi, .) return q when q is NaN, so NaN survives like torch.clamp.
+  const __m512 c = _mm512_min_ps(_mm512_set1_ps(kFp8Max), _mm512_max_ps(_mm512_set1_ps(-kFp8Max), q));
+  return e4m3_from_f32x16(c);
+}
+
+// |v| bit patterns order like the values and a NaN's exceed them all, so an integer max is an amax
+// that propagates NaN.
+template <typename T>
+float amax_rows(const T* p, int64_t ld, int64_t rows, int64_t cols) {
+  __m512i mx = _mm512_setzero_si512();
+  for (int64_t r = 0; r < rows; ++r)
+    for_chunks16(cols, [&](int64_t c, __mmask16 m) {
+      const __m512i bits = _mm512_castps_si512(load_f32(p + r * ld + c, m));
+      mx = _mm512_max_epu32(mx, _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
+    });
+  return f32_from_bits(_mm512_reduce_max_epu32(mx));
+}
+
+template <typename T>
+void quantize_span(const T* src, uint8_t* dst, int64_t n, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for_chunks16(n, [&](int64_t c, __mmask16 m) {
+    _mm_mask_storeu_epi8(dst + c, m, quantize_f32x16(load_f32(src + c, m), s));
+  });
+}
+
+#else
+
+template <typename T>
+float to_f32(T v) {
+  return static_cast<float>(v);
+}
+
+// c10's float -> float8_e4m3fn conversion (round to nearest even; >= 480 and NaN -> 0x7F).
+uint8_t e4m3_from_f32(float f) {
+  uint32_t bits = f32_bits(f);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t r;
+  if (bits >= (1087u << 20)) {
+    r = 0x7F;
+  } else if (bits < (121u << 23)) {
+    r = static_cast<uint8_t>(f32_bits(f32_from_bits(bits) + f32_from_bits(141u << 23)) - (141u << 23));
+  } else {
+    bits += 0xC407FFFFu + ((bits >> 20) & 1u);
+    r = static_cast<uint8_t>(bits >> 20);
+  }
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+float clamp_fp8(float v) { return std::isnan(v) ? v : std::min(kFp8Max, std::max(-kFp8Max, v)); }
+
+template <typename T>
+float amax_rows(const T* p, int64_t ld, int64_t rows, int64_t cols) {
+  float mx = 0.f;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = to_f32(p[r * ld + c]);
+      if (std::isnan(v)) return v;
+      mx = std::max(mx, std::fabs(v));
+    }
+  return mx;
+}
+
+template <typename T>
+void quantize_span(const T* src, uint8_t* dst, int64_t n, float scale) {
+  for (int64_t c = 0; c < n; ++c) dst[c] = e4m3_from_f32(clamp_fp8(to_f32(src[c]) / scale));
+}
+
+#endif  // FP8E_AVX512
+
+// ------------------------------------------------------------------------------------------------
+// Weight quantization: one 128x128 block per task, read twice (amax, then quantize) while cached.
+
+template <typename T>
+void quantize_weight_impl(const at::Tensor& w, uint8_t* q, float* scales, bool ue8m0) {
+  const int64_t n = w.size(0), k = w.size(1), ld = w.stride(0);
+  const int64_t nbk = cdiv(k, kBlock), nblocks = cdiv(n, kBlock) * nbk;
+  const T* base = w.data_ptr<T>();
+  at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t r0 = blk / nbk * kBlock, c0 = blk % nbk * kBlock;
+      const int64_t rows = std::min(kBlock, n - r0), cols = std::min(kBlock, k - c0);
+      const T* src = base + r0 * ld + c0;
+      const float s = block_scale(amax_rows(src, ld, rows, cols), ue8m0);
+      scales[blk] = s;
+      for (int64_t r = 0; r < rows; ++r) quantize_span(src + r * ld, q + (r0 + r) * k + c0, cols, s);
+    }
+  });
+}
+
+void fp8_quantize_weight_(const at::Tensor& w, const at::Tensor& out_q, const at::Tensor& out_scale,
+                          bool ue8m0) {
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "fp8_quantize_weight_: w must be 2-D with unit inner stride");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(out_q.scalar_type() == at::kFloat8_e4m3fn && out_q.is_contiguous() &&
+                  out_q.sizes() == w.sizes(),
+              "fp8_quantize_weight_: out_q must be a contiguous float8_e4m3fn tensor shaped like w");
+  TORCH_CHECK(out_scale.scalar_type() == at::kFloat && out_scale.is_contiguous() &&
+                  out_scale.numel() == cdiv(n, kBlock) * cdiv(k, kBlock),
+              "fp8_quantize_weight_: out_scale must be contiguous float32 [ceil(N/128), ceil(K/128)]");
+  TORCH_CHECK(w.device().is_cpu() && out_q.device().is_cpu() && out_scale.device().is_cpu(),
+              "fp8_quantize_weight_: CPU tensors only");
+  auto* q = static_cast<uint8_t*>(out_q.data_ptr());
+  float* scales = out_scale.data_ptr<float>();
+  switch (w.scalar_type()) {
+    case at::kFloat: return quantize_weight_impl<float>(w, q, scales, ue8m0);
+    case at::kBFloat16: return quantize_weight_impl<at::BFloat16>(w, q, scales, ue8m0);
+    case at::kHalf: return quantize_weight_impl<at::Half>(w, q, scales, ue8m0);
+    default: TORCH_CHECK(false, "fp8_quantize_weight_: unsupported weight dtype ", w.scalar_type());
+  }
+}
+
+struct Problem {
+  int64_t m, n, k, nkb;
+  const uint8_t* w;   // [N, K] E4M3
+  const float* sw;    // [ceil(N/128), nkb]
+  const float* bias;  // [N] or nullptr
+  float sw_at(int64_t row, int64_t b) const { return sw[row / kBlock * nkb + b]; }
+  float bias_at(int64_t row) const { return bias ? bias[row] : 0.f; }
+};
+
+#ifdef FP8E_BF16_KERNELS
+
+// bf16 operands use "lane order": each 64 consecutive k become two vectors of 32 bf16, the first
+// holding k = 16L + 0..7 and the second k = 16L + 8..15 in 128-bit lane L (what unpacking bytes
+// within lanes produces). Activations and weights share it, so the dot products are unchanged and
+// each 32-bit lane still holds a pair of neighbouring k.
+
+// E4M3 -> bf16 for 64 bytes: two 128-entry byte lookups (high and low byte of the magnitude's bf16),
+// the sign bit copied in, then low and high bytes interleaved within lanes.
+struct E4m3ToBf16 {
+  __m512i hi0, hi1, lo0, lo1;
+  E4m3ToBf16()
+      : hi0(_mm512_load_si512(kTables.hi.data())),
+        hi1(_mm512_load_si512(kTables.hi.data() + 64)),
+        lo0(_mm512_load_si512(kTables.lo.data())),
+        lo1(_mm512_load_si512(kTables.lo.data() + 64)) {}
+  void operator()(__m512i b, __m512i& out0, __m512i& out1) const {
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, b, hi1), b,
+                                                 _mm512_set1_epi8(char(0x80)), 0xF8);  // hi | (b & 0x80)
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, b, lo1);
+    out0 = _mm512_unpacklo_epi8(lo, hi);
+    out1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+};
+
+__m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// clamp(v / scale) rounded to the nearest E4M3 value, as a float (the sign of a zero may differ from
+// e4m3_from_f32, which no product sees). Adding and subtracting m = +-2^(e + 20), with 2^e the binade
+// of the value but at least 2^-6, makes the FPU round to 3 mantissa bits (subnormal step 2^-9) with
+// ties to even; a NaN passes through the additions.
+__m512 e4m3_round_f32x16(__m512 v, __m512 scale) {
+  const __m512 q = _mm512_div_ps(v, scale);
+  const __m512 c = _mm512_min_ps(_mm512_set1_ps(kFp8Max), _mm512_max_ps(_mm512_set1_ps(-kFp8Max), q));
+  const __m512i bits = _mm512_castps_si512(c);
+  const __m512i binade = _mm512_max_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)),
+                                          _mm512_set1_epi32(121 << 23));
+  const __m512i e = _mm512_add_epi32(binade, _mm512_set1_epi32(20 << 23));
+  const __m512 m = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(e, bits, _mm512_set1_epi32(int(0x80000000u)), 0xF8));
+  return _mm512_sub_ps(_mm512_add_ps(c, m), m);
+}
+
+// Quantizes one row's K block (cols <= 128) into 4 vectors of 32 bf16 in lane order. E4M3 values are
+// normal bf16 numbers, so vcvtne2ps2bf16 converts them exactly.
+template <bool kFull, typename T>
+void quantize_pairs(const T* src, int64_t cols, float scale, __m512i (&out)[4]) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int h = 0; h < 2; ++h) {
+    __m512i bf[2];
+    for (int i = 0; i < 2; ++i) {
+      const int64_t k = 64 * h + 32 * i;
+      const __mmask16 m0 = kFull ? __mmask16(0xFFFF) : tail_mask16(cols - k);
+      const __mmask16 m1 = kFull ? __mmask16(0xFFFF) : tail_mask16(cols - k - 16);
+      bf[i] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e4m3_round_f32x16(load_f32(src + k + 16, m1), sv),
+                                                            e4m3_round_f32x16(load_f32(src + k, m0), sv)));
+    }
+    out[2 * h] = _mm512_shuffle_i64x2(bf[0], bf[1], 0x88);      // 128-bit lanes 0, 2 of each
+    out[2 * h + 1] = _mm512_shuffle_i64x2(bf[0], bf[1], 0xDD);  // lanes 1, 3
+  }
+}
+
+// ---- small M: dot products along K, MR activation rows x NR weight rows in registers -----------
+
+struct RowsBf16 {
+  int64_t kp = 0;
+  Buffer<uint16_t> x;  // [M, kp] bf16 in lane order, zero padded to whole blocks
+  Buffer<float> scale;  // [M, nkb]
+};
+
+template <typename T>
+RowsBf16 quantize_rows(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8m0) {
+  RowsBf16 out{nkb * kBlock, alloc_buffer<uint16_t>(m * nkb * kBlock), alloc_buffer<float>(m * nkb)};
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < nkb; ++b) {
+        const T* src = x + r * k + b * kBlock;
+        const int64_t cols = std::min(kBlock, k - b * kBlock);
+        const float s = block_scale(amax_rows(src, 0, 1, cols), ue8m0);
+        out.scale[r * nkb + b] = s;
+        __m512i pairs[4];
+        if (cols == kBlock) {
+          quantize_pairs<true>(src, cols, s, pairs);
+        } else {
+          quantize_pairs<false>(src, cols, s, pairs);
+        }
+        for (int c = 0; c < 4; ++c) _mm512_storeu_si512(out.x.get() + r * out.kp + b * kBlock + 32 * c, pairs[c]);
+      }
+  });
+  return out;
+}
+
+// acc[i][j] += x row i . w row j over [k0, kend) (at most one K block), in 64-k chunks.
+template <int MR, int NR, bool kFull>
+void gemv_block(const E4m3ToBf16& cvt, const uint8_t* const (&wr)[NR], const uint16_t* xb, int64_t kp, int64_t k0,
+                int64_t kend, __m512 (&acc)[MR][NR]) {
+  for (int64_t k = k0; k < (kFull ? k0 + kBlock : kend); k += 64) {
+    const __mmask64 mask = kFull ? ~__mmask64(0) : tail_mask64(kend - k);
+    __m512bh xv[MR][2];
+    for (int i = 0; i < MR; ++i)
+      for (int h = 0; h < 2; ++h) xv[i][h] = as_bh(_mm512_loadu_si512(xb + i * kp + k + 32 * h));
+    for (int j = 0; j < NR; ++j) {
+      __m512i w0, w1;
+      cvt(_mm512_maskz_loadu_epi8(mask, wr[j] + k), w0, w1);
+      for (int i = 0; i < MR; ++i)
+        acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], xv[i][0], as_bh(w0)), xv[i][1], as_bh(w1));
+    }
+  }
+}
+
+// out[t] = sum of the 16 floats of v[t], for 8 vectors at once.
+void hsum8(const float (*v)[16], float* out) {
+  __m256 h[8];
+  for (int t = 0; t < 8; ++t) h[t] = _mm256_add_ps(_mm256_load_ps(v[t]), _mm256_load_ps(v[t] + 8));
+  // a = [s0 s1 s2 s3] of the low 128-bit halves, then of the high halves; b likewise for s4..s7.
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)));
+}
+
+// MR activation rows share each converted weight chunk; MR x NR <= 16 accumulators stay in registers.
+constexpr int kGemvMaxRows = 4;
+constexpr int kGemvAcc = 16;
+constexpr int gemv_nr(int mr) { return mr <= 2 ? 8 : 4; }
+
+// res[i * NR + j] = y[m0 + i, n0 + j] before bias.
+template <int MR, int NR>
+void gemv_tile(const Problem& p, const E4m3ToBf16& cvt, const uint16_t* xb, int64_t kp, const float* sx,
+               int64_t n0, float (&res)[kGemvAcc]) {
+  const uint8_t* wr[NR];
+  for (int j = 0; j < NR; ++j) wr[j] = p.w + std::min(n0 + j, p.n - 1) * p.k;  // clamped rows are dropped
+  alignas(64) float tot[kGemvAcc][16] = {};  // block-scaled sums; in L1 to leave registers to acc
+  for (int64_t b = 0; b < p.nkb; ++b) {
+    __m512 acc[MR][NR];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm512_setzero_ps();
+    const int64_t k0 = b * kBlock, kend = std::min(p.k, k0 + kBlock);
+    if (kend - k0 == kBlock) {
+      gemv_block<MR, NR, true>(cvt, wr, xb, kp, k0, kend, acc);
+    } else {
+      gemv_block<MR, NR, false>(cvt, wr, xb, kp, k0, kend, acc);
+    }
+    for (int j = 0; j < NR; ++j) {
+      const float swj = p.sw_at(std::min(n0 + j, p.n - 1), b);
+      for (int i = 0; i < MR; ++i) {
+        float* t = tot[i * NR + j];
+        _mm512_store_ps(t, _mm512_fmadd_ps(acc[i][j], _mm512_set1_ps(sx[i * p.nkb + b] * swj), _mm512_load_ps(t)));
+      }
+    }
+  }
+  hsum8(tot, res);
+  hsum8(tot + 8, res + 8);
+}
+
+constexpr int64_t kGemvRows = 16;  // weight rows per parallel task on the small-M path
+
+template <int MR, typename OutT>
+void gemv_rows(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t m0, int64_t n0, OutT* y) {
+  constexpr int NR = gemv_nr(MR);
+  for (int64_t nj = n0; nj < std::min(p.n, n0 + kGemvRows); nj += NR) {
+    float res[kGemvAcc];
+    gemv_tile<MR, NR>(p, cvt, x.x.get() + m0 * x.kp, x.kp, x.scale.get() + m0 * p.nkb, nj, res);
+    for (int j = 0; j < NR && nj + j < p.n; ++j)
+      for (int i = 0; i < MR; ++i) y[(m0 + i) * p.n + nj + j] = from_f32<OutT>(res[i * NR + j] + p.bias_at(nj + j));
+  }
+}
+
+template <typename OutT>
+using GemvRowsFn = void (*)(const Problem&, const E4m3ToBf16&, const RowsBf16&, int64_t, int64_t, OutT*);
+template <typename OutT>
+constexpr GemvRowsFn<OutT> kGemvRowsFn[kGemvMaxRows + 1] = {
+    nullptr, gemv_rows<1, OutT>, gemv_rows<2, OutT>, gemv_rows<3, OutT>, gemv_rows<4, OutT>};
+
+template <typename T>
+void linear_small_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
+  const RowsBf16 x = quantize_rows(xin, p.m, p.k, p.nkb, ue8m0);
+  const int64_t groups = cdiv(p.n, kGemvRows);
+  const int64_t rows_per_pass = cdiv(p.m, cdiv(p.m, kGemvMaxRows));  // balanced passes over the weights
+  // Keep a task at >= ~64 KiB of weights so tiny layers are not split across threads.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kGemvRows * p.k));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    const E4m3ToBf16 cvt;
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t m0 = 0; m0 < p.m; m0 += rows_per_pass)
+        kGemvRowsFn<T>[std::min(rows_per_pass, p.m - m0)](p, cvt, x, m0, g * kGemvRows, y);
+  });
+}
+
+// ---- large M: out^T tile = W tile (bf16, broadcast pairs) x X^T (bf16 pairs packed by column) ---
+//
+// A task owns kTileN weight rows and a range of 16-row activation vectors. Per K block it converts its
+// weight rows to bf16 once (kTileN x 128, L1-resident), then runs an NR x (16*MV) register-blocked
+// kernel over the activation vectors, adding the scaled block result into a float32 tile. A dp has a
+// ~9 cycle latency at two per cycle, so NR x MV keeps >= 16 accumulator chains (measured on Zen 5).
+
+constexpr int kMaxMv = 4;
+constexpr int kMaxNr = 16;
+constexpr int micro_nr(int mv) { return mv == 1 ? 16 : mv == 2 ? 12 : mv == 3 ? 8 : 6; }
+constexpr int64_t kTileN = 48;
+constexpr int64_t kPairs = kBlock / 2;
+
+void transpose16x16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+// Activations packed for the large-M kernel: xp[b][pair][m] holds one bf16 pair of row m per 32-bit
+// lane; sxp[b][m] are the group scales (0 for padding rows).
+struct PackedX {
+  int64_t mpad = 0;
+  Buffer<float> xp;
+  Buffer<float> sxp;
+};
+
+// Quantizes a 16-row x 1-block tile of activations straight into the packed layout.
+template <bool kFull, typename T>
+void pack_tile(const T* src, int64_t ld, int64_t rows, int64_t cols, bool ue8m0, float* scale, float* dst,
+               int64_t ld_dst) {
+  __m512 tiles[4][16];
+  // Row amax for all 16 rows at once: the per-row maxima are transposed and reduced together.
+  for (int r = 0; r < 16; ++r) {
+    __m512i mx = _mm512_setzero_si512();
+    for (int c = 0; c < 8 && r < rows; ++c) {
+      const __mmask16 m = kFull ? __mmask16(0xFFFF) : tail_mask16(cols - 16 * c);
+      const __m512i bits = _mm512_castps_si512(load_f32(src + r * ld + 16 * c, m));
+      mx = _mm512_max_epu32(mx, _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)));
+    }
+    tiles[0][r] = _mm512_castsi512_ps(mx);
+  }
+  transpose16x16(tiles[0]);
+  __m512i amax = _mm512_castps_si512(tiles[0][0]);
+  for (int r = 1; r < 16; ++r) amax = _mm512_max_epu32(amax, _mm512_castps_si512(tiles[0][r]));
+  alignas(64) float amax_f[16];
+  _mm512_store_si512(amax_f, amax);
+  for (int r = 0; r < 16; ++r) scale[r] = r < rows ? block_scale(amax_f[r], ue8m0) : 0.f;
+  for (int r = 0; r < 16; ++r) {
+    __m512i pairs[4] = {};
+    if (r < rows) quantize_pairs<kFull>(src + r * ld, cols, scale[r], pairs);
+    for (int c = 0; c < 4; ++c) tiles[c][r] = _mm512_castsi512_ps(pairs[c]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    transpose16x16(tiles[c]);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + (c * 16 + i) * ld_dst, tiles[c][i]);
+  }
+}
+
+template <typename T>
+PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8m0) {
+  PackedX out{cdiv(m, 16) * 16, nullptr, nullptr};
+  out.xp = alloc_buffer<float>(nkb * kPairs * out.mpad);
+  out.sxp = alloc_buffer<float>(nkb * out.mpad);
+  const int64_t mvecs = out.mpad / 16;
+  at::parallel_for(0, mvecs * nkb, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t mv = t / nkb, b = t % nkb;
+      const int64_t rows = std::min<int64_t>(16, m - mv * 16), cols = std::min(kBlock, k - b * kBlock);
+      const T* src = x + mv * 16 * k + b * kBlock;
+      float* scale = out.sxp.get() + b * out.mpad + mv * 16;
+      float* dst = out.xp.get() + b * kPairs * out.mpad + mv * 16;
+      if (cols == kBlock) {
+        pack_tile<true>(src, k, rows, cols, ue8m0, scale, dst, out.mpad);
+      } else {
+        pack_tile<false>(src, k, rows, cols, ue8m0, scale, dst, out.mpad);
+      }
+    }
+  });
+  return out;
+}
+
+// Adds (W rows x X block) * scales into the float tile; `first` overwrites instead of adding.
+template <int MV>
+void gemm_micro(const uint16_t* wb, const float* xp, int64_t ldx, int64_t pairs, const float* sx, const float* sw,
+                float* ct, int64_t ldc, bool first) {
+  constexpr int kNr = micro_nr(MV);
+  __m512 acc[kNr][MV];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  int64_t q = 0;
+  do {  // pairs >= 1; a do-while lets the compiler keep acc in registers
+    __m512bh xv[MV];
+    for (int i = 0; i < MV; ++i) xv[i] = as_bh(_mm512_castps_si512(_mm512_loadu_ps(xp + q * ldx + i * 16)));
+    for (int j = 0; j < kNr; ++j) {
+      int32_t pair;
+      std::memcpy(&pair, wb + j * kBlock + 2 * q, 4);
+      const __m512bh wv = as_bh(_mm512_set1_epi32(pair));
+      for (int i = 0; i < MV; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], wv, xv[i]);
+    }
+  } while (++q < pairs);
+  __m512 sxv[MV];
+  for (int i = 0; i < MV; ++i) sxv[i] = _mm512_loadu_ps(sx + i * 16);
+  for (int j = 0; j < kNr; ++j) {
+    const __m512 swv = _mm512_set1_ps(sw[j]);
+    for (int i = 0; i < MV; ++i) {
+      float* c = ct + j * ldc + i * 16;
+      const __m512 prev = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c);
+      _mm512_storeu_ps(c, _mm512_fmadd_ps(acc[j][i], _mm512_mul_ps(sxv[i], swv), prev));
+    }
+  }
+}
+
+using MicroFn = void (*)(const uint16_t*, const float*, int64_t, int64_t, const float*, const float*, float*,
+                         int64_t, bool);
+constexpr MicroFn kMicro[kMaxMv + 1] = {nullptr, gemm_micro<1>, gemm_micro<2>, gemm_micro<3>, gemm_micro<4>};
+
+struct GemmTask {
+  int64_t n0, mv0, mv1;  // weight rows [n0, n0 + kTileN), activation vectors [mv0, mv1)
+};
+
+template <bool kFull>
+void convert_weight_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t b, uint16_t* wb) {
+  const int64_t k0 = b * kBlock, rows = std::min(kTileN, p.n - n0);
+  const __mmask64 m0 = kFull ? ~__mmask64(0) : tail_mask64(p.k - k0);
+  const __mmask64 m1 = kFull ? ~__mmask64(0) : tail_mask64(p.k - k0 - 64);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = p.w + (n0 + r) * p.k + k0;
+    uint16_t* dst = wb + r * kBlock;
+    __m512i v0, v1, v2, v3;
+    cvt(_mm512_maskz_loadu_epi8(m0, src), v0, v1);
+    cvt(_mm512_maskz_loadu_epi8(m1, src + 64), v2, v3);
+    _mm512_store_si512(dst, v0);
+    _mm512_store_si512(dst + 32, v1);
+    _mm512_store_si512(dst + 64, v2);
+    _mm512_store_si512(dst + 96, v3);
+  }
+}
+
+// Masked stores are slow on this class of CPU (Zen 5), so only the last, partial block uses them.
+void store_row(float* y, __m512 v, __mmask16 m) {
+  if (m == 0xFFFF) {
+    _mm512_storeu_ps(y, v);
+  } else {
+    _mm512_mask_storeu_ps(y, m, v);
+  }
+}
+
+// vcvtneps2bf16 rounds to nearest even like Tensor.to(bfloat16); it differs only on float32
+// denormals (flushed to zero) and NaN payloads.
+void store_row(at::BFloat16* y, __m512 v, __mmask16 m) {
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  if (m == 0xFFFF) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), h);
+  } else {
+    _mm256_mask_storeu_epi16(y, m, h);
+  }
+}
+
+// y[m, n] = tile[n, m] + bias[n], transposing 16 x 16 blocks of the float tile.
+template <typename OutT>
+void write_tile(const Problem& p, const GemmTask& t, const float* ct, int64_t ldc, OutT* y) {
+  for (int64_t nb = 0; nb < kTileN && t.n0 + nb < p.n; nb += 16) {
+    const __mmask16 nmask = tail_mask16(p.n - t.n0 - nb);
+    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(nmask, p.bias + t.n0 + nb) : _mm512_setzero_ps();
+    for (int64_t mv = t.mv0; mv < t.mv1; ++mv) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(ct + (nb + i) * ldc + (mv - t.mv0) * 16);
+      transpose16x16(r);
+      for (int i = 0; i < 16 && mv * 16 + i < p.m; ++i)
+        store_row(y + (mv * 16 + i) * p.n + t.n0 + nb, _mm512_add_ps(r[i], bias), nmask);
+    }
+  }
+}
+
+template <typename OutT>
+void gemm_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const GemmTask& t, uint16_t* wb,
+               float* ct, OutT* y) {
+  const int64_t ldc = (t.mv1 - t.mv0) * 16;
+  if (p.n - t.n0 < kTileN) std::memset(wb, 0, sizeof(uint16_t) * kTileN * kBlock);  // rows past N stay zero
+  for (int64_t b = 0; b < p.nkb; ++b) {
+    const int64_t cols = std::min(kBlock, p.k - b * kBlock);
+    if (cols == kBlock) {
+      convert_weight_block<true>(p, cvt, t.n0, b, wb);
+    } else {
+      convert_weight_block<false>(p, cvt, t.n0, b, wb);
+    }
+    const int64_t pairs = cdiv(cols, 64) * 32;  // whole 64-k chunks
+    for (int64_t mv = t.mv0; mv < t.mv1; mv += kMaxMv) {
+      const int mvs = static_cast<int>(std::min<int64_t>(kMaxMv, t.mv1 - mv));
+      const float* xp = x.xp.get() + b * kPairs * x.mpad + mv * 16;
+      const float* sx = x.sxp.get() + b * x.mpad + mv * 16;
+      const int nr = micro_nr(mvs);
+      for (int64_t j0 = 0; j0 < kTileN; j0 += nr) {
+        float sw[kMaxNr];
+        for (int j = 0; j < nr; ++j) sw[j] = p.sw_at(std::min(t.n0 + j0 + j, p.n - 1), b);
+        kMicro[mvs](wb + j0 * kBlock, xp, x.mpad, pairs, sx, sw, ct + j0 * ldc + (mv - t.mv0) * 16, ldc, b == 0);
+      }
+    }
+  }
+  write_tile(p, t, ct, ldc, y);
+}
+
+// Splits M into as few chunks as keep every thread equally busy (each chunk re-converts the weights).
+int64_t m_chunks(int64_t n_tiles, int64_t mvecs, int64_t threads) {
+  for (int64_t c = 1; c <= mvecs; ++c)
+    if ((n_tiles * c) % threads == 0 || n_tiles * c >= 8 * threads) return c;
+  return mvecs;
+}
+
+template <typename T>
+void linear_large_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
+  const PackedX x = pack_activations(xin, p.m, p.k, p.nkb, ue8m0);
+  const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kTileN);
+  const int64_t chunks = m_chunks(n_tiles, mvecs, at::get_num_threads());
+  at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
+    const E4m3ToBf16 cvt;
+    auto wb = alloc_buffer<uint16_t>(kTileN * kBlock);
+    auto ct = alloc_buffer<float>(kTileN * cdiv(mvecs, chunks) * 16);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t c = i % chunks;
+      const GemmTask t{i / chunks * kTileN, c * mvecs / chunks, (c + 1) * mvecs / chunks};
+      gemm_task(p, x, cvt, t, wb.get(), ct.get(), y);
+    }
+  });
+}
+
+constexpr int64_t kSmallM = 7;  // up to here re-converting weights per 4 rows beats padding to 16
+
+template <typename T>
+void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y) {
+  if (p.m <= kSmallM) {
+    linear_small_m(p, x, ue8m0, y);
+  } else {
+    linear_large_m(p, x, ue8m0, y);
+  }
+}
+
+#else  // portable scalar path
+
+float e4m3_to_f32(uint8_t v) { return f32_from_bits(static_cast<uint32_t>(kTables.full[v]) << 16); }
+
+template <typename T>
+void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y) {
+  const int64_t kp = p.nkb * kBlock;
+  auto xq = alloc_buffer<uint8_t>(p.m * kp);
+  auto sx = alloc_buffer<float>(p.m * p.nkb);
+  for (int64_t r = 0; r < p.m; ++r)
+    for (int64_t b = 0; b < p.nkb; ++b) {
+      const int64_t c0 = b * kBlock, cols = std::min(kBlock, p.k - c0);
+      sx[r * p.nkb + b] = block_scale(amax_rows(x + r * p.k + c0, p.k, 1, cols), ue8m0);
+      quantize_span(x + r * p.k + c0, xq.get() + r * kp + c0, cols, sx[r * p.nkb + b]);
+    }
+  at::parallel_for(0, p.n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < p.m; ++m) {
+        float total = 0.f;
+        for (int64_t b = 0; b < p.nkb; ++b) {
+          float acc = 0.f;
+          for (int64_t k = b * kBlock; k < std::min(p.k, (b + 1) * kBlock); ++k)
+            acc += e4m3_to_f32(xq[m * kp + k]) * e4m3_to_f32(p.w[n * p.k + k]);
+          total += acc * (sx[m * p.nkb + b] * p.sw_at(n, b));
+        }
+        y[m * p.n + n] = from_f32<T>(total + p.bias_at(n));
+      }
+  });
+}
+
+#endif  // FP8E_BF16_KERNELS
+
+at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale_inv,
+                            const std::optional<at::Tensor>& bias, bool ue8m0) {
+  TORCH_CHECK(x.device().is_cpu() && w_q.device().is_cpu() && w_scale_inv.device().is_cpu(),
+              "fp8_block_linear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "fp8_block_linear: x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "fp8_block_linear: x must be bfloat16 or float32");
+  TORCH_CHECK(w_q.dim() == 2 && w_q.is_contiguous() && w_q.scalar_type() == at::kFloat8_e4m3fn,
+              "fp8_block_linear: w_q must be a contiguous float8_e4m3fn [N, K] tensor");
+  const int64_t m = x.size(0), k = x.size(1), n = w_q.size(0);
+  TORCH_CHECK(w_q.size(1) == k && k > 0, "fp8_block_linear: K mismatch between x and w_q");
+  const int64_t nkb = cdiv(k, kBlock);
+  TORCH_CHECK(w_scale_inv.scalar_type() == at::kFloat && w_scale_inv.is_contiguous() &&
+                  w_scale_inv.dim() == 2 && w_scale_inv.size(0) == cdiv(n, kBlock) && w_scale_inv.size(1) == nkb,
+              "fp8_block_linear: w_scale_inv must be contiguous float32 [ceil(N/128), ceil(K/128)]");
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "fp8_block_linear: bias must be [N]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const Problem p{m, n, k, nkb, static_cast<const uint8_t*>(w_q.data_ptr()), w_scale_inv.data_ptr<float>(),
+                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
+  if (x.scalar_type() == at::kFloat) {
+    linear_impl(p, x.data_ptr<float>(), ue8m0, y.data_ptr<float>());
+  } else {
+    linear_impl(p, x.data_ptr<at::BFloat16>(), ue8m0, y.data_ptr<at::BFloat16>());
+  }
+  return y;
+}
+
+std::string fp8_cpu_backend() {
+#ifdef FP8E_BF16_KERNELS
+  return "cpp-avx512bf16";
+#else
+  return "cpp-scalar";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
+  m.def("fp8_block_linear(Tensor x, Tensor w_q, Tensor w_scale_inv, Tensor? bias, bool ue8m0) -> Tensor");
+  m.def("fp8_quantize_weight_(Tensor w, Tensor(a!) out_q, Tensor(b!) out_scale, bool ue8m0) -> ()");
+  m.def("fp8_cpu_backend() -> str", TORCH_FN(fp8_cpu_backend));
+  m.impl("fp8_block_linear", c10::DispatchKey::CPU, TORCH_FN(fp8_block_linear));
+  m.impl("fp8_quantize_weight_", c10::DispatchKey::CPU, TORCH_FN(fp8_quantize_weight_));
+}

@@ -1,0 +1,67 @@
+"""CPU W8A8 block-FP8 linear and weight quantization: the C++ kernels (csrc/fp8_linear.cpp) when they are
+built, otherwise the torch reference. Numerics and signatures are those of fp8engine.weights.quant."""
+
+import torch
+
+from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
+from fp8engine.weights import quant
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kernel_ops():
+    """torch.ops.fp8engine when it holds the FP8 linear ops, else None."""
+    ops = load_cpu_ops()
+    return ops if ops is not None and hasattr(ops, "fp8_block_linear") else None
+
+
+def cpu_fp8_backend() -> str:
+    """"cpp-avx512bf16", "cpp-scalar" or "torch-reference"."""
+    ops = kernel_ops()
+    return "torch-reference" if ops is None else ops.fp8_cpu_backend()
+
+
+def _ue8m0(scale_fmt: str | None) -> bool:
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"fp8 scale_fmt must be None or 'ue8m0', got {scale_fmt!r}")
+    return scale_fmt == "ue8m0"
+
+
+def fp8_block_linear_cpu(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
+                         bias: torch.Tensor | None = None, scale_fmt: str | None = None) -> torch.Tensor:
+    """y = x @ dequant(w_q)^T + bias with per-token 1x128 activation quantization; x: [..., K]."""
+    ops = kernel_ops()
+    if ops is None:
+        return quant.fp8_block_linear_ref(x, w_q, w_scale_inv, bias, scale_fmt=scale_fmt)
+    ue8m0 = _ue8m0(scale_fmt)
+    n, k = w_q.shape
+    x2 = x.reshape(-1, k)
+    if x.dtype not in _KERNEL_DTYPES:  # the reference computes in float32 and rounds once at the end
+        x2 = x2.float()
+    y = ops.fp8_block_linear(x2.contiguous(), w_q.contiguous(), w_scale_inv.float().contiguous(), bias, ue8m0)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def quantize_weight_into_cpu(w: torch.Tensor, out_q: torch.Tensor, out_scale: torch.Tensor,
+                             scale_fmt: str | None = None) -> None:
+    """Block-quantize w [N, K] into the existing out_q (E4M3 [N, K]) and out_scale (float32 blocks)."""
+    ops = kernel_ops()
+    if ops is None:
+        quant.quantize_weight_into(w, out_q, out_scale, scale_fmt=scale_fmt)
+        return
+    ue8m0 = _ue8m0(scale_fmt)
+    if w.dim() != 2:
+        raise ValueError(f"weight must be 2-D, got shape {tuple(w.shape)}")
+    if w.dtype not in _WEIGHT_DTYPES:
+        w = w.float()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    if out_q.is_contiguous() and out_scale.is_contiguous():
+        ops.fp8_quantize_weight_(w, out_q, out_scale, ue8m0)
+        return
+    q, s = torch.empty_like(out_q, memory_format=torch.contiguous_format), torch.empty_like(
+        out_scale, memory_format=torch.contiguous_format)
+    ops.fp8_quantize_weight_(w, q, s, ue8m0)
+    out_q.copy_(q)
+    out_scale.copy_(s)

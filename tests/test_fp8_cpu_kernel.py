@@ -1,0 +1,200 @@
+"""The C++ CPU FP8 kernels (csrc/fp8_linear.cpp) against the torch reference in fp8engine.weights.quant."""
+
+import functools
+
+import pytest
+import torch
+
+from fp8engine.model_executor.kernels import fp8_linear_cpu
+from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
+from fp8engine.weights import quant
+
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = load_cpu_ops()
+    if ops is None:
+        pytest.skip("C++ CPU kernels could not be built")
+    return ops
+
+
+def _quantize_with_kernel(ops, w: torch.Tensor, scale_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=E4M3)
+    s = torch.empty(quant.cdiv(n, 128), quant.cdiv(k, 128))
+    ops.fp8_quantize_weight_(w, q, s, scale_fmt == "ue8m0")
+    return q, s
+
+
+def _assert_same_quant(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[torch.Tensor, torch.Tensor]):
+    assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
+    assert torch.equal(got[1].view(torch.int32), expected[1].view(torch.int32))
+
+
+def test_backend_name(ops):
+    assert fp8_linear_cpu.cpu_fp8_backend() in ("cpp-avx512bf16", "cpp-scalar")
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (200, 300), (192, 576), (576, 1536), (1, 5), (257, 129)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_weight_quantization_bit_exact(ops, shape, dtype, scale_fmt):
+    torch.manual_seed(hash((shape, str(dtype), scale_fmt)) % 2**31)
+    w = (torch.randn(shape) * torch.logspace(-4, 2, shape[1])).to(dtype)
+    expected = quant.quantize_weight_blockwise(w, scale_fmt=scale_fmt)
+    _assert_same_quant(_quantize_with_kernel(ops, w, scale_fmt), expected)
+
+
+def test_weight_quantization_rounding_edges(ops):
+    # Every block holds 448, so its scale is 1 and the kernel's E4M3 rounding is compared value by value:
+    # all E4M3 magnitudes, the midpoints between neighbours (ties) and one float32 ulp either side.
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float()
+    mids = (grid[1:] + grid[:-1]) / 2
+    edges = torch.cat([grid, mids, torch.nextafter(mids, torch.zeros(())), torch.nextafter(mids, torch.full((), 512.0)),
+                       torch.tensor([448.0, 460.0, 1e4, 2.0 ** -10, 1e-30, 0.0])])
+    values = torch.cat([edges, -edges, (torch.rand(16384 - 2 * edges.numel()) - 0.5) * 900])
+    w = values.reshape(128, 128).repeat(1, 3)
+    w[0, ::128] = 448.0
+    _assert_same_quant(_quantize_with_kernel(ops, w, None), quant.quantize_weight_blockwise(w))
+
+
+def test_weight_quantization_strided_source(ops):
+    base = torch.randn(200, 640, dtype=torch.bfloat16)
+    w = base[:, 20:620]  # rows 640 apart
+    _assert_same_quant(_quantize_with_kernel(ops, w, None), quant.quantize_weight_blockwise(w))
+
+
+def test_quantize_weight_into_cpu_wrapper(ops):
+    w = torch.randn(192, 576)
+    out_q = torch.empty(192, 576, dtype=E4M3)
+    out_s = torch.empty(2, 5)
+    ptrs = out_q.data_ptr(), out_s.data_ptr()
+    fp8_linear_cpu.quantize_weight_into_cpu(w, out_q, out_s, scale_fmt="ue8m0")
+    assert (out_q.data_ptr(), out_s.data_ptr()) == ptrs
+    _assert_same_quant((out_q, out_s), quant.quantize_weight_blockwise(w, scale_fmt="ue8m0"))
+    # Non-contiguous destinations (a column slice) go through a temporary.
+    q_big, s_big = torch.zeros(192, 1152, dtype=E4M3), torch.zeros(2, 10)
+    fp8_linear_cpu.quantize_weight_into_cpu(w, q_big[:, :576], s_big[:, :5])
+    _assert_same_quant((q_big[:, :576], s_big[:, :5]), quant.quantize_weight_blockwise(w))
+    assert not q_big[:, 576:].float().any()
+    with pytest.raises(ValueError, match="scale_fmt"):
+        fp8_linear_cpu.quantize_weight_into_cpu(w, out_q, out_s, scale_fmt="e8m0")
+
+
+def _assert_linear_close(y: torch.Tensor, ref: torch.Tensor):
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    scale = ref.float().abs().max().item()
+    err = (y.float() - ref.float()).abs()
+    if ref.dtype == torch.float32:
+        assert err.max().item() <= 1e-5 * scale + 1e-30
+    else:  # one bf16 ulp: the float32 results may straddle a rounding boundary
+        ulp = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp(min=1e-30))) - 7)
+        assert torch.all(err <= ulp + 1e-6 * scale)
+
+
+@functools.cache
+def _weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(n * 31 + k)
+    return quant.quantize_weight_blockwise(torch.randn(n, k) * torch.rand(n, 1))
+
+
+def _check_linear(ops, m: int, k: int, n: int, dtype: torch.dtype, scale_fmt: str | None):
+    w_q, w_s = _weights(n, k)
+    torch.manual_seed(m * 7919 + k * 31 + n)
+    x = (torch.randn(m, k) * torch.logspace(-2, 1, k)).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    y = ops.fp8_block_linear(x, w_q, w_s, bias, scale_fmt == "ue8m0")
+    _assert_linear_close(y, quant.fp8_block_linear_ref(x, w_q, w_s, bias, scale_fmt=scale_fmt))
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("k", [100, 576, 1536])
+@pytest.mark.parametrize("n", [192, 576, 1536])
+def test_block_linear_matches_reference(ops, m, k, n):
+    _check_linear(ops, m, k, n, torch.float32, None)
+    _check_linear(ops, m, k, n, torch.bfloat16, "ue8m0")
+
+
+@pytest.mark.parametrize("k, n, dtype, scale_fmt", [(100, 1536, torch.bfloat16, None),
+                                                    (576, 576, torch.float32, "ue8m0"),
+                                                    (1536, 192, torch.bfloat16, "ue8m0"),
+                                                    (576, 1536, torch.float32, None)])
+def test_block_linear_matches_reference_m128(ops, k, n, dtype, scale_fmt):
+    _check_linear(ops, 128, k, n, dtype, scale_fmt)
+
+
+@pytest.mark.parametrize("m", [2, 20])
+def test_activation_rounding_through_identity_weight(ops, m):
+    # W = I makes y[:, j] = x_q[:, j] * sx * sw, so every activation code shows in the output. Each group
+    # holds +-448 (scale 1) and otherwise midpoints between E4M3 neighbours: round-half-even decides all.
+    k = 300
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float()
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = mids[torch.randint(len(mids), (m, k))] * (torch.randint(0, 2, (m, k)) * 2 - 1)
+    x[:, ::128] = 448.0
+    w_q, w_s = quant.quantize_weight_blockwise(torch.eye(k))
+    y = ops.fp8_block_linear(x, w_q, w_s, None, False)
+    ref = quant.fp8_block_linear_ref(x, w_q, w_s)
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=0)
+
+
+def test_block_linear_partial_and_tiny_shapes(ops):
+    torch.manual_seed(5)
+    for m, n, k in [(5, 7, 33), (9, 1, 129), (16, 130, 64), (33, 49, 257), (1, 1, 1)]:
+        w_q, w_s = quant.quantize_weight_blockwise(torch.randn(n, k))
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        _assert_linear_close(ops.fp8_block_linear(x, w_q, w_s, None, False),
+                             quant.fp8_block_linear_ref(x, w_q, w_s))
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_block_linear_split_over_rows(ops, threads):
+    # 3 weight tiles do not divide evenly over the threads, so the kernel also splits M (40 rows = 3
+    # vectors of 16) into chunks of unequal size.
+    torch.manual_seed(7)
+    w_q, w_s = quant.quantize_weight_blockwise(torch.randn(130, 300))
+    x = torch.randn(40, 300, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = ops.fp8_block_linear(x, w_q, w_s, None, False)
+    finally:
+        torch.set_num_threads(before)
+    _assert_linear_close(y, quant.fp8_block_linear_ref(x, w_q, w_s))
+
+
+def test_block_linear_zero_rows_and_zero_input(ops):
+    w_q, w_s = quant.quantize_weight_blockwise(torch.randn(64, 256))
+    assert ops.fp8_block_linear(torch.empty(0, 256), w_q, w_s, None, False).shape == (0, 64)
+    bias = torch.randn(64)
+    y = ops.fp8_block_linear(torch.zeros(3, 256), w_q, w_s, bias, False)
+    assert torch.equal(y, bias.expand(3, 64))
+
+
+def test_wrapper_batch_dims_and_noncontiguous_input(ops):
+    torch.manual_seed(6)
+    w_q, w_s = quant.quantize_weight_blockwise(torch.randn(192, 576))
+    x = torch.randn(2, 576, 9, dtype=torch.bfloat16).transpose(1, 2)  # [2, 9, 576], not contiguous
+    y = fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s)
+    assert y.shape == (2, 9, 192)
+    _assert_linear_close(y, quant.fp8_block_linear_ref(x, w_q, w_s))
+    x16 = x.to(torch.float16)
+    bias = torch.randn(192, dtype=torch.float16)
+    y16 = fp8_linear_cpu.fp8_block_linear_cpu(x16, w_q, w_s, bias, scale_fmt="ue8m0")
+    ref16 = quant.fp8_block_linear_ref(x16, w_q, w_s, bias, scale_fmt="ue8m0")
+    assert y16.dtype == torch.float16
+    torch.testing.assert_close(y16, ref16, rtol=2.0 ** -10, atol=1e-3)
+
+
+def test_wrapper_falls_back_to_the_reference(monkeypatch):
+    monkeypatch.setattr(fp8_linear_cpu, "kernel_ops", lambda: None)
+    assert fp8_linear_cpu.cpu_fp8_backend() == "torch-reference"
+    w = torch.randn(130, 200)
+    w_q, w_s = quant.quantize_weight_blockwise(w)
+    x = torch.randn(4, 200, dtype=torch.bfloat16)
+    assert torch.equal(fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s), quant.fp8_block_linear_ref(x, w_q, w_s))
+    out_q, out_s = torch.empty_like(w_q), torch.empty_like(w_s)
+    fp8_linear_cpu.quantize_weight_into_cpu(w, out_q, out_s)
+    _assert_same_quant((out_q, out_s), (w_q, w_s))
