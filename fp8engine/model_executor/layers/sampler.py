@@ -62,7 +62,10 @@ def _top_p_set(q: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                        top_p: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(processed logprobs [R, V], log kept mass [R]) for float32 logits and per-row params (T > 0)."""
-    logp = torch.log_softmax(logits / temperature[:, None], dim=-1)
+    tempered = logits if bool((temperature == 1.0).all()) else logits / temperature[:, None]
+    logp = torch.log_softmax(tempered, dim=-1)
+    if not (bool((top_k < logits.shape[-1]).any()) or bool((top_p < 1.0).any()) or bool((min_p > 0).any())):
+        return logp, torch.zeros(logits.shape[0])
     mask = truncation_mask(logp.exp(), top_k, top_p, min_p)
     log_kept = torch.logsumexp(logp.masked_fill(~mask, float("-inf")), dim=-1)
     return (logp - log_kept[:, None]).masked_fill(~mask, float("-inf")), log_kept
@@ -75,11 +78,14 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
-    tokens = logits.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    tokens = torch.zeros(len(rows), dtype=torch.int64)
+    if len(sampled) < len(rows):
+        tokens = logits.argmax(dim=-1)
     proc, log_kept = None, None
     if sampled:
-        proc, log_kept = _processed_rows(logits[sampled], [rows[i] for i in sampled])
+        subset = logits if len(sampled) == len(rows) else logits[sampled]
+        proc, log_kept = _processed_rows(subset, [rows[i] for i in sampled])
         tokens[sampled] = _draw(proc.exp(), [rows[i].generator for i in sampled])
     return _collect(tokens, rows, raw, proc, log_kept, sampled)
 
