@@ -16,7 +16,7 @@ from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.outputs import CompletionOutput, EngineStats, RequestOutput, WeightUpdateReport
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.scheduler.scheduler import ScheduledSeq, Scheduler
-from fp8engine.scheduler.sequence import Request, Sequence, SeqStatus
+from fp8engine.scheduler.sequence import Request, Sequence
 from fp8engine.weights import updater
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.loader import resolve

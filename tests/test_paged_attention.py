@@ -12,9 +12,14 @@ from fp8engine.model_executor.kernels.attention_cpu import kernel_ops, paged_att
 from fp8engine.model_executor.kernels.attention_ref import (FP8_DTYPE, FP8_MAX, paged_attention_ref, quantize_fp8,
                                                             write_kv_cache_ref)
 from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
+from tests import attention_batches
+from tests.attention_batches import K_SCALE, Q_SCALE, V_SCALE
 
 BLOCK_SIZE = 16
-K_SCALE, V_SCALE, Q_SCALE = 0.05, 0.03, 0.02  # real values ~N(0, 1) use a good part of the E4M3 range
+
+
+def make_batch(seqs, num_heads, num_kv_heads, head_dim, cache_dtype, q_dtype=torch.float32):
+    return attention_batches.make_batch(seqs, num_heads, num_kv_heads, head_dim, BLOCK_SIZE, cache_dtype, q_dtype)
 
 # (num_heads, num_kv_heads, head_dim); 72 takes the generic (non-unrolled, masked-tail) path.
 HEADS = [(9, 3, 64), (8, 2, 128), (6, 2, 72)]
@@ -38,32 +43,6 @@ def ops():
     if ops is None:
         pytest.skip("built without AVX-512, so the attention ops are not registered")
     return ops
-
-
-def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
-               cache_dtype: torch.dtype, q_dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
-    """Arguments of paged_attention for random data, with every sequence's blocks scattered over the pool."""
-    gen = torch.Generator().manual_seed(seed)
-    needed = [math.ceil(seq_len / BLOCK_SIZE) for seq_len, _ in seqs]
-    num_blocks = sum(needed) + 3
-    ids = torch.randperm(num_blocks, generator=gen).int()
-    # Entries past a sequence's need are invalid on purpose: the kernel must not read them.
-    block_tables = torch.full((len(seqs), max(needed) + 2), -1, dtype=torch.int32)
-    for s, start in enumerate(torch.tensor([0] + needed).cumsum(0)[:-1].tolist()):
-        block_tables[s, :needed[s]] = ids[start:start + needed[s]]
-
-    def cache(scale: float) -> torch.Tensor:
-        x = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
-        return quantize_fp8(x, scale) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
-
-    q_lens = torch.tensor([n for _, n in seqs])
-    return dict(
-        q=torch.randn(int(q_lens.sum()), num_heads, head_dim, generator=gen).to(q_dtype),
-        k_cache=cache(K_SCALE), v_cache=cache(V_SCALE), block_tables=block_tables,
-        query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).int(),
-        seq_lens=torch.tensor([seq_len for seq_len, _ in seqs], dtype=torch.int32),
-        scale=head_dim ** -0.5, k_scale=K_SCALE, v_scale=V_SCALE,
-    )
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:

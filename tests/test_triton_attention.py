@@ -5,7 +5,7 @@ Cache writes must match bit for bit; attention must match the float32 reference 
 (and, with a bf16 q, bf16 output rounding); full FP8 up to rare E4M3 rounding-tie flips.
 """
 
-import math
+import functools
 import os
 
 # The interpreter is chosen when the kernels are decorated, so this must precede importing triton.
@@ -19,8 +19,11 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from fp8engine.model_executor.kernels import attention_triton as at  # noqa: E402
 from fp8engine.model_executor.kernels.attention_ref import (FP8_DTYPE, FP8_MAX, paged_attention_ref,  # noqa: E402
                                                             quantize_fp8, write_kv_cache_ref)
+from tests import attention_batches  # noqa: E402
+from tests.attention_batches import K_SCALE, Q_SCALE, V_SCALE  # noqa: E402
 
-K_SCALE, V_SCALE, Q_SCALE = 0.05, 0.03, 0.02  # real values ~N(0, 1) use a good part of the E4M3 range
+make_batch = functools.partial(attention_batches.make_batch, strided_q=True)
+
 
 # (num_heads, num_kv_heads, head_dim, block_size): GQA groups of 3 and 2.
 HEADS = [(9, 3, 64, 16), (4, 2, 32, 8)]
@@ -32,34 +35,6 @@ BATCHES = {
     "chunked_prefill": [(40, 24), (16, 16), (33, 7)],
     "mixed": [(20, 0), (36, 36), (40, 1), (29, 9), (17, 1), (5, 5), (9, 0)],
 }
-
-
-def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-               cache_dtype: torch.dtype, q_dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
-    """Arguments of paged_attention for random data, with every sequence's blocks shuffled over the pool."""
-    gen = torch.Generator().manual_seed(seed)
-    needed = [math.ceil(seq_len / block_size) for seq_len, _ in seqs]
-    num_blocks = sum(needed) + 3
-    ids = torch.randperm(num_blocks, generator=gen).int()
-    # Entries past a sequence's need are invalid on purpose: the kernel must not read them.
-    block_tables = torch.full((len(seqs), max(needed) + 2), -1, dtype=torch.int32)
-    for s, start in enumerate(torch.tensor([0] + needed).cumsum(0)[:-1].tolist()):
-        block_tables[s, :needed[s]] = ids[start:start + needed[s]]
-
-    def cache(scale: float) -> torch.Tensor:
-        x = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-        return quantize_fp8(x, scale) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
-
-    q_lens = torch.tensor([n for _, n in seqs])
-    num_tokens = int(q_lens.sum())
-    # q as sliced from a fused qkv projection: rows are strided.
-    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(q_dtype)
-    return dict(
-        q=qkv[:, :num_heads], k_cache=cache(K_SCALE), v_cache=cache(V_SCALE), block_tables=block_tables,
-        query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).int(),
-        seq_lens=torch.tensor([seq_len for seq_len, _ in seqs], dtype=torch.int32),
-        scale=head_dim ** -0.5, k_scale=K_SCALE, v_scale=V_SCALE,
-    )
 
 
 def output_rtol(dtype: torch.dtype) -> float:
