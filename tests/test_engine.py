@@ -157,3 +157,10 @@ def test_abort_frees_blocks_and_stats_fields(engine_bf16):
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total
     assert stats.kv_cache_capacity_tokens == stats.num_kv_blocks_total * 16
     assert len(stats.kv_scales) == 30 and stats.weight_version == 0
+
+
+def test_abort_before_the_samples_fork_finishes_the_request(engine_bf16):
+    rid = engine_bf16.add_request(list(range(1000, 1300)), SamplingParams(n=4, max_tokens=5))
+    out = engine_bf16.abort_request(rid)
+    assert out.finished and len(out.outputs) == 1 and out.outputs[0].finish_reason == "abort"
+    assert not engine_bf16.has_unfinished_requests()

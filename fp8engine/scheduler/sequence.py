@@ -27,11 +27,14 @@ class Request:
         self.weight_version = weight_version
         self.seqs: list[Sequence] = []
         self.prompt_logprobs: list[float | None] | None = None
+        self.partial_prompt_logprobs: list[float | None] = []
         self.num_cached_tokens = 0
+        self.aborted = False
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+        done = all(s.is_finished for s in self.seqs)
+        return done and (self.aborted or len(self.seqs) == self.params.n)
 
 
 class Sequence:
