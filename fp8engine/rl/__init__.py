@@ -1,0 +1,21 @@
+"""Trainer adapter: weight sync and rollouts with one interface, in-process or over HTTP.
+
+    from fp8engine.rl import RolloutEngine, correction
+    from fp8engine.rl.trainer import response_logprobs
+    rollouts = RolloutEngine(EngineConfig(quantization="fp8", kv_cache_dtype="fp8_e4m3"))
+    # rollouts = RolloutClient("http://127.0.0.1:8000")      # the same methods, over HTTP
+    rollouts.sync_weights(policy, weight_version=step)
+    batch = rollouts.rollout(prompts, n=8, sampling_params=params)
+    train_lp = response_logprobs(policy, batch, params)
+    w = correction.token_tis_weights(train_lp, batch.rollout_logprobs, batch.response_mask)
+"""
+
+from fp8engine.rl import correction
+from fp8engine.rl.batch import RolloutBatch
+from fp8engine.rl.client import RolloutClient
+from fp8engine.rl.rollout import RolloutEngine
+from fp8engine.rl.sync import SyncReport
+from fp8engine.rl.trainer import response_logprobs
+
+__all__ = ["RolloutEngine", "RolloutClient", "RolloutBatch", "SyncReport", "correction",
+           "response_logprobs"]

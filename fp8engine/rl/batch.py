@@ -1,0 +1,136 @@
+"""RolloutBatch: rollouts as padded tensors ready for a policy-gradient loss."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from fp8engine.outputs import EngineStats
+
+
+@dataclass(slots=True)
+class Sample:
+    """One generated sequence, as either adapter receives it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    log_kept_mass: list[float] | None
+    finish_reason: str
+    num_preemptions: int
+    weight_version: int
+    text: str = ""
+
+
+@dataclass(slots=True)
+class RolloutBatch:
+    """B = num_prompts * n sequences, prompt-major (row i * n + j is sample j of prompt i).
+
+    prompt_ids: [B, P] int64, left-padded with pad_token_id.
+    response_ids: [B, R] int64, right-padded with pad_token_id.
+    attention_mask: [B, P + R] int64, 1 on real prompt and response tokens.
+    response_mask: [B, R] int64, 1 on real response tokens.
+    rollout_logprobs: [B, R] float32, the engine's logprob of each response token in the
+        requested mode (processed by default), 0 on padding.
+    log_kept_mass: [B, R] float32 (processed mode), log of the probability mass kept by
+        top-k/top-p/min-p per token, 0 on padding; None in raw mode.
+    num_preemptions: [B] int64. weight_version: the weights every token came from.
+    finish_reasons / response_texts: per sequence. n: samples per prompt.
+    stats: rollout statistics of this call (see `rollout_stats`).
+    """
+
+    prompt_ids: Tensor
+    response_ids: Tensor
+    attention_mask: Tensor
+    response_mask: Tensor
+    rollout_logprobs: Tensor
+    log_kept_mass: Tensor | None
+    num_preemptions: Tensor
+    weight_version: int
+    finish_reasons: list[str]
+    response_texts: list[str]
+    n: int
+    pad_token_id: int
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def input_ids(self) -> Tensor:
+        """[B, P + R] prompt and response side by side."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def position_ids(self) -> Tensor:
+        """[B, P + R] positions that skip the left padding (what the engine used)."""
+        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    @property
+    def response_lengths(self) -> Tensor:
+        """[B] int64 number of generated tokens per sequence."""
+        return self.response_mask.sum(-1)
+
+
+def collate(samples: Sequence[Sample], n: int, pad_token_id: int) -> RolloutBatch:
+    """Pad samples (already prompt-major) into a RolloutBatch; stats are left empty."""
+    versions = {s.weight_version for s in samples}
+    if len(versions) != 1:
+        raise RuntimeError(f"a rollout batch spans weight versions {sorted(versions)}")
+    prompt_ids, prompt_mask = _pad([s.prompt_ids for s in samples], pad_token_id, left=True)
+    response_ids, response_mask = _pad([s.token_ids for s in samples], pad_token_id, left=False)
+    kept = [s.log_kept_mass for s in samples]
+    return RolloutBatch(
+        prompt_ids=prompt_ids, response_ids=response_ids,
+        attention_mask=torch.cat([prompt_mask, response_mask], dim=1), response_mask=response_mask,
+        rollout_logprobs=_pad_float([s.logprobs for s in samples], response_ids.shape[1]),
+        log_kept_mass=None if None in kept else _pad_float(kept, response_ids.shape[1]),
+        num_preemptions=torch.tensor([s.num_preemptions for s in samples], dtype=torch.int64),
+        weight_version=versions.pop(), finish_reasons=[s.finish_reason for s in samples],
+        response_texts=[s.text for s in samples], n=n, pad_token_id=pad_token_id)
+
+
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad token, else its EOS token."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def rollout_stats(batch: RolloutBatch, seconds: float, engine: EngineStats) -> dict:
+    """Per-call rollout statistics: throughput (tokens/s over `seconds`), preemptions, KV state."""
+    num_tokens = int(batch.response_mask.sum())
+    preemptions = batch.num_preemptions.float()
+    return {
+        "seconds": seconds,
+        "num_sequences": batch.batch_size,
+        "num_tokens": num_tokens,
+        "tokens_per_s": num_tokens / seconds if seconds > 0 else float("nan"),
+        "preemptions_total": int(preemptions.sum()),
+        "preemptions_mean": float(preemptions.mean()),
+        "preemptions_max": int(preemptions.max()),
+        "engine_preemptions_total": engine.num_preemptions_total,
+        "kv_blocks_total": engine.num_kv_blocks_total,
+        "kv_blocks_free": engine.num_kv_blocks_free,
+        "kv_cache_dtype": engine.kv_cache_dtype,
+        "kv_scales": dict(engine.kv_scales),
+        "prefix_cache_hit_rate": engine.prefix_cache_hit_rate,
+    }
+
+
+def _pad(rows: list[list[int]], pad: int, left: bool) -> tuple[Tensor, Tensor]:
+    width = max(map(len, rows), default=0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.int64)
+    for i, row in enumerate(rows):
+        cols = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, cols] = torch.tensor(row, dtype=torch.int64)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+def _pad_float(rows: list[list[float]], width: int) -> Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out

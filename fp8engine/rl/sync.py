@@ -1,0 +1,110 @@
+"""Trainer weights -> (hf_name, tensor) pairs in byte-bounded buckets, for a weight sync."""
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+TIED_PAIR = ("lm_head.weight", "model.embed_tokens.weight")
+
+SyncDtype = torch.dtype | Literal["auto"] | None
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class SyncReport:
+    """What one `sync_weights` did.
+
+    seconds: wall time from reading the trainer's weights to the engine holding them (s).
+    num_bytes: bytes sent, after the cast. num_tensors: tensors sent. num_buckets: buckets sent.
+    """
+
+    seconds: float
+    num_bytes: int
+    num_tensors: int
+    num_buckets: int
+    weight_version: int
+
+
+def check_version(weight_version) -> int:
+    if not isinstance(weight_version, int) or isinstance(weight_version, bool) or weight_version < 0:
+        raise ValueError(f"weight_version must be an integer >= 0, got {weight_version!r}")
+    return weight_version
+
+
+def check_bucket_bytes(bucket_bytes) -> int:
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    return bucket_bytes
+
+
+def named_tensors(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors of a model or state dict: wrappers unwrapped, wrapper prefixes stripped.
+
+    DDP / torch.compile wrappers are unwrapped. When torch.distributed is initialised (FSDP) the
+    full state dict is gathered to rank 0's CPU: every rank must call this (the gather is
+    collective) and ranks other than 0 get no tensors. A tied `lm_head.weight` that aliases
+    `model.embed_tokens.weight` is skipped (the engine ties them itself).
+    """
+    state = _state_dict(model_or_state_dict)
+    tensors = {_strip(name): t for name, t in state.items() if isinstance(t, torch.Tensor)}
+    head, embed = (tensors.get(n) for n in TIED_PAIR)
+    tied = head is not None and embed is not None and head.data_ptr() == embed.data_ptr()
+    return ((name, t) for name, t in tensors.items() if not (tied and name == TIED_PAIR[0]))
+
+
+def buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+            dtype: torch.dtype | None) -> Iterator[Bucket]:
+    """Group tensors into buckets of about `bucket_bytes` (one tensor larger than that is its own).
+
+    Each tensor is detached, cast to `dtype` if floating (None keeps it), moved to the CPU and
+    made contiguous as its bucket fills, so a consumer that sends each bucket before taking the
+    next holds one bucket of copies at a time.
+    """
+    bucket: Bucket = []
+    size = 0
+    for name, tensor in items:
+        tensor = _prepare(tensor, dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def bucket_bytes_of(bucket: Bucket) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def _state_dict(source: nn.Module | Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    if isinstance(source, Mapping):
+        return source
+    if not isinstance(source, nn.Module):
+        raise TypeError(f"model_or_state_dict must be an nn.Module or a mapping of name -> tensor, "
+                        f"got {type(source).__name__}")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(source, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=True))
+    while isinstance(getattr(source, "module", None), nn.Module):
+        source = source.module
+    return getattr(source, "_orig_mod", source).state_dict()
+
+
+def _strip(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def _prepare(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    tensor = tensor.detach()
+    if dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(dtype)
+    return tensor.to("cpu").contiguous()

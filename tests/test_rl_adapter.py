@@ -1,0 +1,247 @@
+"""Trainer adapter: logprob semantics aligned with the trainer, weight sync, batch layout, GRPO example."""
+
+import dataclasses
+import json
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fp8engine import EngineConfig, SamplingParams
+from fp8engine.rl import RolloutBatch, RolloutClient, RolloutEngine, response_logprobs
+from fp8engine.rl.batch import Sample, collate
+from fp8engine.rl.sync import buckets, named_tensors
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+PROMPTS = [[{"role": "user", "content": "Name a color."}], "The capital of France is",
+           [1, 504, 3458, 282, 6687, 314]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SMALL_KV = 64 << 20
+API_KEY = "rl-key"
+FP32 = dict(dtype="float32", kv_cache_memory_bytes=SMALL_KV)
+
+# Measured on this CPU (BF16 engine vs float32 trainer, processed logprobs at T=0.7, top_p=0.9,
+# 3 prompts x n=3 x 16 tokens, seeds 0-3): |diff| mean 0.036-0.040, max 0.196; a trainer using
+# plain log_softmax without temperature: mean 0.42-0.44; 0-1 of ~140 tokens at the top-p
+# boundary kept by the engine and cut by the trainer. Bounds leave about 2x headroom.
+ALIGNED_MEAN, ALIGNED_MAX, MAX_BOUNDARY_TOKENS = 0.08, 0.4, 2
+
+
+def hf_policy(path: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def bf16_rollouts() -> RolloutEngine:
+    """Prefix caching off, so that a rerun of the same prompts is computed the same way."""
+    return RolloutEngine(EngineConfig(dtype="bfloat16", kv_cache_memory_bytes=SMALL_KV,
+                                      enable_prefix_caching=False))
+
+
+def test_processed_logprobs_match_trainer_helper(bf16_rollouts, default_dir):
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, seed=3)
+    batch = bf16_rollouts.rollout(PROMPTS, n=3, sampling_params=params)
+    policy = hf_policy(default_dir)
+    with torch.no_grad():
+        aligned = response_logprobs(policy, batch, params)
+        plain = response_logprobs(policy, batch, SamplingParams(logprobs_mode="raw"))
+    real = batch.response_mask.bool()
+    # A token at the top-p boundary may be kept by the BF16 engine and cut by the FP32 trainer.
+    boundary = real & aligned.isinf()
+    compared = real & ~boundary
+    diff = (aligned - batch.rollout_logprobs)[compared].abs()
+    plain_diff = (plain - batch.rollout_logprobs)[compared].abs()
+    print(f"{int(compared.sum())} tokens: aligned mean {diff.mean():.4f} max {diff.max():.4f}; plain "
+          f"log_softmax mean {plain_diff.mean():.4f} max {plain_diff.max():.4f}; "
+          f"{int(boundary.sum())} cut by the trainer's top-p")
+    assert boundary.sum() <= MAX_BOUNDARY_TOKENS
+    assert diff.mean() < ALIGNED_MEAN and diff.max() < ALIGNED_MAX
+    assert plain_diff.mean() > 5 * diff.mean()
+    assert (aligned[~real] == 0).all()
+
+
+def test_response_logprobs_are_differentiable(bf16_rollouts, default_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=0)
+    batch = bf16_rollouts.rollout(PROMPTS[1:], n=1, sampling_params=params)
+    policy = hf_policy(default_dir)
+    response_logprobs(policy, batch, params).sum().backward()
+    grad = policy.model.embed_tokens.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@pytest.fixture(scope="module")
+def fp32_rollouts() -> RolloutEngine:
+    return RolloutEngine(EngineConfig(**FP32), bucket_bytes=64 << 20)
+
+
+def test_sync_after_optimizer_step_equals_fresh_engine(fp32_rollouts, default_dir, tmp_path):
+    rollouts = fp32_rollouts
+    before = rollouts.rollout(PROMPTS, sampling_params=GREEDY).response_ids
+    policy = hf_policy(default_dir)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    text = torch.tensor([[1, 504, 3458, 282, 6687, 314, 9690, 30]])
+    policy(input_ids=text, labels=text).loss.backward()
+    optimizer.step()
+
+    report = rollouts.sync_weights(policy, weight_version=1)
+    synced = rollouts.rollout(PROMPTS, sampling_params=GREEDY)
+    policy.save_pretrained(tmp_path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(default_dir) / name, tmp_path / name)
+    fresh = RolloutEngine(EngineConfig(model=str(tmp_path), **FP32))
+
+    num_params = sum(p.numel() for p in policy.parameters())
+    assert report.num_tensors == len(policy.state_dict()) - 1  # the tied lm_head is skipped
+    assert report.num_bytes == 4 * num_params
+    assert report.num_buckets == 8  # 513 MiB in 64 MiB buckets; the 108 MiB embedding is one alone
+    assert synced.weight_version == 1
+    assert not torch.equal(synced.response_ids, before)
+    assert torch.equal(synced.response_ids, fresh.rollout(PROMPTS, sampling_params=GREEDY).response_ids)
+    q_proj = "model.layers.3.self_attn.q_proj.weight"
+    assert torch.equal(rollouts.engine.get_weights_by_name(q_proj), policy.get_parameter(q_proj))
+
+
+def test_named_tensors_unwraps_and_skips_the_tied_head():
+    embed = torch.ones(4, 2)
+    wrapped = {"module._orig_mod.model.embed_tokens.weight": embed, "module.lm_head.weight": embed,
+               "model.layers.0._fsdp_wrapped_module.mlp.up_proj.weight": torch.zeros(3, 2)}
+    assert [name for name, _ in named_tensors(wrapped)] == [
+        "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"]
+    untied = {"model.embed_tokens.weight": embed, "lm_head.weight": embed.clone()}
+    assert [name for name, _ in named_tensors(untied)] == list(untied)
+    ddp_like = torch.nn.Module()
+    ddp_like.module = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    assert [name for name, _ in named_tensors(ddp_like)] == ["0.weight", "0.bias"]
+
+
+def test_buckets_respect_the_byte_size_and_cast():
+    items = [(f"w{i}", torch.ones(10, dtype=torch.float32)) for i in range(5)]
+    items.append(("steps", torch.tensor([3], dtype=torch.int64)))
+    out = list(buckets(items, bucket_bytes=45, dtype=torch.bfloat16))
+    assert [[name for name, _ in b] for b in out] == [["w0", "w1"], ["w2", "w3"], ["w4", "steps"]]
+    assert out[0][0][1].dtype == torch.bfloat16 and out[2][1][1].dtype == torch.int64
+
+
+def test_collate_pads_exactly():
+    samples = [Sample([5, 6, 7], [1, 2], [-0.5, -1.0], [-0.1, 0.0], "length", 1, 4, "ab"),
+               Sample([5, 6, 7], [3], [-2.0], [-0.2], "stop", 0, 4, "c"),
+               Sample([8], [4, 5, 6], [-0.1, -0.2, -0.3], [0.0, 0.0, 0.0], "length", 2, 4, "def"),
+               Sample([8], [], [], [], "abort", 0, 4, "")]
+    batch = collate(samples, n=2, pad_token_id=0)
+    assert batch.prompt_ids.tolist() == [[5, 6, 7], [5, 6, 7], [0, 0, 8], [0, 0, 8]]
+    assert batch.response_ids.tolist() == [[1, 2, 0], [3, 0, 0], [4, 5, 6], [0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0],
+                                             [0, 0, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0]]
+    assert batch.position_ids[2].tolist() == [0, 0, 0, 1, 2, 3]
+    assert batch.rollout_logprobs.tolist() == [[-0.5, -1.0, 0.0], [-2.0, 0.0, 0.0],
+                                               pytest.approx([-0.1, -0.2, -0.3]), [0.0, 0.0, 0.0]]
+    assert batch.log_kept_mass[1].tolist() == pytest.approx([-0.2, 0.0, 0.0])
+    assert batch.num_preemptions.tolist() == [1, 0, 2, 0] and batch.weight_version == 4
+    assert batch.response_lengths.tolist() == [2, 1, 3, 0]
+    assert batch.finish_reasons == ["length", "stop", "length", "abort"]
+
+
+def test_rollout_batch_is_prompt_major_and_padded(bf16_rollouts):
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=11, logprobs=0)
+    batch = bf16_rollouts.rollout(PROMPTS, n=2, sampling_params=params)
+    outs = bf16_rollouts.engine.generate(PROMPTS, dataclasses.replace(params, n=2))
+    assert isinstance(batch, RolloutBatch) and batch.batch_size == 6 and batch.n == 2
+    width = batch.prompt_ids.shape[1]
+    for row, (out, sample) in enumerate((o, c) for o in outs for c in o.outputs):
+        plen, rlen = len(out.prompt_token_ids), len(sample.token_ids)
+        assert batch.prompt_ids[row, width - plen:].tolist() == out.prompt_token_ids
+        assert (batch.prompt_ids[row, :width - plen] == batch.pad_token_id).all()
+        assert batch.response_ids[row, :rlen].tolist() == sample.token_ids
+        assert batch.response_mask[row].sum() == rlen and batch.attention_mask[row].sum() == plen + rlen
+        assert batch.rollout_logprobs[row, :rlen].tolist() == pytest.approx(sample.logprobs)
+        assert (batch.rollout_logprobs[row, rlen:] == 0).all()
+        assert batch.finish_reasons[row] == sample.finish_reason
+    assert batch.rollout_logprobs.dtype == torch.float32
+    assert batch.stats["num_tokens"] == batch.response_mask.sum() and batch.stats["tokens_per_s"] > 0
+    assert batch.stats["preemptions_total"] == 0 and batch.stats["kv_blocks_total"] > 0
+
+
+def test_rollout_rejects_bad_arguments(bf16_rollouts):
+    with pytest.raises(ValueError, match="prompts"):
+        bf16_rollouts.rollout("a bare string", n=2)
+    with pytest.raises(ValueError, match="n must be"):
+        bf16_rollouts.rollout(PROMPTS, n=0)
+    with pytest.raises(ValueError, match="conflicts"):
+        bf16_rollouts.rollout(PROMPTS, n=2, sampling_params=SamplingParams(n=3))
+    with pytest.raises(ValueError, match="weight_version"):
+        bf16_rollouts.sync_weights({}, weight_version=-1)
+
+
+def test_pause_blocks_rollouts_until_resume(bf16_rollouts):
+    bf16_rollouts.engine.add_request("Hello", SamplingParams(max_tokens=4))
+    bf16_rollouts.pause("abort")
+    assert not bf16_rollouts.engine.has_unfinished_requests()
+    with pytest.raises(RuntimeError, match="paused"):
+        bf16_rollouts.rollout(PROMPTS)
+    bf16_rollouts.resume()
+    assert bf16_rollouts.rollout(PROMPTS[:1], sampling_params=GREEDY).batch_size == 1
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    pytest.importorskip("fp8engine.entrypoints.server")
+    from fp8engine.benchmarks.serve_load import free_port, wait_until_healthy
+    port = free_port()
+    flags = ["--port", str(port), "--api-key", API_KEY, "--dtype", "float32",
+             "--kv-cache-memory-bytes", str(SMALL_KV)]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "fp8engine.entrypoints.cli", "serve", *flags],
+                                stdout=subprocess.DEVNULL, stderr=log)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_healthy(url, proc, log, timeout=120)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def test_client_equals_in_process_engine(server_url, fp32_rollouts, default_dir):
+    client = RolloutClient(server_url, api_key=API_KEY, bucket_bytes=64 << 20, sync_dtype=None)
+    policy = hf_policy(default_dir)
+    remote_sync = client.sync_weights(policy, weight_version=5)
+    local_sync = fp32_rollouts.sync_weights(policy, weight_version=5)
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=12, seed=5)
+    remote = client.rollout(PROMPTS, n=2, sampling_params=params)
+    local = fp32_rollouts.rollout(PROMPTS, n=2, sampling_params=params)
+
+    assert (remote_sync.num_tensors, remote_sync.num_bytes, remote_sync.num_buckets) == (
+        local_sync.num_tensors, local_sync.num_bytes, local_sync.num_buckets)
+    assert remote.weight_version == 5 == client.get_stats().weight_version
+    for name in ("prompt_ids", "response_ids", "attention_mask", "response_mask", "num_preemptions"):
+        assert torch.equal(getattr(remote, name), getattr(local, name)), name
+    assert torch.allclose(remote.rollout_logprobs, local.rollout_logprobs, atol=1e-5)
+    assert torch.allclose(remote.log_kept_mass, local.log_kept_mass, atol=1e-5)
+    assert remote.finish_reasons == local.finish_reasons
+    assert remote.response_texts == local.response_texts
+    client.pause("abort")
+    with pytest.raises(RuntimeError, match="503"):
+        client.rollout(PROMPTS[:1])
+    client.resume()
+    assert client.rollout(PROMPTS[:1], sampling_params=GREEDY).batch_size == 1
+    client.close()
+
+
+def test_grpo_tiny_smoke(tmp_path):
+    out = tmp_path / "smoke.json"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "grpo_tiny.py"), "--smoke", "--json",
+                    str(out)], check=True, timeout=170, cwd=ROOT)
+    steps = json.loads(out.read_text())["steps"]
+    assert [s["step"] for s in steps] == [0, 1]
+    for step in steps:
+        for key in ("reward_mean", "k1", "k3", "is_mean", "is_std", "clip_frac", "sync_seconds",
+                    "rollout_seconds", "train_seconds", "rollout_tokens_per_s", "preemptions_total"):
+            assert math.isfinite(step[key]), (key, step[key])
+
