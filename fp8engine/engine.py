@@ -16,7 +16,7 @@ from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.outputs import CompletionOutput, EngineStats, RequestOutput, WeightUpdateReport
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.scheduler.scheduler import ScheduledSeq, Scheduler
-from fp8engine.scheduler.sequence import Request, Sequence
+from fp8engine.scheduler.sequence import Request, Sequence, SeqStatus
 from fp8engine.weights import updater
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.loader import resolve
@@ -161,14 +161,19 @@ class LLMEngine:
         request = seq.request
         if seq.index != 0 or len(request.seqs) == request.params.n:
             return [seq]
-        children = []
+        children, queued = [], []
         for i in range(1, request.params.n):
             child = seq.fork(i, self._generator(request.params, i))
-            self.block_manager.fork(seq, child)
-            children.append(child)
-        request.seqs += children
+            if self.block_manager.can_fork(seq):
+                self.block_manager.fork(seq, child)
+                children.append(child)
+            else:  # no block for its tail: it recomputes later, through the prefix cache
+                child.num_computed_tokens, child.status = 0, SeqStatus.WAITING
+                queued.append(child)
+        request.seqs += children + queued
         self.scheduler.insert_running_after(seq, children)
-        return [seq] + children
+        self.scheduler.waiting.extendleft(reversed(queued))
+        return [seq] + children + queued
 
     def _sample(self, sampling: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
         rows = [SampleRow(s.params, s.generator, self._banned_tokens(s)) for s, _ in sampling]

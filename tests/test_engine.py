@@ -164,3 +164,13 @@ def test_abort_before_the_samples_fork_finishes_the_request(engine_bf16):
     out = engine_bf16.abort_request(rid)
     assert out.finished and len(out.outputs) == 1 and out.outputs[0].finish_reason == "abort"
     assert not engine_bf16.has_unfinished_requests()
+
+
+def test_fork_without_free_blocks_defers_samples_instead_of_crashing():
+    engine = make_engine(dtype="float32", num_kv_blocks=8)
+    outs = engine.generate(["The capital of France is", "Once upon a time"],
+                           SamplingParams(n=8, max_tokens=8, ignore_eos=True, seed=0))
+    assert [len(o.outputs) for o in outs] == [8, 8]
+    assert all(len(c.token_ids) == 8 for o in outs for c in o.outputs)
+    stats = engine.get_stats()
+    assert stats.num_kv_blocks_free == stats.num_kv_blocks_total == 8

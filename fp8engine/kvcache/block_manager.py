@@ -83,6 +83,11 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_hashed_blocks = 0
 
+    def can_fork(self, parent: Sequence) -> bool:
+        """True when a fork of parent can get its copy of a partial last block."""
+        has_partial = len(parent.block_table) > parent.num_computed_tokens // self.block_size
+        return self.num_free_blocks >= int(has_partial)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares parent's full blocks; a partial last block is copied (copy on write)."""
         num_full = parent.num_computed_tokens // self.block_size
