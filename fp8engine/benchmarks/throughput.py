@@ -85,6 +85,7 @@ def run_engine(mode: str, workload: Workload, model: str, dtype: str, device: st
     params = SamplingParams(n=workload.n, temperature=workload.temperature, max_tokens=workload.max_tokens,
                             ignore_eos=True, seed=0, logprobs=0)
     engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up: kernels built, caches touched
+    engine.update_weights({})  # a new weight version, as after an RL sync: KV scales recalibrate
     recal_before = engine.kv_scales.seconds_total
     preempt_before = engine.get_stats().num_preemptions_total
     start = time.perf_counter()
