@@ -47,7 +47,6 @@ class KVScaleManager:
         if not self.pending:
             yield
             return
-        start = time.perf_counter()
         for layer in self.layers:
             layer.observer = self._observe
         try:
@@ -57,14 +56,16 @@ class KVScaleManager:
                 layer.observer = None
             self.pending = False
             self.num_calibrations += 1
-            self.seconds_total += time.perf_counter() - start
 
     def _observe(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Runs inside the forward pass; seconds_total counts only this extra work."""
+        start = time.perf_counter()
         amax = torch.stack([k.abs().amax(), v.abs().amax(), q.abs().amax()]).float()
         k_s, v_s, q_s = (self._scale(float(a)) for a in amax.tolist())
         layer.k_scale, layer.v_scale = k_s, v_s
         if self.fp8_attention:
             layer.q_scale = q_s
+        self.seconds_total += time.perf_counter() - start
 
     def _scale(self, amax: float) -> float:
         return max(amax, 1e-6) * self.margin / FP8_MAX
