@@ -1,7 +1,7 @@
 """EngineConfig: every engine option in one validated dataclass."""
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +41,6 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
-    hf_config: object = field(default=None, repr=False)
 
     def __post_init__(self):
         _check_choice("dtype", self.dtype, _DTYPES)

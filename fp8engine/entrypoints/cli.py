@@ -14,8 +14,6 @@ from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Every EngineConfig option as a flag (--kv-cache-dtype fp8_e4m3, --quantization fp8, ...)."""
     for f in dataclasses.fields(EngineConfig):
-        if f.name == "hf_config":
-            continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
@@ -33,8 +31,7 @@ def _parse_value(text: str):
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"hf_config"}
-    return EngineConfig(**{n: getattr(args, n) for n in names})
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
