@@ -27,8 +27,7 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
         block_tables[s, :needed[s]] = ids[start:start + needed[s]]
 
     def cache(scale: float) -> torch.Tensor:
-        x = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-        return quantize_fp8(x, scale) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
+        return random_cache(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype, gen, scale)
 
     q_lens = torch.tensor([n for _, n in seqs])
     num_tokens = int(q_lens.sum())
@@ -40,3 +39,10 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
         seq_lens=torch.tensor([seq_len for seq_len, _ in seqs], dtype=torch.int32),
         scale=head_dim ** -0.5, k_scale=K_SCALE, v_scale=V_SCALE,
     )
+
+
+def random_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """A KV cache of N(0, 1) values, stored as E4M3 with `scale` when dtype is FP8."""
+    x = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    return quantize_fp8(x, scale) if dtype == FP8_DTYPE else x.to(dtype)

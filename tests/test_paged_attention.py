@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 from fp8engine.model_executor.kernels import attention_cpu
 from fp8engine.model_executor.kernels.attention_cpu import kernel_ops, paged_attention_cpu, write_kv_cache_cpu
-from fp8engine.model_executor.kernels.attention_ref import (FP8_DTYPE, FP8_MAX, paged_attention_ref, quantize_fp8,
+from fp8engine.model_executor.kernels.attention_ref import (FP8_DTYPE, FP8_MAX, paged_attention_ref,
                                                             write_kv_cache_ref)
 from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
 from tests import attention_batches
-from tests.attention_batches import K_SCALE, Q_SCALE, V_SCALE
+from tests.attention_batches import K_SCALE, Q_SCALE, V_SCALE, random_cache
 
 BLOCK_SIZE = 16
 
@@ -166,11 +166,7 @@ def test_write_kv_cache_bit_exact(ops, cache_dtype, src_dtype):
     slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:num_tokens]
     slots[::4] = -1  # padding tokens are skipped
 
-    def cache() -> torch.Tensor:
-        x = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
-        return quantize_fp8(x, 1.0) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
-
-    k_cache, v_cache = cache(), cache()
+    k_cache, v_cache = (random_cache(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, cache_dtype, gen) for _ in "kv")
     expected = [k_cache.clone(), v_cache.clone()]
     write_kv_cache_ref(k, v, *expected, slots, K_SCALE, V_SCALE)
     write_kv_cache_cpu(k, v, k_cache, v_cache, slots, K_SCALE, V_SCALE)

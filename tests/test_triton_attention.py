@@ -18,9 +18,9 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from fp8engine.model_executor.kernels import attention_triton as at  # noqa: E402
 from fp8engine.model_executor.kernels.attention_ref import (FP8_DTYPE, FP8_MAX, paged_attention_ref,  # noqa: E402
-                                                            quantize_fp8, write_kv_cache_ref)
+                                                            write_kv_cache_ref)
 from tests import attention_batches  # noqa: E402
-from tests.attention_batches import K_SCALE, Q_SCALE, V_SCALE  # noqa: E402
+from tests.attention_batches import K_SCALE, Q_SCALE, V_SCALE, random_cache  # noqa: E402
 
 make_batch = functools.partial(attention_batches.make_batch, strided_q=True)
 
@@ -130,11 +130,7 @@ def test_write_kv_cache_bit_exact(cache_dtype, src_dtype):
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[2::4] = -1  # padding tokens are skipped
 
-    def cache() -> torch.Tensor:
-        x = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-        return quantize_fp8(x, 1.0) if cache_dtype == FP8_DTYPE else x.to(cache_dtype)
-
-    k_cache, v_cache = cache(), cache()
+    k_cache, v_cache = (random_cache(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype, gen) for _ in "kv")
     expected = [k_cache.clone(), v_cache.clone()]
     write_kv_cache_ref(k, v, *expected, slots, K_SCALE, V_SCALE)
     at.write_kv_cache_triton(k, v, k_cache, v_cache, slots, K_SCALE, V_SCALE)
