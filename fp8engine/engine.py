@@ -138,7 +138,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def _postprocess(self, scheduled: list[ScheduledSeq], result) -> list[Request]:
-        sampling: list[tuple[Sequence, int]] = []
+        sampling: list[tuple[Sequence, int]] = []  # (sequence, row of the logits it samples from)
+        num_rows = 0
         touched: dict[str, Request] = {}
         for item in scheduled:
             seq = item.seq
@@ -150,8 +151,8 @@ class LLMEngine:
                 self._counters["prompt_tokens"] += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
             if samples:
-                row = len({r for _, r in sampling})
-                sampling += [(s, row) for s in self._fork_if_needed(seq)]
+                sampling += [(s, num_rows) for s in self._fork_if_needed(seq)]
+                num_rows += 1
             touched[seq.request.request_id] = seq.request
         if sampling:
             self._sample(sampling, result.logits)
