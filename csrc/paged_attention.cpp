@@ -28,7 +28,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
+
+using fp8engine_vec::exp512;
+using fp8engine_vec::load16;
+using fp8engine_vec::tail_mask;
 
 constexpr int kLanes = 16;          // fp32 lanes per vector; also the keys per softmax step
 constexpr int kTargetRows = 16;     // query rows per tile: amortises the K/V conversion
@@ -38,7 +44,6 @@ constexpr float kFp8Max = 448.f;
 
 inline __m512 splat(float x) { return _mm512_set1_ps(x); }
 inline __m512i splat_i(int32_t x) { return _mm512_set1_epi32(x); }
-inline __mmask16 tail_mask(int n) { return n >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 // ---------------------------------------------------------------- storage <-> fp32 conversions
@@ -90,11 +95,6 @@ inline __m256i fp32_to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
-  const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
 inline __m512 load16(const at::Float8_e4m3fn* p, __mmask16 m) {
   return e4m3_to_fp32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
@@ -186,23 +186,6 @@ inline void store_row(T* dst, const float* src, float mul, int dim) {
 }
 
 // ---------------------------------------------------------------- vector math
-
-// Cephes expf: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2]; about 1 ulp.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(splat(-104.f), x);  // exp underflows to 0 below this; NaN passes through
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, splat(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, splat(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, splat(-2.12194440e-4f), r);
-  __m512 p = splat(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, splat(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, splat(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, splat(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, splat(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, splat(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, splat(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // Lane t of the result = sum of the lanes of a[t]: 16 dot products finished with 15 adds instead of
 // 16 horizontal reductions.

@@ -93,6 +93,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of requests that advanced or finished."""
+        return self._step(finished_only=False)
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
+        # Building an unfinished output detokenizes everything generated so far, so callers that
+        # only collect finished requests skip it.
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -104,7 +109,7 @@ class LLMEngine:
             result = self.runner.execute(scheduled)
         self._counters["steps"] += 1
         touched = self._postprocess(scheduled, result)
-        return outputs + [self._emit(r) for r in touched]
+        return outputs + [self._emit(r) for r in touched if r.finished or not finished_only]
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -129,7 +134,7 @@ class LLMEngine:
         progress = _progress(len(ids), use_tqdm)
         wanted = set(ids)
         while wanted - finished.keys():
-            for out in self.step():
+            for out in self._step(finished_only=True):
                 if out.finished and out.request_id in wanted:
                     finished[out.request_id] = out
                     progress.update(1)
@@ -178,8 +183,10 @@ class LLMEngine:
 
     def _sample(self, sampling: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
         rows = [SampleRow(s.params, s.generator, self._banned_tokens(s)) for s, _ in sampling]
-        index = torch.tensor([r for _, r in sampling], device=logits.device)
-        result = sample(logits[index], rows)
+        index = [r for _, r in sampling]
+        if index != list(range(logits.shape[0])):  # forks share their parent's row
+            logits = logits[torch.tensor(index, device=logits.device)]
+        result = sample(logits, rows)
         for i, (seq, _) in enumerate(sampling):
             self._append_token(seq, result.token_ids[i], result.logprobs[i],
                                result.top_logprobs[i], result.log_kept_mass[i])
@@ -354,7 +361,7 @@ class LLMEngine:
             self._pending_outputs += [o for o in map(self.abort_request, ids) if o is not None]
             return len(ids)
         while self.requests:
-            self._pending_outputs += [o for o in self.step() if o.finished]
+            self._pending_outputs += self._step(finished_only=True)
         return 0
 
     def flush_prefix_cache(self) -> None:

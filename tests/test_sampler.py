@@ -2,9 +2,11 @@
 
 import math
 
+import pytest
 import torch
 
 from fp8engine import SamplingParams
+from fp8engine.model_executor.layers import sampler as sampler_mod
 from fp8engine.model_executor.layers.sampler import SampleRow, processed_logprobs, sample, truncation_mask
 
 PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
@@ -86,3 +88,45 @@ def test_seeded_draws_repeat():
     draw = lambda: sample(logits.clone(), [SampleRow(params, torch.Generator().manual_seed(i))  # noqa: E731
                                            for i in range(3)]).token_ids
     assert draw() == draw()
+
+
+def _reference_sample(logits, rows):
+    """The torch sampler, with the fused CPU kernel turned off."""
+    saved, sampler_mod._fused_ops = sampler_mod._fused_ops, lambda *args: None
+    try:
+        return sample(logits.clone(), rows)
+    finally:
+        sampler_mod._fused_ops = saved
+
+
+@pytest.mark.skipif(sampler_mod.load_cpu_ops() is None, reason="C++ kernels not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, 1.3])
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_fused_kernel_matches_the_reference(dtype, temperature, mode):
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(24, 3001, generator=gen) * 3).to(dtype)
+    logits[:, :7] = float("-inf")  # zero-probability tokens are never drawn
+    params = SamplingParams(temperature=temperature, logprobs=0, logprobs_mode=mode)
+    rows = lambda: [SampleRow(params, torch.Generator().manual_seed(i)) for i in range(24)]  # noqa: E731
+    assert sampler_mod._fused_ops(logits, rows()) is not None
+    got, want = sample(logits, rows()), _reference_sample(logits, rows())
+    assert got.token_ids == want.token_ids
+    assert min(got.token_ids) >= 7
+    assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=2e-5)
+    assert got.log_kept_mass == want.log_kept_mass and got.top_logprobs == want.top_logprobs
+
+
+def test_fused_draws_follow_the_distribution():
+    logits = PROBS.log()[None].repeat(4000, 1)
+    params = SamplingParams(temperature=1.0)
+    res = sample(logits, [SampleRow(params, torch.Generator().manual_seed(i)) for i in range(4000)])
+    counts = torch.bincount(torch.tensor(res.token_ids), minlength=5).float() / 4000
+    assert torch.allclose(counts, PROBS, atol=0.03)
+
+
+def test_truncation_and_alternatives_take_the_reference_path():
+    logits = torch.randn(2, 10)
+    assert sampler_mod._fused_ops(logits, [SampleRow(SamplingParams(top_p=0.9), torch.Generator())]) is None
+    assert sampler_mod._fused_ops(logits, [SampleRow(SamplingParams(logprobs=2), torch.Generator())]) is None
+    assert sampler_mod._fused_ops(logits, [SampleRow(SamplingParams(), torch.Generator(), (3,))]) is None

@@ -10,6 +10,8 @@ The processed distribution (what tokens are actually drawn from), for temperatur
 `log_kept_mass` = log(sum of p over the kept set) is returned per token so a trainer that does not
 truncate can remove the renormalisation. Greedy (T = 0) is a point mass: processed logprob 0.
 Sampling inverts the CDF of p_kept with one uniform number from each sequence's own generator.
+On CPU, batches without truncation, banned tokens or top-k alternatives take a fused C++ kernel
+(csrc/sampler.cpp) with the same definition; this module is its reference.
 """
 
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
 from fp8engine.sampling_params import SamplingParams
 
 
@@ -73,7 +76,10 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     """Sample one token per row of logits [R, V] (any float dtype)."""
-    logits = logits.float()
+    ops = _fused_ops(logits, rows)
+    if ops is not None:
+        return _sample_fused(ops, logits, rows)
+    logits = logits.to(torch.float32, copy=True)  # banned tokens are masked in place
     raw = torch.log_softmax(logits, dim=-1) if any(_wants(r, "raw") for r in rows) else None
     for i, row in enumerate(rows):
         if row.banned_token_ids:
@@ -88,6 +94,33 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         proc, log_kept = _processed_rows(subset, [rows[i] for i in sampled])
         tokens[sampled] = _draw(proc.exp(), [rows[i].generator for i in sampled])
     return _collect(tokens, rows, raw, proc, log_kept, sampled)
+
+
+def _fused_ops(logits: torch.Tensor, rows: list[SampleRow]):
+    """torch.ops.fp8engine when the fused kernel covers this batch, else None."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if any(r.params.truncates or r.params.logprobs or r.banned_token_ids for r in rows):
+        return None
+    ops = load_cpu_ops()
+    return ops if ops is not None and hasattr(ops, "sample_rows") else None
+
+
+def _sample_fused(ops, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
+    uniform = torch.cat([torch.rand(1, generator=r.generator) if not r.params.greedy else torch.zeros(1)
+                         for r in rows])
+    tokens, processed, raw = ops.sample_rows(logits, temperature, uniform, any(_wants(r, "raw") for r in rows))
+    result = SampleResult(tokens.tolist(), [None] * len(rows), [None] * len(rows), [None] * len(rows))
+    processed, raw = processed.tolist(), raw.tolist()
+    for i, row in enumerate(rows):
+        if row.params.logprobs is None:
+            continue
+        if row.params.logprobs_mode == "raw":
+            result.logprobs[i] = raw[i]
+        else:
+            result.logprobs[i], result.log_kept_mass[i] = processed[i], 0.0
+    return result
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:

@@ -1,0 +1,153 @@
+// Fused sampling for rows without truncation (no top-k / top-p / min-p), for x86 CPUs with AVX-512.
+//
+// Per row of logits x [R, V] (bf16 or fp32), with temperature T (0 = greedy) and one uniform u:
+//   raw logprob of the token       x[tok] - logsumexp(x)
+//   processed logprob              x[tok] / T - logsumexp(x / T)   (0 for greedy)
+//   token                          argmax (greedy, first of ties) or the inverse CDF of
+//                                  softmax(x / T) at (1 - u): the first token whose running sum of
+//                                  exp(x / T - max) reaches (1 - u) * total, as in
+//                                  fp8engine/model_executor/layers/sampler.py (the reference).
+// One pass finds the max, one sums exp in chunks (keeping each chunk's sum), and the draw rescans a
+// single chunk, instead of materialising log-softmax, probabilities and a cumulative sum over V.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+using fp8engine_vec::exp512;
+using fp8engine_vec::load16;
+using fp8engine_vec::tail_mask;
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kChunk = 512;  // elements per kept partial sum
+
+inline float value(const float* p, int64_t i) { return p[i]; }
+inline float value(const at::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t v, float& max) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < v; i += kLanes) {
+    const __mmask16 k = tail_mask(v - i);
+    m = _mm512_mask_max_ps(m, k, m, load16(x + i, k));
+  }
+  max = _mm512_reduce_max_ps(m);
+  for (int64_t i = 0; i < v; ++i)
+    if (value(x, i) == max) return i;
+  return 0;  // all NaN
+}
+
+// Sum of exp(x * inv_t - shift), with the sum of every kChunk elements stored in `chunks` if given.
+template <typename T>
+float sum_exp(const T* x, int64_t v, float inv_t, float shift, float* chunks) {
+  float total = 0.f;
+  for (int64_t c0 = 0; c0 < v; c0 += kChunk) {
+    __m512 acc = _mm512_setzero_ps();
+    const int64_t c1 = std::min(v, c0 + kChunk);
+    for (int64_t i = c0; i < c1; i += kLanes) {
+      const __mmask16 k = tail_mask(c1 - i);
+      const __m512 e = exp512(_mm512_fmsub_ps(load16(x + i, k), _mm512_set1_ps(inv_t), _mm512_set1_ps(shift)));
+      acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+    }
+    const float s = _mm512_reduce_add_ps(acc);
+    if (chunks) chunks[c0 / kChunk] = s;
+    total += s;
+  }
+  return total;
+}
+
+// First index whose running sum of exp(x * inv_t - shift) reaches target; target <= the chunk total.
+template <typename T>
+int64_t invert_cdf(const T* x, int64_t v, float inv_t, float shift, const float* chunks, float target) {
+  const int64_t num_chunks = (v + kChunk - 1) / kChunk;
+  float before = 0.f;
+  int64_t c = 0;
+  while (c + 1 < num_chunks && before + chunks[c] < target) before += chunks[c++];
+  int64_t last_positive = -1;
+  for (int64_t i = c * kChunk; i < std::min(v, (c + 1) * kChunk); ++i) {
+    const float e = std::exp(value(x, i) * inv_t - shift);
+    if (e <= 0.f) continue;
+    last_positive = i;
+    before += e;
+    if (before >= target) return i;
+  }
+  return last_positive;  // rounding left the chunk just short of the target
+}
+
+template <typename T>
+void sample_row(const T* x, int64_t v, float temperature, float uniform, bool need_raw, float* chunks,
+                int64_t& token, float& processed, float& raw) {
+  float max = 0.f;
+  const int64_t best = argmax_row(x, v, max);
+  const bool tempered = temperature > 0.f && temperature != 1.f;
+  const float raw_lse = (need_raw || temperature == 1.f)
+                            ? max + std::log(sum_exp(x, v, 1.f, max, tempered ? nullptr : chunks))
+                            : 0.f;
+  if (temperature == 0.f) {
+    token = best;
+    processed = 0.f;
+  } else {
+    // max(x / T) == max / T: division by T > 0 rounds monotonically.
+    const float inv_t = tempered ? 1.f / temperature : 1.f, shift = tempered ? max / temperature : max;
+    const float total = tempered ? sum_exp(x, v, inv_t, shift, chunks) : std::exp(raw_lse - max);
+    token = invert_cdf(x, v, inv_t, shift, chunks, (1.f - uniform) * total);
+    processed = tempered ? value(x, token) / temperature - shift - std::log(total) : value(x, token) - raw_lse;
+  }
+  raw = need_raw ? value(x, token) - raw_lse : 0.f;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_in, const at::Tensor& temperature_in,
+                                                           const at::Tensor& uniform_in, bool need_raw) {
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "logits must be [rows, vocab]");
+  TORCH_CHECK(logits_in.scalar_type() == at::kFloat || logits_in.scalar_type() == at::kBFloat16,
+              "logits must be float32 or bfloat16");
+  const int64_t rows = logits_in.size(0), v = logits_in.size(1);
+  const at::Tensor temperature = temperature_in.to(at::kFloat).contiguous();
+  const at::Tensor uniform = uniform_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(temperature.numel() == rows && uniform.numel() == rows, "temperature and uniform need one value per row");
+  TORCH_CHECK((temperature >= 0).all().item<bool>(), "temperature must be >= 0");
+  const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  at::Tensor tokens = at::empty({rows}, at::kLong);
+  at::Tensor processed = at::empty({rows}, at::kFloat), raw = at::empty({rows}, at::kFloat);
+  const float* t = temperature.data_ptr<float>();
+  const float* u = uniform.data_ptr<float>();
+  const auto run = [&](auto* x) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> chunks((v + kChunk - 1) / kChunk);
+      for (int64_t r = begin; r < end; ++r)
+        sample_row(x + r * logits.stride(0), v, t[r], u[r], need_raw, chunks.data(), tokens.data_ptr<int64_t>()[r],
+                   processed.data_ptr<float>()[r], raw.data_ptr<float>()[r]);
+    });
+  };
+  if (logits.scalar_type() == at::kBFloat16) {
+    run(logits.data_ptr<at::BFloat16>());
+  } else {
+    run(logits.data_ptr<float>());
+  }
+  return {tokens, processed, raw};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
+  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor uniform, bool need_raw) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fp8engine, CPU, m) { m.impl("sample_rows", &sample_rows); }
+
+#endif
