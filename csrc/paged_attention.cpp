@@ -34,6 +34,7 @@ namespace {
 
 using fp8engine_vec::exp512;
 using fp8engine_vec::load16;
+using fp8engine_vec::store16;
 using fp8engine_vec::tail_mask;
 
 constexpr int kLanes = 16;          // fp32 lanes per vector; also the keys per softmax step
@@ -85,22 +86,10 @@ inline __m512i fp32_to_e4m3(__m512 x) {
   return _mm512_or_si512(_mm512_and_si512(r, splat_i(0xFF)), _mm512_srli_epi32(sign, 24));
 }
 
-// fp32 -> bf16 (16-bit lanes), bit-identical to torch's vectorised x.to(torch.bfloat16): round to
-// nearest even, denormals kept, NaN -> 0xFFFF. (vcvtneps2bf16 would flush denormals.)
-inline __m256i fp32_to_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), splat_i(1)), splat_i(0x7FFF));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), splat_i(0xFFFF));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 inline __m512 load16(const at::Float8_e4m3fn* p, __mmask16 m) {
   return e4m3_to_fp32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 
-inline void store16(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
-inline void store16(at::BFloat16* p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, fp32_to_bf16(x)); }
 inline void store16(at::Float8_e4m3fn* p, __m512 x, __mmask16 m) {
   _mm_mask_storeu_epi8(p, m, _mm512_cvtepi32_epi8(fp32_to_e4m3(x)));
 }

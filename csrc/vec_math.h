@@ -18,6 +18,20 @@ inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
 
+// fp32 -> bf16 (16-bit lanes), bit-identical to torch's vectorised x.to(torch.bfloat16): round to
+// nearest even, denormals kept, NaN -> 0xFFFF. (vcvtneps2bf16 would flush denormals.)
+inline __m256i fp32_to_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i bias =
+      _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline void store16(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+inline void store16(at::BFloat16* p, __m512 x, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, fp32_to_bf16(x)); }
+
 // Cephes expf: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2]; about 1 ulp. exp(-inf) = 0.
 inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(_mm512_set1_ps(-104.f), x);  // exp underflows to 0 below this; NaN passes through

@@ -48,3 +48,17 @@ def load_cpu_ops():
         logger.warning("fp8engine: C++ CPU kernels unavailable (%s); using the torch reference", exc)
         return None
     return torch.ops.fp8engine
+
+
+@functools.cache
+def cpu_kernel(name: str):
+    """torch.ops.fp8engine.<name> when the C++ kernels are built and hold it, else None."""
+    ops = load_cpu_ops()
+    return getattr(ops, name, None) if ops is not None else None
+
+
+def fused_kernel(name: str, x: torch.Tensor):
+    """The C++ op `name` for a CPU tensor in a dtype the kernels handle, else None (use torch)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return cpu_kernel(name)

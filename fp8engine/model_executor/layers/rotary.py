@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from fp8engine.model_executor.kernels.cpu_ops import fused_kernel
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype):
@@ -14,7 +16,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies."""
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on CPU, where the C++ kernel runs)."""
+        op = fused_kernel("rotary_embedding_", q)
+        if op is not None and q.dtype == self.cos.dtype:
+            op(q, k, self.cos, self.sin, positions)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

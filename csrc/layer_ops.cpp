@@ -1,0 +1,204 @@
+// Fused element-wise layer ops for x86 CPUs with AVX-512: RMSNorm with the residual add, rotary
+// embedding in place, and SiLU-and-mul. Each one replaces a chain of torch ops (and their
+// temporaries) while rounding exactly where the torch versions do, so their references are
+// fp8engine/model_executor/layers/{norm,rotary,activation}.py:
+//   rms_norm:      r = x + residual (in the model dtype); y = weight * (r * rsqrt(mean(r^2) + eps))
+//                  with the statistics in fp32 and the normalised value rounded before the weight;
+//   rotary:        q * cos + rotate_half(q) * sin, each product and the sum rounded;
+//   silu_and_mul:  silu(gate) rounded, times up.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "vec_math.h"
+
+namespace {
+
+using fp8engine_vec::exp512;
+using fp8engine_vec::load16;
+using fp8engine_vec::store16;
+using fp8engine_vec::tail_mask;
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kGrainElems = 1 << 15;  // below this much work per thread, threads cost more than they save
+
+int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+
+// Rounds 16 lanes to the storage type T (a no-op for fp32), as a torch op's output would be.
+template <typename T>
+inline __m512 round_to(__m512 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(fp8engine_vec::fp32_to_bf16(x)), 16));
+  }
+}
+
+template <typename F>
+void dispatch(const at::Tensor& t, F&& f) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "expected float32 or bfloat16, got ",
+              t.scalar_type());
+  if (t.scalar_type() == at::kBFloat16) {
+    f(static_cast<at::BFloat16*>(nullptr));
+  } else {
+    f(static_cast<float*>(nullptr));
+  }
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+template <typename T>
+void rms_norm_row(const T* x, const T* res, T* res_out, const T* w, T* out, int64_t n, float eps) {
+  __m512 ss = _mm512_setzero_ps();
+  const T* r = res ? res_out : x;
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = tail_mask(n - i);
+    __m512 v = load16(x + i, m);
+    if (res) {
+      v = round_to<T>(_mm512_add_ps(v, load16(res + i, m)));
+      store16(res_out + i, v, m);
+    }
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 y = round_to<T>(_mm512_mul_ps(load16(r + i, m), inv));
+    store16(out + i, _mm512_mul_ps(load16(w + i, m), y), m);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps) {
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous(),
+              "weight must be a contiguous [", n, "] tensor of the input dtype");
+  const at::Tensor x2 = x.reshape({-1, n}).contiguous();
+  at::Tensor res2, res_out;
+  if (residual) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must match x in shape and dtype");
+    res2 = residual->reshape({-1, n}).contiguous();
+    res_out = at::empty_like(x2);
+  }
+  at::Tensor out = at::empty_like(x2);
+  const int64_t rows = x2.size(0);
+  dispatch(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        rms_norm_row(x2.data_ptr<T>() + i * n, residual ? res2.data_ptr<T>() + i * n : nullptr,
+                     residual ? res_out.data_ptr<T>() + i * n : nullptr, weight.data_ptr<T>(),
+                     out.data_ptr<T>() + i * n, n, static_cast<float>(eps));
+    });
+  });
+  return {out.view(x.sizes()), residual ? res_out.view(x.sizes()) : at::Tensor()};
+}
+
+// ---------------------------------------------------------------- rotary embedding
+
+// In place on one head: x[:h] <- x[:h] c - x[h:] s, x[h:] <- x[h:] c + x[:h] s (cos/sin repeat per half).
+template <typename T>
+void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const __mmask16 m = tail_mask(half - i);
+    const __m512 a = load16(x + i, m), b = load16(x + half + i, m);
+    const __m512 c0 = load16(cos + i, m), s0 = load16(sin + i, m);
+    const __m512 c1 = load16(cos + half + i, m), s1 = load16(sin + half + i, m);
+    // rotate_half negates before the multiply; -(b s) rounds like (-b) s.
+    const __m512 neg_b = _mm512_sub_ps(_mm512_setzero_ps(), b);
+    const __m512 lo = _mm512_add_ps(round_to<T>(_mm512_mul_ps(a, c0)), round_to<T>(_mm512_mul_ps(neg_b, s0)));
+    const __m512 hi = _mm512_add_ps(round_to<T>(_mm512_mul_ps(b, c1)), round_to<T>(_mm512_mul_ps(a, s1)));
+    store16(x + i, lo, m);
+    store16(x + half + i, hi, m);
+  }
+}
+
+void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                       const at::Tensor& positions_in) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
+              "q and k must be [tokens, heads, head_dim] with equal tokens and head_dim");
+  const int64_t dim = q.size(2);
+  TORCH_CHECK(dim % 2 == 0 && q.stride(2) == 1 && k.stride(2) == 1, "head_dim must be even and contiguous");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == dim && cos.sizes() == sin.sizes() && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "cos and sin must be contiguous [max_positions, head_dim]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == cos.scalar_type() &&
+                  cos.scalar_type() == sin.scalar_type(),
+              "q, k, cos and sin must share a dtype");
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  TORCH_CHECK(positions.numel() == q.size(0), "one position per token expected");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " outside the rotary table");
+  dispatch(q, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t heads = q.size(1) + k.size(1);
+    at::parallel_for(0, q.size(0), grain(heads * dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* c = cos.data_ptr<T>() + pos[t] * dim;
+        const T* s = sin.data_ptr<T>() + pos[t] * dim;
+        for (const at::Tensor* x : {&q, &k})
+          for (int64_t h = 0; h < x->size(1); ++h)
+            rotate_head(x->data_ptr<T>() + t * x->stride(0) + h * x->stride(1), c, s, dim / 2);
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------- SiLU and mul
+
+at::Tensor silu_and_mul(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.size(-1) % 2 == 0, "silu_and_mul needs an even last dimension, got ", x_in.size(-1));
+  const int64_t n = x_in.size(-1) / 2;
+  const at::Tensor x = x_in.reshape({-1, 2 * n}).contiguous();
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  dispatch(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    at::parallel_for(0, x.size(0), grain(2 * n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* g = x.data_ptr<T>() + r * 2 * n;
+        T* y = out.data_ptr<T>() + r * n;
+        for (int64_t i = 0; i < n; i += kLanes) {
+          const __mmask16 m = tail_mask(n - i);
+          const __m512 a = load16(g + i, m);
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
+          const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+          store16(y + i, _mm512_mul_ps(round_to<T>(silu), load16(g + n + i, m)), m);
+        }
+      }
+    });
+  });
+  return out.view(shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary_embedding_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor positions) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fp8engine, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary_embedding_", &rotary_embedding_);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
+
+#endif
