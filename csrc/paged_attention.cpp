@@ -208,6 +208,7 @@ struct Problem {
   float score_scale;  // multiplies q.k
   float out_scale;    // multiplies sum(p v): v_scale, divided by 448 for FP8 probabilities
   float q_scale;      // > 0: full-FP8 emulation, q quantised to E4M3 with this scale
+  bool bf16_queries;  // q is bf16 (or E4M3-quantised): exact in bf16, so scores can use bf16 dot products
   bool full_fp8() const { return q_scale > 0; }
 };
 
@@ -228,8 +229,17 @@ struct Work {
 // Per-thread state of one tile; row r is query token r / group, head r % group of the GQA group.
 struct Buffers {
   Buffers(int rows, int padded)
-      : q(rows * padded), acc(rows * padded), kv(kLanes * padded), s(rows * kLanes), m(rows), l(rows), alpha(rows) {}
+      : q(rows * padded),
+        acc(rows * padded),
+        kv(kLanes * padded),
+        s(rows * kLanes),
+        m(rows),
+        l(rows),
+        alpha(rows),
+        qb(rows * padded),
+        kb(kLanes * padded) {}
   std::vector<float> q, acc, kv, s, m, l, alpha;
+  std::vector<uint16_t> qb, kb;  // bf16 queries and (converted FP8) keys for the dot-product scores
 };
 
 enum class Pass {
@@ -253,6 +263,94 @@ inline void chunk_scores(const Buffers& b, int r0, int rows, int padded, float s
     _mm512_storeu_ps(s + r * kLanes, _mm512_mul_ps(hsum16(a), splat(scale)));
   }
 }
+
+// Dot-product scores: q and K are both exact in bf16 (E4M3 keys convert exactly), so vdpbf16ps
+// forms every product exactly and only the fp32 summation order differs from chunk_scores. Keys
+// past the chunk read its last key again and are masked by the caller.
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+template <typename CT, int kD>
+constexpr bool kDotScores = !std::is_same_v<CT, float> && kD % 64 == 0 && kD > 0;
+#else
+template <typename CT, int kD>
+constexpr bool kDotScores = false;
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// FP8 keys convert 64 at a time by byte unpacking, which orders each 128-bit lane L of the two
+// resulting vectors as k = 16L + 0..7 (first vector) and 16L + 8..15 (second); queries are
+// permuted the same way so the pairs line up.
+struct LaneOrder {
+  alignas(64) uint16_t idx[2][32];
+  constexpr LaneOrder() : idx() {
+    for (int e = 0; e < 32; ++e) {
+      idx[0][e] = static_cast<uint16_t>(16 * (e / 8) + e % 8);
+      idx[1][e] = static_cast<uint16_t>(16 * (e / 8) + 8 + e % 8);
+    }
+  }
+};
+constexpr LaneOrder kLaneOrder;
+
+// One fp32 row (exact bf16 values) as bf16, in natural or lane order.
+inline void pack_query_bf16(const float* q, int d, bool lane_order, uint16_t* dst) {
+  for (int c = 0; c < d; c += 64) {
+    __m512i v[2];
+    for (int h = 0; h < 2; ++h)
+      v[h] = reinterpret_cast<__m512i>(
+          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + c + 32 * h + 16), _mm512_loadu_ps(q + c + 32 * h)));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i out =
+          lane_order ? _mm512_permutex2var_epi16(v[0], _mm512_load_si512(kLaneOrder.idx[h]), v[1]) : v[h];
+      _mm512_storeu_si512(dst + c + 32 * h, out);
+    }
+  }
+}
+
+// E4M3 row -> bf16 in lane order (exact): the fp32 tables' top two bytes are the bf16 bytes.
+inline void e4m3_row_to_bf16(const at::Float8_e4m3fn* src, int d, uint16_t* dst) {
+  const __m512i hi0 = _mm512_load_si512(kE4m3.hi), hi1 = _mm512_load_si512(kE4m3.hi + 64);
+  const __m512i lo0 = _mm512_load_si512(kE4m3.lo), lo1 = _mm512_load_si512(kE4m3.lo + 64);
+  for (int c = 0; c < d; c += 64) {
+    const __m512i bytes = _mm512_loadu_si512(src + c);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, bytes, hi1), bytes,
+                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, bytes, lo1);
+    _mm512_storeu_si512(dst + c, _mm512_unpacklo_epi8(lo, hi));
+    _mm512_storeu_si512(dst + c + 32, _mm512_unpackhi_epi8(lo, hi));
+  }
+}
+
+// Scores of rows [r0, rows) against the n keys at `keys` (bf16 rows `stride` apart).
+template <int kD>
+inline void chunk_scores_dp(const Buffers& b, const uint16_t* keys, int64_t stride, int n, int r0, int rows,
+                            float scale, float* s) {
+  constexpr int kV = kD / 32;
+  for (int r = r0; r < rows; ++r) {
+    __m512bh qv[kV];
+    for (int c = 0; c < kV; ++c) qv[c] = as_bh(_mm512_loadu_si512(b.qb.data() + r * kD + 32 * c));
+    __m512 a[kLanes];
+    for (int t = 0; t < kLanes; ++t) {
+      const uint16_t* k = keys + std::min(t, n - 1) * stride;
+      a[t] = _mm512_setzero_ps();
+      for (int c = 0; c < kV; ++c) a[t] = _mm512_dpbf16_ps(a[t], qv[c], as_bh(_mm512_loadu_si512(k + 32 * c)));
+    }
+    _mm512_storeu_ps(s + r * kLanes, _mm512_mul_ps(hsum16(a), splat(scale)));
+  }
+}
+
+// Scores of one chunk of n keys starting at cache element `base`, by bf16 dot products.
+template <typename CT, int kD>
+inline void key_scores_dp(const Problem& p, const CT* kc, int64_t base, int n, int r0, int rows, Buffers& b) {
+  if constexpr (std::is_same_v<CT, at::BFloat16>) {
+    chunk_scores_dp<kD>(b, reinterpret_cast<const uint16_t*>(kc + base), p.tok_stride, n, r0, rows, p.score_scale,
+                        b.s.data());
+  } else {
+    for (int t = 0; t < n; ++t) e4m3_row_to_bf16(kc + base + t * p.tok_stride, kD, b.kb.data() + t * kD);
+    chunk_scores_dp<kD>(b, b.kb.data(), kD, n, r0, rows, p.score_scale, b.s.data());
+  }
+}
+#endif
 
 // Turns row r's scores into (unnormalised or quantised) probabilities in place.
 inline void softmax_step(Pass pass, __mmask16 visible, int r, Buffers& b) {
@@ -340,8 +438,17 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
     }
     // Rows are token-major, so the rows that can see key j0 (and maybe later ones) are a suffix.
     const int r0 = std::max(0, j0 - t.pos0) * p.group;
-    rows_to_fp32(kc + base, p.tok_stride, n, dim, d, b.kv.data());
-    chunk_scores<kD>(b, r0, rows, d, p.score_scale, b.s.data());
+    if constexpr (kDotScores<CT, kD>) {
+      if (p.bf16_queries) {
+        key_scores_dp<CT, kD>(p, kc, base, n, r0, rows, b);
+      } else {
+        rows_to_fp32(kc + base, p.tok_stride, n, dim, d, b.kv.data());
+        chunk_scores<kD>(b, r0, rows, d, p.score_scale, b.s.data());
+      }
+    } else {
+      rows_to_fp32(kc + base, p.tok_stride, n, dim, d, b.kv.data());
+      chunk_scores<kD>(b, r0, rows, d, p.score_scale, b.s.data());
+    }
     for (int r = r0; r < rows; ++r) softmax_step(pass, tail_mask(std::min(n, t.pos0 + r / p.group - j0 + 1)), r, b);
     if (pass != Pass::kStats) {
       rows_to_fp32(vc + base, p.tok_stride, n, dim, d, b.kv.data());
@@ -423,6 +530,11 @@ template <typename CT, int kD>
 void run_work(const Problem& p, const Tile& t, const Work& w, float* scratch, Buffers& b) {
   const int rows = t.rows(p.group);
   dispatch_io(p.io_dtype, [&](auto io) { load_queries<typename decltype(io)::type>(p, t, b); });
+  if constexpr (kDotScores<CT, kD>) {
+    if (p.bf16_queries)
+      for (int r = 0; r < rows; ++r)
+        pack_query_bf16(b.q.data() + r * kD, kD, !std::is_same_v<CT, at::BFloat16>, b.qb.data() + r * kD);
+  }
   std::fill_n(b.m.begin(), rows, -std::numeric_limits<float>::infinity());
   std::fill_n(b.l.begin(), rows, 0.f);
   std::fill_n(b.acc.begin(), rows * p.padded, 0.f);
@@ -574,7 +686,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
                   block_tables.data_ptr<int32_t>(), static_cast<int>(q.size(1)), group, dim, round_up(dim, kLanes),
                   static_cast<int>(k_cache.size(1)), q.stride(0), k_cache.stride(0), k_cache.stride(1),
                   block_tables.size(1), static_cast<float>(full ? q_scale * ks * scale : ks * scale),
-                  static_cast<float>(full ? vs / kFp8Max : vs), static_cast<float>(full ? q_scale : 0.0)};
+                  static_cast<float>(full ? vs / kFp8Max : vs), static_cast<float>(full ? q_scale : 0.0),
+                  full || q.scalar_type() == at::kBFloat16};
 
   std::vector<Tile> tiles = plan_tiles(query_start_loc, seq_lens, block_tables, q.size(0), k_cache.size(0),
                                        kv_heads, group, p.block_size);
