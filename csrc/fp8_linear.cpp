@@ -141,9 +141,18 @@ __m128i e4m3_from_f32x16(__m512 v) {
   return _mm512_cvtepi32_epi8(_mm512_or_si512(r, _mm512_srli_epi32(sign, 24)));
 }
 
-// E4M3 bytes of clamp(v / scale): the division (not a reciprocal multiply) matches the reference.
-__m128i quantize_f32x16(__m512 v, __m512 scale) {
-  const __m512 q = _mm512_div_ps(v, scale);
+// v / scale rounded correctly, as a division would, at the cost of a multiply and two FMAs (a
+// vector division is several times slower): q = v * recip with recip = 1 / scale rounded, then one
+// Markstein correction with the exact remainder v - q * scale. Infinite quotients pass through.
+__m512 divide(__m512 v, __m512 scale, __m512 recip) {
+  const __m512 q = _mm512_mul_ps(v, recip);
+  const __m512 corrected = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, scale, v), recip, q);
+  return _mm512_mask_mov_ps(corrected, _mm512_fpclass_ps_mask(q, 0x18), q);
+}
+
+// E4M3 bytes of clamp(v / scale), with the quotient rounded as the reference's division rounds it.
+__m128i quantize_f32x16(__m512 v, __m512 scale, __m512 recip) {
+  const __m512 q = divide(v, scale, recip);
   // max(lo, q) / min(hi, .) return q when q is NaN, so NaN survives like torch.clamp.
   const __m512 c = _mm512_min_ps(_mm512_set1_ps(kFp8Max), _mm512_max_ps(_mm512_set1_ps(-kFp8Max), q));
   return e4m3_from_f32x16(c);
@@ -164,9 +173,14 @@ float amax_rows(const T* p, int64_t ld, int64_t rows, int64_t cols) {
 
 template <typename T>
 void quantize_span(const T* src, uint8_t* dst, int64_t n, float scale) {
-  const __m512 s = _mm512_set1_ps(scale);
+  const __m512 s = _mm512_set1_ps(scale), recip = _mm512_set1_ps(1.f / scale);
   for_chunks16(n, [&](int64_t c, __mmask16 m) {
-    _mm_mask_storeu_epi8(dst + c, m, quantize_f32x16(load_f32(src + c, m), s));
+    const __m128i q = quantize_f32x16(load_f32(src + c, m), s, recip);
+    if (m == 0xFFFF) {  // masked stores are slow on Zen 5
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c), q);
+    } else {
+      _mm_mask_storeu_epi8(dst + c, m, q);
+    }
   });
 }
 
@@ -297,8 +311,8 @@ __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 // e4m3_from_f32, which no product sees). Adding and subtracting m = +-2^(e + 20), with 2^e the binade
 // of the value but at least 2^-6, makes the FPU round to 3 mantissa bits (subnormal step 2^-9) with
 // ties to even; a NaN passes through the additions.
-__m512 e4m3_round_f32x16(__m512 v, __m512 scale) {
-  const __m512 q = _mm512_div_ps(v, scale);
+__m512 e4m3_round_f32x16(__m512 v, __m512 scale, __m512 recip) {
+  const __m512 q = divide(v, scale, recip);
   const __m512 c = _mm512_min_ps(_mm512_set1_ps(kFp8Max), _mm512_max_ps(_mm512_set1_ps(-kFp8Max), q));
   const __m512i bits = _mm512_castps_si512(c);
   const __m512i binade = _mm512_max_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)),
@@ -312,15 +326,15 @@ __m512 e4m3_round_f32x16(__m512 v, __m512 scale) {
 // normal bf16 numbers, so vcvtne2ps2bf16 converts them exactly.
 template <bool kFull, typename T>
 void quantize_pairs(const T* src, int64_t cols, float scale, __m512i (&out)[4]) {
-  const __m512 sv = _mm512_set1_ps(scale);
+  const __m512 sv = _mm512_set1_ps(scale), rv = _mm512_set1_ps(1.f / scale);
   for (int h = 0; h < 2; ++h) {
     __m512i bf[2];
     for (int i = 0; i < 2; ++i) {
       const int64_t k = 64 * h + 32 * i;
       const __mmask16 m0 = kFull ? __mmask16(0xFFFF) : tail_mask16(cols - k);
       const __mmask16 m1 = kFull ? __mmask16(0xFFFF) : tail_mask16(cols - k - 16);
-      bf[i] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e4m3_round_f32x16(load_f32(src + k + 16, m1), sv),
-                                                            e4m3_round_f32x16(load_f32(src + k, m0), sv)));
+      bf[i] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e4m3_round_f32x16(load_f32(src + k + 16, m1), sv, rv),
+                                                            e4m3_round_f32x16(load_f32(src + k, m0), sv, rv)));
     }
     out[2 * h] = _mm512_shuffle_i64x2(bf[0], bf[1], 0x88);      // 128-bit lanes 0, 2 of each
     out[2 * h + 1] = _mm512_shuffle_i64x2(bf[0], bf[1], 0xDD);  // lanes 1, 3
