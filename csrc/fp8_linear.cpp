@@ -10,32 +10,19 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
 #include <string>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
-#define FP8E_BF16_KERNELS 1
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define FP8E_AVX512 1
-#endif
-#if defined(FP8E_BF16_KERNELS) || defined(FP8E_AVX512)
-#include <immintrin.h>
-#endif
+#include "linear_common.h"
 
 namespace {
+
+using namespace fp8e;
 
 constexpr int64_t kBlock = 128;
 constexpr float kFp8Max = 448.f;
 constexpr float kMinAmax = 1e-12f;
-
-int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 uint32_t f32_bits(float f) {
   uint32_t u;
@@ -85,20 +72,6 @@ struct Bf16Tables {
 };
 constexpr Bf16Tables kTables{};
 
-struct AlignedFree {
-  void operator()(void* p) const { std::free(p); }
-};
-template <typename T>
-using Buffer = std::unique_ptr<T[], AlignedFree>;
-
-template <typename T>
-Buffer<T> alloc_buffer(int64_t n) {
-  const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 63) / 64 * 64;
-  auto* p = static_cast<T*>(std::aligned_alloc(64, bytes));
-  TORCH_CHECK(p != nullptr, "fp8 kernels: out of memory");
-  return Buffer<T>(p);
-}
-
 template <typename T>
 T from_f32(float v) {
   return static_cast<T>(v);  // c10::BFloat16 rounds to nearest even, like Tensor.to()
@@ -111,9 +84,6 @@ __m512 load_f32(const at::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 __m512 load_f32(const at::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
-
-__mmask16 tail_mask16(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
-__mmask64 tail_mask64(int64_t n) { return n >= 64 ? ~__mmask64(0) : n <= 0 ? 0 : (__mmask64(1) << n) - 1; }
 
 // Calls f(offset, mask) over 16-lane chunks of [0, n); whole chunks get a constant all-ones mask.
 template <typename F>
@@ -305,8 +275,6 @@ struct E4m3ToBf16 {
   }
 };
 
-__m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
-
 // clamp(v / scale) rounded to the nearest E4M3 value, as a float (the sign of a zero may differ from
 // e4m3_from_f32, which no product sees). Adding and subtracting m = +-2^(e + 20), with 2^e the binade
 // of the value but at least 2^-6, makes the FPU round to 3 mantissa bits (subnormal step 2^-9) with
@@ -389,21 +357,6 @@ void gemv_block(const E4m3ToBf16& cvt, const uint8_t* const (&wr)[NR], const uin
   }
 }
 
-// out[t] = sum of the 16 floats of v[t], for 8 vectors at once.
-void hsum8(const float (*v)[16], float* out) {
-  __m256 h[8];
-  for (int t = 0; t < 8; ++t) h[t] = _mm256_add_ps(_mm256_load_ps(v[t]), _mm256_load_ps(v[t] + 8));
-  // a = [s0 s1 s2 s3] of the low 128-bit halves, then of the high halves; b likewise for s4..s7.
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
-  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)));
-}
-
-// MR activation rows share each converted weight chunk; MR x NR <= 16 accumulators stay in registers.
-constexpr int kGemvMaxRows = 4;
-constexpr int kGemvAcc = 16;
-constexpr int gemv_nr(int mr) { return mr <= 2 ? 8 : 4; }
-
 // res[i * NR + j] = y[m0 + i, n0 + j] before bias.
 template <int MR, int NR>
 void gemv_tile(const Problem& p, const E4m3ToBf16& cvt, const uint16_t* xb, int64_t kp, const float* sx,
@@ -432,8 +385,6 @@ void gemv_tile(const Problem& p, const E4m3ToBf16& cvt, const uint16_t* xb, int6
   hsum8(tot, res);
   hsum8(tot + 8, res + 8);
 }
-
-constexpr int64_t kGemvRows = 16;  // weight rows per parallel task on the small-M path
 
 template <int MR, typename OutT>
 void gemv_rows(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t m0, int64_t n0, OutT* y) {
@@ -467,44 +418,14 @@ void linear_small_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
   });
 }
 
-// ---- large M: out^T tile = W tile (bf16, broadcast pairs) x X^T (bf16 pairs packed by column) ---
+// ---- large M (see linear_common.h) ------------------------------------------------------------
 //
 // A task owns kTileN weight rows and a range of 16-row activation vectors. Per K block it converts its
-// weight rows to bf16 once (kTileN x 128, L1-resident), then runs an NR x (16*MV) register-blocked
-// kernel over the activation vectors, adding the scaled block result into a float32 tile. A dp has a
-// ~9 cycle latency at two per cycle, so NR x MV keeps >= 16 accumulator chains (measured on Zen 5).
+// weight rows to bf16 once (kTileN x 128, L1-resident), then runs the register-blocked micro kernel
+// over the activation vectors, adding the scaled block result into a float32 tile.
 
-constexpr int kMaxMv = 4;
-constexpr int kMaxNr = 16;
-constexpr int micro_nr(int mv) { return mv == 1 ? 16 : mv == 2 ? 12 : mv == 3 ? 8 : 6; }
 constexpr int64_t kTileN = 48;
 constexpr int64_t kPairs = kBlock / 2;
-
-void transpose16x16(__m512 (&r)[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
-  }
-}
 
 // Activations packed for the large-M kernel: xp[b][pair][m] holds one bf16 pair of row m per 32-bit
 // lane; sxp[b][m] are the group scales (0 for padding rows).
@@ -569,45 +490,6 @@ PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8
   return out;
 }
 
-// Adds (W rows x X block) * scales into the float tile; `first` overwrites instead of adding.
-template <int MV>
-void gemm_micro(const uint16_t* wb, const float* xp, int64_t ldx, int64_t pairs, const float* sx, const float* sw,
-                float* ct, int64_t ldc, bool first) {
-  constexpr int kNr = micro_nr(MV);
-  __m512 acc[kNr][MV];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm512_setzero_ps();
-  int64_t q = 0;
-  do {  // pairs >= 1; a do-while lets the compiler keep acc in registers
-    __m512bh xv[MV];
-    for (int i = 0; i < MV; ++i) xv[i] = as_bh(_mm512_castps_si512(_mm512_loadu_ps(xp + q * ldx + i * 16)));
-    for (int j = 0; j < kNr; ++j) {
-      int32_t pair;
-      std::memcpy(&pair, wb + j * kBlock + 2 * q, 4);
-      const __m512bh wv = as_bh(_mm512_set1_epi32(pair));
-      for (int i = 0; i < MV; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], wv, xv[i]);
-    }
-  } while (++q < pairs);
-  __m512 sxv[MV];
-  for (int i = 0; i < MV; ++i) sxv[i] = _mm512_loadu_ps(sx + i * 16);
-  for (int j = 0; j < kNr; ++j) {
-    const __m512 swv = _mm512_set1_ps(sw[j]);
-    for (int i = 0; i < MV; ++i) {
-      float* c = ct + j * ldc + i * 16;
-      const __m512 prev = first ? _mm512_setzero_ps() : _mm512_loadu_ps(c);
-      _mm512_storeu_ps(c, _mm512_fmadd_ps(acc[j][i], _mm512_mul_ps(sxv[i], swv), prev));
-    }
-  }
-}
-
-using MicroFn = void (*)(const uint16_t*, const float*, int64_t, int64_t, const float*, const float*, float*,
-                         int64_t, bool);
-constexpr MicroFn kMicro[kMaxMv + 1] = {nullptr, gemm_micro<1>, gemm_micro<2>, gemm_micro<3>, gemm_micro<4>};
-
-struct GemmTask {
-  int64_t n0, mv0, mv1;  // weight rows [n0, n0 + kTileN), activation vectors [mv0, mv1)
-};
-
 template <bool kFull>
 void convert_weight_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t b, uint16_t* wb) {
   const int64_t k0 = b * kBlock, rows = std::min(kTileN, p.n - n0);
@@ -623,42 +505,6 @@ void convert_weight_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, i
     _mm512_store_si512(dst + 32, v1);
     _mm512_store_si512(dst + 64, v2);
     _mm512_store_si512(dst + 96, v3);
-  }
-}
-
-// Masked stores are slow on this class of CPU (Zen 5), so only the last, partial block uses them.
-void store_row(float* y, __m512 v, __mmask16 m) {
-  if (m == 0xFFFF) {
-    _mm512_storeu_ps(y, v);
-  } else {
-    _mm512_mask_storeu_ps(y, m, v);
-  }
-}
-
-// vcvtneps2bf16 rounds to nearest even like Tensor.to(bfloat16); it differs only on float32
-// denormals (flushed to zero) and NaN payloads.
-void store_row(at::BFloat16* y, __m512 v, __mmask16 m) {
-  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-  if (m == 0xFFFF) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), h);
-  } else {
-    _mm256_mask_storeu_epi16(y, m, h);
-  }
-}
-
-// y[m, n] = tile[n, m] + bias[n], transposing 16 x 16 blocks of the float tile.
-template <typename OutT>
-void write_tile(const Problem& p, const GemmTask& t, const float* ct, int64_t ldc, OutT* y) {
-  for (int64_t nb = 0; nb < kTileN && t.n0 + nb < p.n; nb += 16) {
-    const __mmask16 nmask = tail_mask16(p.n - t.n0 - nb);
-    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(nmask, p.bias + t.n0 + nb) : _mm512_setzero_ps();
-    for (int64_t mv = t.mv0; mv < t.mv1; ++mv) {
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(ct + (nb + i) * ldc + (mv - t.mv0) * 16);
-      transpose16x16(r);
-      for (int i = 0; i < 16 && mv * 16 + i < p.m; ++i)
-        store_row(y + (mv * 16 + i) * p.n + t.n0 + nb, _mm512_add_ps(r[i], bias), nmask);
-    }
   }
 }
 
@@ -683,18 +529,11 @@ void gemm_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const 
       for (int64_t j0 = 0; j0 < kTileN; j0 += nr) {
         float sw[kMaxNr];
         for (int j = 0; j < nr; ++j) sw[j] = p.sw_at(std::min(t.n0 + j0 + j, p.n - 1), b);
-        kMicro[mvs](wb + j0 * kBlock, xp, x.mpad, pairs, sx, sw, ct + j0 * ldc + (mv - t.mv0) * 16, ldc, b == 0);
+        kMicro<true>[mvs](wb + j0 * kBlock, kBlock, xp, x.mpad, pairs, sx, sw, ct + j0 * ldc + (mv - t.mv0) * 16, ldc, b == 0);
       }
     }
   }
-  write_tile(p, t, ct, ldc, y);
-}
-
-// Splits M into as few chunks as keep every thread equally busy (each chunk re-converts the weights).
-int64_t m_chunks(int64_t n_tiles, int64_t mvecs, int64_t threads) {
-  for (int64_t c = 1; c <= mvecs; ++c)
-    if ((n_tiles * c) % threads == 0 || n_tiles * c >= 8 * threads) return c;
-  return mvecs;
+  write_tile(p.m, p.n, kTileN, p.bias, t, ct, ldc, y);
 }
 
 template <typename T>

@@ -1,8 +1,9 @@
-"""Micro-benchmark: the CPU W8A8 block-FP8 linear kernel against torch's BF16 F.linear.
+"""Micro-benchmark: the CPU BF16 and W8A8 block-FP8 linear kernels against torch's BF16 F.linear.
 
-Shapes are the default model's (SmolLM2-135M) projections, for decode (M=1) and a prefill chunk
-(M=128). The two are timed in alternating rounds and the best round of each is kept, which makes the
-ratio robust to other load on the machine.
+Shapes are the default model's (SmolLM2-135M) projections and LM head, for decode (M=1) and a
+prefill chunk (M=128). The three are timed in alternating rounds and the best round of each is
+kept, which makes the ratios robust to other load on the machine. "ours" is the C++ BF16 kernel
+called directly, whatever bf16_linear_cpu.use_kernel picks for the engine.
 
     python -m fp8engine.benchmarks.fp8_linear_micro
 """
@@ -14,10 +15,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from fp8engine.model_executor.kernels import fp8_linear_cpu
+from fp8engine.model_executor.kernels import bf16_linear_cpu, fp8_linear_cpu
 from fp8engine.weights import quant
 
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}
 ROWS = (1, 128)
 
 
@@ -47,29 +49,43 @@ def _fp8_linear() -> Callable:
     return lambda x, w_q, w_s: ops.fp8_block_linear(x, w_q, w_s, None, False)
 
 
+def _bf16_linear() -> Callable:
+    ops = bf16_linear_cpu.kernel_ops()
+    if ops is None:
+        return F.linear
+    return lambda x, w: ops.bf16_linear(x, w, None)
+
+
 def run() -> dict:
-    """Per shape and M: BF16 and FP8 microseconds per call and the speedup (BF16 time / FP8 time)."""
+    """Per shape and M: microseconds per call of torch BF16, our BF16 kernel and FP8, and the speedups
+    over torch (torch time / kernel time)."""
     torch.manual_seed(0)
-    fp8 = _fp8_linear()
+    fp8, ours = _fp8_linear(), _bf16_linear()
     results = []
     for name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, dtype=torch.bfloat16) * 0.05
         w_q, w_s = quant.quantize_weight_blockwise(w)
         for m in ROWS:
             x = torch.randn(m, k, dtype=torch.bfloat16)
-            t_bf16, t_fp8 = _best_times([functools.partial(F.linear, x, w), functools.partial(fp8, x, w_q, w_s)])
-            results.append({"layer": name, "M": m, "N": n, "K": k, "bf16_us": t_bf16 * 1e6,
-                            "fp8_us": t_fp8 * 1e6, "speedup": t_bf16 / t_fp8})
-    return {"backend": fp8_linear_cpu.cpu_fp8_backend(), "threads": torch.get_num_threads(), "results": results}
+            t_torch, t_ours, t_fp8 = _best_times([functools.partial(F.linear, x, w), functools.partial(ours, x, w),
+                                                  functools.partial(fp8, x, w_q, w_s)])
+            results.append({"layer": name, "M": m, "N": n, "K": k, "bf16_us": t_torch * 1e6,
+                            "ours_us": t_ours * 1e6, "fp8_us": t_fp8 * 1e6, "ours_speedup": t_torch / t_ours,
+                            "speedup": t_torch / t_fp8, "engine_uses_ours": bf16_linear_cpu.use_kernel(m, n, k)})
+    return {"backend": fp8_linear_cpu.cpu_fp8_backend(), "bf16_kernel": bf16_linear_cpu.kernel_ops() is not None,
+            "threads": torch.get_num_threads(), "results": results}
 
 
 def main() -> None:
     report = run()
-    print(f"fp8 backend: {report['backend']}, torch threads: {report['threads']}")
-    print(f"{'layer':>8} {'M':>4} {'N':>5} {'K':>5} {'bf16 us':>9} {'fp8 us':>9} {'bf16/fp8':>9}")
+    print(f"fp8 backend: {report['backend']}, bf16 kernel built: {report['bf16_kernel']}, "
+          f"torch threads: {report['threads']}")
+    print(f"{'layer':>8} {'M':>4} {'N':>5} {'K':>5} {'torch us':>9} {'ours us':>9} {'fp8 us':>9} "
+          f"{'t/ours':>7} {'t/fp8':>7} {'engine':>7}")
     for r in report["results"]:
-        print(f"{r['layer']:>8} {r['M']:>4} {r['N']:>5} {r['K']:>5} {r['bf16_us']:>9.1f} {r['fp8_us']:>9.1f} "
-              f"{r['speedup']:>9.2f}")
+        engine = "ours" if r["engine_uses_ours"] else "torch"
+        print(f"{r['layer']:>8} {r['M']:>4} {r['N']:>5} {r['K']:>5} {r['bf16_us']:>9.1f} {r['ours_us']:>9.1f} "
+              f"{r['fp8_us']:>9.1f} {r['ours_speedup']:>7.2f} {r['speedup']:>7.2f} {engine:>7}")
 
 
 if __name__ == "__main__":

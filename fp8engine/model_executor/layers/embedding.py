@@ -4,6 +4,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fp8engine.model_executor.kernels.bf16_linear_cpu import bf16_linear
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
@@ -27,4 +29,4 @@ class LMHead(nn.Module):
                                        requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return bf16_linear(hidden, self.weight)

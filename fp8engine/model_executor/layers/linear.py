@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from fp8engine.model_executor.kernels.bf16_linear_cpu import bf16_linear
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
 
 Fp8LinearFn = Callable[..., torch.Tensor]
@@ -51,7 +51,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_fp8:
-            return F.linear(x, self.weight, self.bias)
+            return bf16_linear(x, self.weight, self.bias)
         if self.fused_scales:
             return self.fp8_fn(x, self.weight, self.weight_scale_inv, self.bias, self.scale_fmt)
         parts = []
