@@ -113,11 +113,12 @@ __m128i e4m3_from_f32x16(__m512 v) {
 
 // v / scale rounded correctly, as a division would, at the cost of a multiply and two FMAs (a
 // vector division is several times slower): q = v * recip with recip = 1 / scale rounded, then one
-// Markstein correction with the exact remainder v - q * scale. Infinite quotients pass through.
+// Markstein correction with the exact remainder v - q * scale. Zero and infinite quotients (whose
+// remainder would be 0 or NaN) pass through with their sign.
 __m512 divide(__m512 v, __m512 scale, __m512 recip) {
   const __m512 q = _mm512_mul_ps(v, recip);
   const __m512 corrected = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, scale, v), recip, q);
-  return _mm512_mask_mov_ps(corrected, _mm512_fpclass_ps_mask(q, 0x18), q);
+  return _mm512_mask_mov_ps(corrected, _mm512_fpclass_ps_mask(q, 0x1E), q);  // +-0 and +-inf kept as they are
 }
 
 // E4M3 bytes of clamp(v / scale), with the quotient rounded as the reference's division rounds it.
