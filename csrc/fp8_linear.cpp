@@ -245,9 +245,12 @@ void fp8_quantize_weight_(const at::Tensor& w, const at::Tensor& out_q, const at
 struct Problem {
   int64_t m, n, k, nkb;
   const uint8_t* w;   // [N, K] E4M3
-  const float* sw;    // [ceil(N/128), nkb]
+  const float* sw;    // [ceil(N/128), nkb], or [scale rows, nkb] read through scale_rows
   const float* bias;  // [N] or nullptr
-  float sw_at(int64_t row, int64_t b) const { return sw[row / kBlock * nkb + b]; }
+  const int32_t* scale_rows;  // [N] row of sw holding each output row's scales, or nullptr (row / 128)
+  float sw_at(int64_t row, int64_t b) const {
+    return sw[(scale_rows ? scale_rows[row] : row / kBlock) * nkb + b];
+  }
   float bias_at(int64_t row) const { return bias ? bias[row] : 0.f; }
 };
 
@@ -597,8 +600,12 @@ void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y) {
 
 #endif  // FP8E_BF16_KERNELS
 
+// scale_rows (optional, int32 [N]) lets one call serve a layer that fuses several projections whose
+// own 128-row scale grids are stacked (shards not multiples of 128 rows): output row n reads scale row
+// scale_rows[n] instead of n / 128.
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale_inv,
-                            const std::optional<at::Tensor>& bias, bool ue8m0) {
+                            const std::optional<at::Tensor>& bias, bool ue8m0,
+                            const std::optional<at::Tensor>& scale_rows) {
   TORCH_CHECK(x.device().is_cpu() && w_q.device().is_cpu() && w_scale_inv.device().is_cpu(),
               "fp8_block_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "fp8_block_linear: x must be a contiguous [M, K] tensor");
@@ -609,9 +616,18 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at
   const int64_t m = x.size(0), k = x.size(1), n = w_q.size(0);
   TORCH_CHECK(w_q.size(1) == k && k > 0, "fp8_block_linear: K mismatch between x and w_q");
   const int64_t nkb = cdiv(k, kBlock);
-  TORCH_CHECK(w_scale_inv.scalar_type() == at::kFloat && w_scale_inv.is_contiguous() &&
-                  w_scale_inv.dim() == 2 && w_scale_inv.size(0) == cdiv(n, kBlock) && w_scale_inv.size(1) == nkb,
+  const bool mapped = scale_rows.has_value() && scale_rows->defined();
+  TORCH_CHECK(w_scale_inv.scalar_type() == at::kFloat && w_scale_inv.is_contiguous() && w_scale_inv.dim() == 2 &&
+                  (mapped || w_scale_inv.size(0) == cdiv(n, kBlock)) && w_scale_inv.size(1) == nkb,
               "fp8_block_linear: w_scale_inv must be contiguous float32 [ceil(N/128), ceil(K/128)]");
+  if (mapped) {
+    TORCH_CHECK(scale_rows->scalar_type() == at::kInt && scale_rows->is_contiguous() && scale_rows->dim() == 1 &&
+                    scale_rows->size(0) == n,
+                "fp8_block_linear: scale_rows must be a contiguous int32 [N] tensor");
+    TORCH_CHECK(n == 0 || (scale_rows->min().item<int32_t>() >= 0 &&
+                           scale_rows->max().item<int32_t>() < w_scale_inv.size(0)),
+                "fp8_block_linear: scale_rows must index rows of w_scale_inv");
+  }
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "fp8_block_linear: bias must be [N]");
@@ -620,7 +636,8 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   const Problem p{m, n, k, nkb, static_cast<const uint8_t*>(w_q.data_ptr()), w_scale_inv.data_ptr<float>(),
-                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
+                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+                  mapped ? scale_rows->data_ptr<int32_t>() : nullptr};
   if (x.scalar_type() == at::kFloat) {
     linear_impl(p, x.data_ptr<float>(), ue8m0, y.data_ptr<float>());
   } else {
@@ -640,7 +657,9 @@ std::string fp8_cpu_backend() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
-  m.def("fp8_block_linear(Tensor x, Tensor w_q, Tensor w_scale_inv, Tensor? bias, bool ue8m0) -> Tensor");
+  m.def(
+      "fp8_block_linear(Tensor x, Tensor w_q, Tensor w_scale_inv, Tensor? bias, bool ue8m0, Tensor? scale_rows=None) "
+      "-> Tensor");
   m.def("fp8_quantize_weight_(Tensor w, Tensor(a!) out_q, Tensor(b!) out_scale, bool ue8m0) -> ()");
   m.def("fp8_cpu_backend() -> str", TORCH_FN(fp8_cpu_backend));
   m.impl("fp8_block_linear", c10::DispatchKey::CPU, TORCH_FN(fp8_block_linear));

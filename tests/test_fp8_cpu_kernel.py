@@ -198,3 +198,23 @@ def test_wrapper_falls_back_to_the_reference(monkeypatch):
     out_q, out_s = torch.empty_like(w_q), torch.empty_like(w_s)
     fp8_linear_cpu.quantize_weight_into_cpu(w, out_q, out_s)
     _assert_same_quant((out_q, out_s), (w_q, w_s))
+
+
+@pytest.mark.parametrize("m", [1, 3, 37])
+def test_scale_rows_serve_stacked_shard_grids_in_one_call(ops, m):
+    """q/k/v shards of 576/192/192 rows keep their own scale grids; one call with scale_rows equals
+    one call per shard, bit for bit, in the kernel and in the reference."""
+    gen = torch.Generator().manual_seed(m)
+    shards = [torch.randn(n, 576, generator=gen) * (1 + i) for i, n in enumerate((576, 192, 192))]
+    quantized = [quant.quantize_weight_blockwise(w) for w in shards]
+    w_q = torch.cat([q for q, _ in quantized])
+    w_s = torch.cat([s for _, s in quantized])
+    rows = torch.cat([torch.arange(n, dtype=torch.int32) // 128 + off
+                      for n, off in zip((576, 192, 192), (0, 5, 7))])
+    x = torch.randn(m, 576, generator=gen).bfloat16()
+    want = torch.cat([fp8_linear_cpu.fp8_block_linear_cpu(x, q, s) for q, s in quantized], dim=-1)
+    assert torch.equal(fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s, scale_rows=rows), want)
+    assert torch.equal(quant.fp8_block_linear_ref(x, w_q, w_s, scale_rows=rows),
+                       torch.cat([quant.fp8_block_linear_ref(x, q, s) for q, s in quantized], dim=-1))
+    with pytest.raises(RuntimeError, match="scale_rows must index rows"):
+        fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s, scale_rows=rows + 2)

@@ -21,7 +21,7 @@ def fp8_linear(config: EngineConfig):
         return ("deepgemm" if fp8_triton.deepgemm_available() else "triton"), _linear_with_scale_fmt(
             fp8_triton.fp8_block_linear_triton)
     from fp8engine.model_executor.kernels import fp8_linear_cpu
-    return fp8_linear_cpu.cpu_fp8_backend(), _linear_with_scale_fmt(fp8_linear_cpu.fp8_block_linear_cpu)
+    return fp8_linear_cpu.cpu_fp8_backend(), fp8_linear_cpu.fp8_block_linear_cpu
 
 
 def _linear_with_scale_fmt(fn):

@@ -90,10 +90,11 @@ def quantize_activation_groups(x: torch.Tensor, group: int = BLOCK,
 
 def fp8_block_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
                          bias: torch.Tensor | None = None, block: int = BLOCK,
-                         scale_fmt: str | None = None) -> torch.Tensor:
-    """W8A8 block linear: y = sum_b (x_q . W_q)_b * sx[m, b] * sw[n // block, b], float32 accumulation.
+                         scale_fmt: str | None = None, scale_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 block linear: y = sum_b (x_q . W_q)_b * sx[m, b] * sw[r(n), b], float32 accumulation.
 
-    x: [..., K] in the model dtype; returns [..., N] in x's dtype.
+    x: [..., K] in the model dtype; returns [..., N] in x's dtype. r(n) = n // block, or scale_rows[n]
+    for fused projections whose own scale grids are stacked (shards not multiples of `block` rows).
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -101,7 +102,7 @@ def fp8_block_linear_ref(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.
     x_q, sx = quantize_activation_groups(x2, block, scale_fmt)
     nkb = cdiv(k, block)
     out = torch.zeros(x2.shape[0], n, dtype=torch.float32, device=x.device)
-    sw = w_scale_inv.repeat_interleave(block, 0)[:n]
+    sw = w_scale_inv.repeat_interleave(block, 0)[:n] if scale_rows is None else w_scale_inv[scale_rows.long()]
     for b in range(nkb):
         ks = slice(b * block, min(k, (b + 1) * block))
         partial = x_q[:, ks].float() @ w_q[:, ks].float().t()

@@ -29,17 +29,21 @@ def _ue8m0(scale_fmt: str | None) -> bool:
 
 
 def fp8_block_linear_cpu(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
-                         bias: torch.Tensor | None = None, scale_fmt: str | None = None) -> torch.Tensor:
-    """y = x @ dequant(w_q)^T + bias with per-token 1x128 activation quantization; x: [..., K]."""
+                         bias: torch.Tensor | None = None, scale_fmt: str | None = None,
+                         scale_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(w_q)^T + bias with per-token 1x128 activation quantization; x: [..., K].
+
+    scale_rows (int32 [N]): the w_scale_inv row of each output row, for stacked per-shard grids."""
     ops = kernel_ops()
     if ops is None:
-        return quant.fp8_block_linear_ref(x, w_q, w_scale_inv, bias, scale_fmt=scale_fmt)
+        return quant.fp8_block_linear_ref(x, w_q, w_scale_inv, bias, scale_fmt=scale_fmt, scale_rows=scale_rows)
     ue8m0 = _ue8m0(scale_fmt)
     n, k = w_q.shape
     x2 = x.reshape(-1, k)
     if x.dtype not in _KERNEL_DTYPES:  # the reference computes in float32 and rounds once at the end
         x2 = x2.float()
-    y = ops.fp8_block_linear(x2.contiguous(), w_q.contiguous(), w_scale_inv.float().contiguous(), bias, ue8m0)
+    y = ops.fp8_block_linear(x2.contiguous(), w_q.contiguous(), w_scale_inv.float().contiguous(), bias, ue8m0,
+                             scale_rows)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

@@ -3,7 +3,8 @@
 A layer may fuse several Hugging Face projections (q/k/v, gate/up) along the output dimension:
 `shard_sizes` lists them. In FP8 each shard keeps its own 128x128 scale grid (the checkpoint
 convention), stacked along the scale rows, so a shard can be loaded or updated on its own; when
-every shard is a multiple of 128 rows the stacked grid is the fused grid and one GEMM serves all.
+every shard is a multiple of 128 rows the stacked grid is the fused grid and one GEMM serves all, and
+otherwise the CPU kernel maps each output row to its scale row (one call still serves all shards).
 """
 
 from collections.abc import Callable
@@ -35,6 +36,9 @@ class Linear(nn.Module):
             self.scale_row_offsets = [sum(rows[:i]) for i in range(len(rows))]
             self.weight_scale_inv = _param(torch.ones(sum(rows), cdiv(in_features, BLOCK)))
             self.fused_scales = all(n % BLOCK == 0 for n in self.shard_sizes[:-1])
+            # Otherwise output row n reads scale row scale_rows[n]: one CPU call serves every shard.
+            self.scale_rows = torch.cat([torch.arange(size, dtype=torch.int32) // BLOCK + row0 for size, row0
+                                         in zip(self.shard_sizes, self.scale_row_offsets)])
 
     @property
     def is_fp8(self) -> bool:
@@ -54,6 +58,9 @@ class Linear(nn.Module):
             return bf16_linear(x, self.weight, self.bias)
         if self.fused_scales:
             return self.fp8_fn(x, self.weight, self.weight_scale_inv, self.bias, self.scale_fmt)
+        if x.device.type == "cpu":
+            return self.fp8_fn(x, self.weight, self.weight_scale_inv, self.bias, self.scale_fmt,
+                               scale_rows=self.scale_rows)
         parts = []
         for shard in range(len(self.shard_sizes)):
             weight, scale = self.shard_views(shard)
