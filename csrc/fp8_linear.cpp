@@ -201,21 +201,31 @@ void quantize_span(const T* src, uint8_t* dst, int64_t n, float scale) {
 #endif  // FP8E_AVX512
 
 // ------------------------------------------------------------------------------------------------
-// Weight quantization: one 128x128 block per task, read twice (amax, then quantize) while cached.
+// Weight quantization: one 128-row panel per task, read row by row over the whole K (long runs the
+// hardware prefetchers follow; 128x128 blocks of short row pieces left this DRAM-latency bound), once
+// for the block amaxes and once to quantize while the panel is still in L2.
+
+// max(a, b) that keeps a NaN from either side, as an amax must.
+float nan_max(float a, float b) { return std::isnan(a) || a >= b ? a : b; }
 
 template <typename T>
 void quantize_weight_impl(const at::Tensor& w, uint8_t* q, float* scales, bool ue8m0) {
   const int64_t n = w.size(0), k = w.size(1), ld = w.stride(0);
-  const int64_t nbk = cdiv(k, kBlock), nblocks = cdiv(n, kBlock) * nbk;
+  const int64_t nbk = cdiv(k, kBlock), panels = cdiv(n, kBlock);
   const T* base = w.data_ptr<T>();
-  at::parallel_for(0, nblocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t r0 = blk / nbk * kBlock, c0 = blk % nbk * kBlock;
-      const int64_t rows = std::min(kBlock, n - r0), cols = std::min(kBlock, k - c0);
-      const T* src = base + r0 * ld + c0;
-      const float s = block_scale(amax_rows(src, ld, rows, cols), ue8m0);
-      scales[blk] = s;
-      for (int64_t r = 0; r < rows; ++r) quantize_span(src + r * ld, q + (r0 + r) * k + c0, cols, s);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t r0 = panel * kBlock, rows = std::min(kBlock, n - r0);
+      float* s = scales + panel * nbk;
+      std::fill_n(s, nbk, 0.f);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < nbk; ++b)
+          s[b] = nan_max(s[b], amax_rows(base + (r0 + r) * ld + b * kBlock, ld, 1, std::min(kBlock, k - b * kBlock)));
+      for (int64_t b = 0; b < nbk; ++b) s[b] = block_scale(s[b], ue8m0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < nbk; ++b)
+          quantize_span(base + (r0 + r) * ld + b * kBlock, q + (r0 + r) * k + b * kBlock,
+                        std::min(kBlock, k - b * kBlock), s[b]);
     }
   });
 }
