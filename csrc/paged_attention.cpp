@@ -240,6 +240,7 @@ struct Buffers {
         kb(kLanes * padded) {}
   std::vector<float> q, acc, kv, s, m, l, alpha;
   std::vector<uint16_t> qb, kb;  // bf16 queries and (converted FP8) keys for the dot-product scores
+  std::vector<float> saved;      // full FP8: every chunk's scores, from the statistics pass
 };
 
 enum class Pass {
@@ -417,7 +418,19 @@ inline void chunk_pv(Buffers& b, int r0, int rows, int n, int padded) {
   }
 }
 
-// One pass of tile t over keys [kb, ke), reading the paged cache in place.
+// Scores of rows [r0, rows) against the n keys at cache element `base`, into b.s.
+template <typename CT, int kD>
+void key_scores(const Problem& p, const CT* kc, int64_t base, int n, int r0, int rows, Buffers& b) {
+  if constexpr (kDotScores<CT, kD>) {
+    if (p.bf16_queries) return key_scores_dp<CT, kD>(p, kc, base, n, r0, rows, b);
+  }
+  rows_to_fp32(kc + base, p.tok_stride, n, kD ? kD : p.dim, kD ? kD : p.padded, b.kv.data());
+  chunk_scores<kD>(b, r0, rows, kD ? kD : p.padded, p.score_scale, b.s.data());
+}
+
+// One pass of tile t over keys [kb, ke), reading the paged cache in place. Full FP8 runs a statistics
+// pass and then the probabilities pass over the same chunks; the second reuses the first's scores
+// (b.saved, sized by the caller) instead of reading K again.
 template <typename CT, int kD>
 void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers& b) {
   const int d = kD ? kD : p.padded, dim = kD ? kD : p.dim;  // constants let the masks fold away
@@ -426,6 +439,7 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
   const auto* vc = static_cast<const CT*>(p.v);
   const int32_t* blocks = p.block_tables + t.seq * p.bt_stride;
   const int64_t head = int64_t(t.kv_head) * dim;
+  int chunk = 0;
   for (int j0 = kb; j0 < ke;) {
     const int off = j0 % p.block_size;
     const int n = std::min({kLanes, p.block_size - off, ke - j0});
@@ -433,21 +447,17 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
     if (const int j1 = j0 + n; j1 < ke) {
       const int off1 = j1 % p.block_size, n1 = std::min({kLanes, p.block_size - off1, ke - j1});
       const int64_t next = blocks[j1 / p.block_size] * p.blk_stride + off1 * p.tok_stride + head;
-      prefetch_rows(kc + next, p.tok_stride, n1, dim);
+      if (pass != Pass::kFp8Probs) prefetch_rows(kc + next, p.tok_stride, n1, dim);
       if (pass != Pass::kStats) prefetch_rows(vc + next, p.tok_stride, n1, dim);
     }
     // Rows are token-major, so the rows that can see key j0 (and maybe later ones) are a suffix.
     const int r0 = std::max(0, j0 - t.pos0) * p.group;
-    if constexpr (kDotScores<CT, kD>) {
-      if (p.bf16_queries) {
-        key_scores_dp<CT, kD>(p, kc, base, n, r0, rows, b);
-      } else {
-        rows_to_fp32(kc + base, p.tok_stride, n, dim, d, b.kv.data());
-        chunk_scores<kD>(b, r0, rows, d, p.score_scale, b.s.data());
-      }
+    float* saved = b.saved.data() + int64_t(chunk++) * rows * kLanes;
+    if (pass == Pass::kFp8Probs) {
+      std::copy_n(saved, rows * kLanes, b.s.data());  // the statistics pass computed these scores
     } else {
-      rows_to_fp32(kc + base, p.tok_stride, n, dim, d, b.kv.data());
-      chunk_scores<kD>(b, r0, rows, d, p.score_scale, b.s.data());
+      key_scores<CT, kD>(p, kc, base, n, r0, rows, b);
+      if (pass == Pass::kStats) std::copy_n(b.s.data(), rows * kLanes, saved);
     }
     for (int r = r0; r < rows; ++r) softmax_step(pass, tail_mask(std::min(n, t.pos0 + r / p.group - j0 + 1)), r, b);
     if (pass != Pass::kStats) {
@@ -541,6 +551,9 @@ void run_work(const Problem& p, const Tile& t, const Work& w, float* scratch, Bu
   if (p.full_fp8()) {
     // Quantising P needs the final max and sum, hence a statistics pass first (full-FP8 tiles are
     // never split, so both passes see every key).
+    // A chunk ends after 16 keys, at a block boundary or at the last key.
+    const size_t keys = w.key_end - w.key_begin, chunks = keys / kLanes + keys / p.block_size + 2;
+    if (b.saved.size() < chunks * rows * kLanes) b.saved.resize(chunks * rows * kLanes);
     attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kStats, b);
     for (int r = 0; r < rows; ++r) b.l[r] = 1.f / b.l[r];
     attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kFp8Probs, b);

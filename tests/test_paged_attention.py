@@ -179,3 +179,14 @@ def test_write_kv_cache_rejects_slots_past_the_cache(ops):
     k = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="exceeds the cache"):
         write_kv_cache_cpu(k, k, k_cache, k_cache.clone(), torch.tensor([2 * BLOCK_SIZE]))
+
+
+@pytest.mark.parametrize("block_size", [8, 24])
+@pytest.mark.parametrize("fp8_q_scale", [None, Q_SCALE], ids=["fp8_kv", "full_fp8"])
+def test_block_sizes_other_than_16(ops, block_size, fp8_q_scale):
+    """Chunks end at block boundaries too (full FP8 keeps every chunk's scores between its passes)."""
+    args = attention_batches.make_batch(BATCHES["mixed"] + [(300, 1)], 9, 3, 64, block_size, FP8_DTYPE,
+                                        torch.bfloat16)
+    out = paged_attention_cpu(**args, fp8_q_scale=fp8_q_scale).float()
+    ref = paged_attention_ref(**args, fp8_q_scale=fp8_q_scale).float()
+    assert torch.isclose(out, ref, rtol=2 ** -7, atol=1e-3).float().mean() >= 0.999
