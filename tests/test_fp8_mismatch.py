@@ -2,9 +2,9 @@
 
 Measured on this CPU (the same kernels give the same figures every run):
     mode         k3/token   identical greedy   greedy tokens before divergence
-    fp8-linear   0.037      1/16               35%
-    fp8-kv       0.015      4/16               59%
-    full-fp8     0.063      1/16               34%
+    fp8-linear   0.039      1/16               44%
+    fp8-kv       0.016      4/16               64%
+    full-fp8     0.058      1/16               29%
 A 135M model is a hard case: W8A8 E4M3 costs 2-5% relative error per GEMM (measured per layer),
 and 30 layers compound it. The bounds are ~1.6x the measured k3 and ~0.6x the measured agreement,
 and a lower k3 bound proves the mode really changes the numerics.
