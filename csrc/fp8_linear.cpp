@@ -504,37 +504,33 @@ PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8
   return out;
 }
 
-template <bool kFull>
-void convert_weight_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t b, uint16_t* wb) {
-  const int64_t k0 = b * kBlock, rows = std::min(kTileN, p.n - n0);
-  const __mmask64 m0 = kFull ? ~__mmask64(0) : tail_mask64(p.k - k0);
-  const __mmask64 m1 = kFull ? ~__mmask64(0) : tail_mask64(p.k - k0 - 64);
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* src = p.w + (n0 + r) * p.k + k0;
-    uint16_t* dst = wb + r * kBlock;
-    __m512i v0, v1, v2, v3;
-    cvt(_mm512_maskz_loadu_epi8(m0, src), v0, v1);
-    cvt(_mm512_maskz_loadu_epi8(m1, src + 64), v2, v3);
-    _mm512_store_si512(dst, v0);
-    _mm512_store_si512(dst + 32, v1);
-    _mm512_store_si512(dst + 64, v2);
-    _mm512_store_si512(dst + 96, v3);
-  }
+// wb[b][r][c] = bf16 of w[n0 + r, 128 b + c]: the task's whole tile, converted row by row, because
+// kTileN consecutive rows are one contiguous stretch of the weight that the hardware prefetchers
+// stream from DRAM (converting one 128-column block at a time read kTileN short strided pieces and
+// stalled on each). The tile stays in L2 for the K blocks that follow.
+void convert_weight_tile(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, uint16_t* wb) {
+  const int64_t rows = std::min(kTileN, p.n - n0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < p.nkb; ++b) {
+      const int64_t k0 = b * kBlock;
+      const uint8_t* src = p.w + (n0 + r) * p.k + k0;
+      uint16_t* dst = wb + (b * kTileN + r) * kBlock;
+      __m512i v[4];
+      cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0), src), v[0], v[1]);
+      cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0 - 64), src + 64), v[2], v[3]);
+      for (int i = 0; i < 4; ++i) _mm512_store_si512(dst + 32 * i, v[i]);
+    }
 }
 
 template <typename OutT>
 void gemm_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const GemmTask& t, uint16_t* wb,
                float* ct, OutT* y) {
   const int64_t ldc = (t.mv1 - t.mv0) * 16;
-  if (p.n - t.n0 < kTileN) std::memset(wb, 0, sizeof(uint16_t) * kTileN * kBlock);  // rows past N stay zero
+  if (p.n - t.n0 < kTileN) std::memset(wb, 0, sizeof(uint16_t) * p.nkb * kTileN * kBlock);  // rows past N stay zero
+  convert_weight_tile(p, cvt, t.n0, wb);
   for (int64_t b = 0; b < p.nkb; ++b) {
-    const int64_t cols = std::min(kBlock, p.k - b * kBlock);
-    if (cols == kBlock) {
-      convert_weight_block<true>(p, cvt, t.n0, b, wb);
-    } else {
-      convert_weight_block<false>(p, cvt, t.n0, b, wb);
-    }
-    const int64_t pairs = cdiv(cols, 64) * 32;  // whole 64-k chunks
+    const int64_t pairs = cdiv(std::min(kBlock, p.k - b * kBlock), 64) * 32;  // whole 64-k chunks
+    const uint16_t* wblock = wb + b * kTileN * kBlock;
     for (int64_t mv = t.mv0; mv < t.mv1; mv += kMaxMv) {
       const int mvs = static_cast<int>(std::min<int64_t>(kMaxMv, t.mv1 - mv));
       const float* xp = x.xp.get() + b * kPairs * x.mpad + mv * 16;
@@ -543,7 +539,8 @@ void gemm_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const 
       for (int64_t j0 = 0; j0 < kTileN; j0 += nr) {
         float sw[kMaxNr];
         for (int j = 0; j < nr; ++j) sw[j] = p.sw_at(std::min(t.n0 + j0 + j, p.n - 1), b);
-        kMicro<true>[mvs](wb + j0 * kBlock, kBlock, xp, x.mpad, pairs, sx, sw, ct + j0 * ldc + (mv - t.mv0) * 16, ldc, b == 0);
+        kMicro<true>[mvs](wblock + j0 * kBlock, kBlock, xp, x.mpad, pairs, sx, sw, ct + j0 * ldc + (mv - t.mv0) * 16,
+                          ldc, b == 0);
       }
     }
   }
@@ -557,7 +554,7 @@ void linear_large_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
   const int64_t chunks = m_chunks(n_tiles, mvecs, at::get_num_threads());
   at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
     const E4m3ToBf16 cvt;
-    auto wb = alloc_buffer<uint16_t>(kTileN * kBlock);
+    auto wb = alloc_buffer<uint16_t>(p.nkb * kTileN * kBlock);
     auto ct = alloc_buffer<float>(kTileN * cdiv(mvecs, chunks) * 16);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t c = i % chunks;
