@@ -92,14 +92,14 @@ def test_seeded_draws_repeat():
 
 def _reference_sample(logits, rows):
     """The torch sampler, with the fused CPU kernel turned off."""
-    saved, sampler_mod._fused_ops = sampler_mod._fused_ops, lambda *args: None
+    saved, sampler_mod._fused_kernel = sampler_mod._fused_kernel, lambda *args: None
     try:
         return sample(logits.clone(), rows)
     finally:
-        sampler_mod._fused_ops = saved
+        sampler_mod._fused_kernel = saved
 
 
-@pytest.mark.skipif(sampler_mod.load_cpu_ops() is None, reason="C++ kernels not built")
+@pytest.mark.skipif(sampler_mod.cpu_kernel("sample_rows") is None, reason="C++ kernels not built")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, 1.3])
 @pytest.mark.parametrize("mode", ["raw", "processed"])
@@ -109,7 +109,7 @@ def test_fused_kernel_matches_the_reference(dtype, temperature, mode):
     logits[:, :7] = float("-inf")  # zero-probability tokens are never drawn
     params = SamplingParams(temperature=temperature, logprobs=0, logprobs_mode=mode)
     rows = lambda: [SampleRow(params, torch.Generator().manual_seed(i)) for i in range(24)]  # noqa: E731
-    assert sampler_mod._fused_ops(logits, rows()) is not None
+    assert sampler_mod._fused_kernel(logits, rows()) is not None
     got, want = sample(logits, rows()), _reference_sample(logits, rows())
     assert got.token_ids == want.token_ids
     assert min(got.token_ids) >= 7
@@ -127,6 +127,6 @@ def test_fused_draws_follow_the_distribution():
 
 def test_truncation_and_alternatives_take_the_reference_path():
     logits = torch.randn(2, 10)
-    assert sampler_mod._fused_ops(logits, [SampleRow(SamplingParams(top_p=0.9), torch.Generator())]) is None
-    assert sampler_mod._fused_ops(logits, [SampleRow(SamplingParams(logprobs=2), torch.Generator())]) is None
-    assert sampler_mod._fused_ops(logits, [SampleRow(SamplingParams(), torch.Generator(), (3,))]) is None
+    assert sampler_mod._fused_kernel(logits, [SampleRow(SamplingParams(top_p=0.9), torch.Generator())]) is None
+    assert sampler_mod._fused_kernel(logits, [SampleRow(SamplingParams(logprobs=2), torch.Generator())]) is None
+    assert sampler_mod._fused_kernel(logits, [SampleRow(SamplingParams(), torch.Generator(), (3,))]) is None

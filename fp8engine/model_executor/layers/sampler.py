@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
+from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
 from fp8engine.sampling_params import SamplingParams
 
 
@@ -76,9 +76,9 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     """Sample one token per row of logits [R, V] (any float dtype)."""
-    ops = _fused_ops(logits, rows)
-    if ops is not None:
-        return _sample_fused(ops, logits, rows)
+    kernel = _fused_kernel(logits, rows)
+    if kernel is not None:
+        return _sample_fused(kernel, logits, rows)
     logits = logits.to(torch.float32, copy=True)  # banned tokens are masked in place
     raw = torch.log_softmax(logits, dim=-1) if any(_wants(r, "raw") for r in rows) else None
     for i, row in enumerate(rows):
@@ -96,21 +96,20 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     return _collect(tokens, rows, raw, proc, log_kept, sampled)
 
 
-def _fused_ops(logits: torch.Tensor, rows: list[SampleRow]):
-    """torch.ops.fp8engine when the fused kernel covers this batch, else None."""
+def _fused_kernel(logits: torch.Tensor, rows: list[SampleRow]):
+    """The fused C++ sampler when it covers this batch, else None."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
         return None
     if any(r.params.truncates or r.params.logprobs or r.banned_token_ids for r in rows):
         return None
-    ops = load_cpu_ops()
-    return ops if ops is not None and hasattr(ops, "sample_rows") else None
+    return cpu_kernel("sample_rows")
 
 
-def _sample_fused(ops, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+def _sample_fused(kernel, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
     uniform = torch.cat([torch.rand(1, generator=r.generator) if not r.params.greedy else torch.zeros(1)
                          for r in rows])
-    tokens, processed, raw = ops.sample_rows(logits, temperature, uniform, any(_wants(r, "raw") for r in rows))
+    tokens, processed, raw = kernel(logits, temperature, uniform, any(_wants(r, "raw") for r in rows))
     result = SampleResult(tokens.tolist(), [None] * len(rows), [None] * len(rows), [None] * len(rows))
     processed, raw = processed.tolist(), raw.tolist()
     for i, row in enumerate(rows):
