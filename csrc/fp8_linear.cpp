@@ -14,6 +14,7 @@
 #include <cmath>
 #include <string>
 
+#include "e4m3.h"
 #include "linear_common.h"
 
 namespace {
@@ -42,35 +43,6 @@ float block_scale(float amax, bool ue8m0) {
   if (!ue8m0 || std::isnan(s)) return s;
   return f32_from_bits((f32_bits(s) + 0x7FFFFFu) & 0x7F800000u);
 }
-
-// bf16 bit pattern of an E4M3 value (exact); the E4M3 NaN 0x7F maps to a bf16 NaN.
-constexpr uint16_t e4m3_bf16_bits(int v) {
-  const int sign = (v & 0x80) << 8;
-  int e = (v >> 3) & 15, m = v & 7;
-  if ((v & 0x7F) == 0x7F) return static_cast<uint16_t>(sign | 0x7FC0);
-  if (e != 0) return static_cast<uint16_t>(sign | (e + 120) << 7 | m << 4);
-  if (m == 0) return static_cast<uint16_t>(sign);
-  int exp = -6;  // subnormal m/8 * 2^-6: normalise the mantissa
-  while (m < 8) {
-    m <<= 1;
-    --exp;
-  }
-  return static_cast<uint16_t>(sign | (exp + 127) << 7 | (m & 7) << 4);
-}
-
-struct Bf16Tables {
-  std::array<uint16_t, 256> full{};
-  alignas(64) std::array<uint8_t, 128> hi{};  // high byte of the magnitude's bf16, by 7-bit magnitude
-  alignas(64) std::array<uint8_t, 128> lo{};
-  constexpr Bf16Tables() {
-    for (int v = 0; v < 256; ++v) full[v] = e4m3_bf16_bits(v);
-    for (int v = 0; v < 128; ++v) {
-      hi[v] = static_cast<uint8_t>(full[v] >> 8);
-      lo[v] = static_cast<uint8_t>(full[v] & 0xFF);
-    }
-  }
-};
-constexpr Bf16Tables kTables{};
 
 template <typename T>
 T from_f32(float v) {
@@ -270,24 +242,6 @@ struct Problem {
 // holding k = 16L + 0..7 and the second k = 16L + 8..15 in 128-bit lane L (what unpacking bytes
 // within lanes produces). Activations and weights share it, so the dot products are unchanged and
 // each 32-bit lane still holds a pair of neighbouring k.
-
-// E4M3 -> bf16 for 64 bytes: two 128-entry byte lookups (high and low byte of the magnitude's bf16),
-// the sign bit copied in, then low and high bytes interleaved within lanes.
-struct E4m3ToBf16 {
-  __m512i hi0, hi1, lo0, lo1;
-  E4m3ToBf16()
-      : hi0(_mm512_load_si512(kTables.hi.data())),
-        hi1(_mm512_load_si512(kTables.hi.data() + 64)),
-        lo0(_mm512_load_si512(kTables.lo.data())),
-        lo1(_mm512_load_si512(kTables.lo.data() + 64)) {}
-  void operator()(__m512i b, __m512i& out0, __m512i& out1) const {
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, b, hi1), b,
-                                                 _mm512_set1_epi8(char(0x80)), 0xF8);  // hi | (b & 0x80)
-    const __m512i lo = _mm512_permutex2var_epi8(lo0, b, lo1);
-    out0 = _mm512_unpacklo_epi8(lo, hi);
-    out1 = _mm512_unpackhi_epi8(lo, hi);
-  }
-};
 
 // clamp(v / scale) rounded to the nearest E4M3 value, as a float (the sign of a zero may differ from
 // e4m3_from_f32, which no product sees). Adding and subtracting m = +-2^(e + 20), with 2^e the binade
@@ -577,7 +531,7 @@ void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y) {
 
 #else  // portable scalar path
 
-float e4m3_to_f32(uint8_t v) { return f32_from_bits(static_cast<uint32_t>(kTables.full[v]) << 16); }
+float e4m3_to_f32(uint8_t v) { return f32_from_bits(static_cast<uint32_t>(kE4m3Bf16.full[v]) << 16); }
 
 template <typename T>
 void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y) {

@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "e4m3.h"
 #include "vec_math.h"
 
 namespace {
@@ -102,50 +103,28 @@ inline void row_to_fp32(const T* src, int dim, int padded, float* dst) {
 }
 
 #if defined(__AVX512VBMI__)
-// E4M3 -> fp32 for whole rows, 64 values per step: two 128-entry byte lookups (vpermi2b on the 7
-// magnitude bits) give the top two bytes of each fp32 (the low two are always zero), and one byte
-// permute per 16 values spreads them into place.
-struct E4m3Tables {
-  alignas(64) uint8_t hi[128];  // fp32 bits 31..24 of each magnitude
-  alignas(64) uint8_t lo[128];  // fp32 bits 23..16
-  alignas(64) uint8_t spread[4][64];
-  constexpr E4m3Tables() : hi(), lo(), spread() {
-    for (int mag = 0; mag < 128; ++mag) {
-      const int e = mag >> 3, m = mag & 7;
-      uint32_t bits = 0;
-      if (mag == 0x7F) {
-        bits = 0x7FC00000;  // the only NaN encoding; E4M3 has no infinities
-      } else if (e > 0) {
-        bits = uint32_t(e + 120) << 23 | uint32_t(m) << 20;
-      } else if (m > 0) {  // subnormal m * 2^-9: normalise around m's top bit h
-        const int h = m >= 4 ? 2 : m >= 2 ? 1 : 0;
-        bits = uint32_t(127 - 9 + h) << 23 | uint32_t(m - (1 << h)) << (23 - h);
-      }
-      hi[mag] = static_cast<uint8_t>(bits >> 24);
-      lo[mag] = static_cast<uint8_t>(bits >> 16);
-    }
-    // Output dword j of step i takes lo[16i + j] as byte 2 and hi[16i + j] (second source) as byte 3.
+// E4M3 -> fp32 for whole rows, 64 values per step: the bf16 bytes of each code are the top two bytes
+// of its fp32 (the low two are always zero), and one byte permute per 16 values spreads them into place.
+struct Fp32Spread {
+  alignas(64) uint8_t idx[4][64];  // output dword j of step i: lo[16i + j] as byte 2, hi[16i + j] as byte 3
+  constexpr Fp32Spread() : idx() {
     for (int i = 0; i < 4; ++i)
       for (int j = 0; j < 16; ++j) {
-        spread[i][4 * j + 2] = static_cast<uint8_t>(16 * i + j);
-        spread[i][4 * j + 3] = static_cast<uint8_t>(64 + 16 * i + j);
+        idx[i][4 * j + 2] = static_cast<uint8_t>(16 * i + j);
+        idx[i][4 * j + 3] = static_cast<uint8_t>(64 + 16 * i + j);
       }
   }
 };
-constexpr E4m3Tables kE4m3;
+constexpr Fp32Spread kFp32Spread;
 
 inline void row_to_fp32(const at::Float8_e4m3fn* src, int dim, int padded, float* dst) {
-  const __m512i hi0 = _mm512_load_si512(kE4m3.hi), hi1 = _mm512_load_si512(kE4m3.hi + 64);
-  const __m512i lo0 = _mm512_load_si512(kE4m3.lo), lo1 = _mm512_load_si512(kE4m3.lo + 64);
+  const fp8e::E4m3ToBf16 cvt;
   for (int c = 0; c < padded; c += 64) {
     const __mmask64 m = dim - c >= 64 ? ~__mmask64(0) : (__mmask64(1) << (dim - c)) - 1;
-    const __m512i bytes = _mm512_maskz_loadu_epi8(m, src + c);
-    // hi | (bytes & 0x80): the sign bit lands on fp32 bit 31.
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, bytes, hi1), bytes,
-                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
-    const __m512i lo = _mm512_permutex2var_epi8(lo0, bytes, lo1);
+    __m512i hi, lo;
+    cvt.bytes(_mm512_maskz_loadu_epi8(m, src + c), hi, lo);
     for (int i = 0; i < 4 && c + i * kLanes < padded; ++i) {
-      const __m512i idx = _mm512_load_si512(kE4m3.spread[i]);
+      const __m512i idx = _mm512_load_si512(kFp32Spread.idx[i]);
       _mm512_storeu_ps(dst + c + i * kLanes,
                        _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, lo, idx, hi)));
     }
@@ -279,9 +258,8 @@ constexpr bool kDotScores = false;
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
-// FP8 keys convert 64 at a time by byte unpacking, which orders each 128-bit lane L of the two
-// resulting vectors as k = 16L + 0..7 (first vector) and 16L + 8..15 (second); queries are
-// permuted the same way so the pairs line up.
+// FP8 keys convert to bf16 in fp8e::E4m3ToBf16's lane order; queries are permuted the same way so the
+// pairs line up.
 struct LaneOrder {
   alignas(64) uint16_t idx[2][32];
   constexpr LaneOrder() : idx() {
@@ -308,17 +286,14 @@ inline void pack_query_bf16(const float* q, int d, bool lane_order, uint16_t* ds
   }
 }
 
-// E4M3 row -> bf16 in lane order (exact): the fp32 tables' top two bytes are the bf16 bytes.
+// E4M3 row -> bf16 in lane order (exact).
 inline void e4m3_row_to_bf16(const at::Float8_e4m3fn* src, int d, uint16_t* dst) {
-  const __m512i hi0 = _mm512_load_si512(kE4m3.hi), hi1 = _mm512_load_si512(kE4m3.hi + 64);
-  const __m512i lo0 = _mm512_load_si512(kE4m3.lo), lo1 = _mm512_load_si512(kE4m3.lo + 64);
+  const fp8e::E4m3ToBf16 cvt;
   for (int c = 0; c < d; c += 64) {
-    const __m512i bytes = _mm512_loadu_si512(src + c);
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, bytes, hi1), bytes,
-                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
-    const __m512i lo = _mm512_permutex2var_epi8(lo0, bytes, lo1);
-    _mm512_storeu_si512(dst + c, _mm512_unpacklo_epi8(lo, hi));
-    _mm512_storeu_si512(dst + c + 32, _mm512_unpackhi_epi8(lo, hi));
+    __m512i out0, out1;
+    cvt(_mm512_loadu_si512(src + c), out0, out1);
+    _mm512_storeu_si512(dst + c, out0);
+    _mm512_storeu_si512(dst + c + 32, out1);
   }
 }
 
@@ -452,12 +427,12 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
     }
     // Rows are token-major, so the rows that can see key j0 (and maybe later ones) are a suffix.
     const int r0 = std::max(0, j0 - t.pos0) * p.group;
-    float* saved = b.saved.data() + int64_t(chunk++) * rows * kLanes;
+    const int64_t saved = int64_t(chunk++) * rows * kLanes;  // this chunk's scores in b.saved (full FP8)
     if (pass == Pass::kFp8Probs) {
-      std::copy_n(saved, rows * kLanes, b.s.data());  // the statistics pass computed these scores
+      std::copy_n(b.saved.data() + saved, rows * kLanes, b.s.data());  // the statistics pass computed these
     } else {
       key_scores<CT, kD>(p, kc, base, n, r0, rows, b);
-      if (pass == Pass::kStats) std::copy_n(b.s.data(), rows * kLanes, saved);
+      if (pass == Pass::kStats) std::copy_n(b.s.data(), rows * kLanes, b.saved.data() + saved);
     }
     for (int r = r0; r < rows; ++r) softmax_step(pass, tail_mask(std::min(n, t.pos0 + r / p.group - j0 + 1)), r, b);
     if (pass != Pass::kStats) {

@@ -1,0 +1,71 @@
+// E4M3 -> bf16, shared by the FP8 linear and attention kernels. Every E4M3 value is exactly a bf16
+// (and the top half of an fp32), so one table serves scalar code, and two 128-entry byte lookups on
+// the 7 magnitude bits (vpermi2b) convert 64 codes at a time.
+
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#include <immintrin.h>
+#endif
+
+namespace fp8e {
+
+// bf16 bit pattern of an E4M3 value (exact); the E4M3 NaN 0x7F maps to a bf16 NaN.
+constexpr uint16_t e4m3_bf16_bits(int v) {
+  const int sign = (v & 0x80) << 8;
+  int e = (v >> 3) & 15, m = v & 7;
+  if ((v & 0x7F) == 0x7F) return static_cast<uint16_t>(sign | 0x7FC0);
+  if (e != 0) return static_cast<uint16_t>(sign | (e + 120) << 7 | m << 4);
+  if (m == 0) return static_cast<uint16_t>(sign);
+  int exp = -6;  // subnormal m/8 * 2^-6: normalise the mantissa
+  while (m < 8) {
+    m <<= 1;
+    --exp;
+  }
+  return static_cast<uint16_t>(sign | (exp + 127) << 7 | (m & 7) << 4);
+}
+
+struct Bf16Tables {
+  std::array<uint16_t, 256> full{};
+  alignas(64) std::array<uint8_t, 128> hi{};  // high byte of the magnitude's bf16, by 7-bit magnitude
+  alignas(64) std::array<uint8_t, 128> lo{};
+  constexpr Bf16Tables() {
+    for (int v = 0; v < 256; ++v) full[v] = e4m3_bf16_bits(v);
+    for (int v = 0; v < 128; ++v) {
+      hi[v] = static_cast<uint8_t>(full[v] >> 8);
+      lo[v] = static_cast<uint8_t>(full[v] & 0xFF);
+    }
+  }
+};
+inline constexpr Bf16Tables kE4m3Bf16{};
+
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__)
+// E4M3 -> bf16 for 64 bytes: the high byte (sign bit copied in) and low byte of each code's bf16,
+// which the callers interleave (bf16 pairs) or spread (fp32 lanes) as they need.
+struct E4m3ToBf16 {
+  __m512i hi0, hi1, lo0, lo1;
+  E4m3ToBf16()
+      : hi0(_mm512_load_si512(kE4m3Bf16.hi.data())),
+        hi1(_mm512_load_si512(kE4m3Bf16.hi.data() + 64)),
+        lo0(_mm512_load_si512(kE4m3Bf16.lo.data())),
+        lo1(_mm512_load_si512(kE4m3Bf16.lo.data() + 64)) {}
+  void bytes(__m512i b, __m512i& hi, __m512i& lo) const {
+    hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, b, hi1), b, _mm512_set1_epi8(char(0x80)),
+                                   0xF8);  // hi | (b & 0x80)
+    lo = _mm512_permutex2var_epi8(lo0, b, lo1);
+  }
+  // bf16 values in "lane order": out0 holds codes 16L + 0..7 and out1 codes 16L + 8..15 of 128-bit
+  // lane L (what interleaving bytes within lanes produces).
+  void operator()(__m512i b, __m512i& out0, __m512i& out1) const {
+    __m512i hi, lo;
+    bytes(b, hi, lo);
+    out0 = _mm512_unpacklo_epi8(lo, hi);
+    out1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+};
+#endif
+
+}  // namespace fp8e
