@@ -26,6 +26,7 @@
 
 namespace {
 
+using fp8engine_vec::dispatch_io;
 using fp8engine_vec::exp512;
 using fp8engine_vec::load16;
 using fp8engine_vec::store16;
@@ -43,17 +44,6 @@ inline __m512 round_to(__m512 x) {
     return x;
   } else {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(fp8engine_vec::fp32_to_bf16(x)), 16));
-  }
-}
-
-template <typename F>
-void dispatch(const at::Tensor& t, F&& f) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, "expected float32 or bfloat16, got ",
-              t.scalar_type());
-  if (t.scalar_type() == at::kBFloat16) {
-    f(static_cast<at::BFloat16*>(nullptr));
-  } else {
-    f(static_cast<float*>(nullptr));
   }
 }
 
@@ -96,8 +86,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::opti
   }
   at::Tensor out = at::empty_like(x2);
   const int64_t rows = x2.size(0);
-  dispatch(x, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
+  dispatch_io(x.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
     at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
         rms_norm_row(x2.data_ptr<T>() + i * n, residual ? res2.data_ptr<T>() + i * n : nullptr,
@@ -144,8 +134,8 @@ void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, cons
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < positions.numel(); ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " outside the rotary table");
-  dispatch(q, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
+  dispatch_io(q.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
     const int64_t heads = q.size(1) + k.size(1);
     at::parallel_for(0, q.size(0), grain(heads * dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
@@ -168,8 +158,8 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = n;
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  dispatch(x, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
+  dispatch_io(x.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
     at::parallel_for(0, x.size(0), grain(2 * n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* g = x.data_ptr<T>() + r * 2 * n;

@@ -33,7 +33,9 @@
 
 namespace {
 
+using fp8engine_vec::dispatch_io;
 using fp8engine_vec::exp512;
+using fp8engine_vec::Tag;
 using fp8engine_vec::load16;
 using fp8engine_vec::store16;
 using fp8engine_vec::tail_mask;
@@ -440,20 +442,6 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
       chunk_pv<kD>(b, r0, rows, n, d);
     }
     j0 += n;
-  }
-}
-
-template <typename T>
-struct Tag {
-  using type = T;
-};
-
-template <typename F>
-void dispatch_io(at::ScalarType t, F&& f) {
-  if (t == at::kFloat) {
-    f(Tag<float>{});
-  } else {
-    f(Tag<at::BFloat16>{});
   }
 }
 

@@ -29,6 +29,7 @@
 
 namespace {
 
+using fp8engine_vec::dispatch_io;
 using fp8engine_vec::exp512;
 using fp8engine_vec::load16;
 using fp8engine_vec::tail_mask;
@@ -126,19 +127,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& log
   at::Tensor processed = at::empty({rows}, at::kFloat), raw = at::empty({rows}, at::kFloat);
   const float* t = temperature.data_ptr<float>();
   const float* u = uniform.data_ptr<float>();
-  const auto run = [&](auto* x) {
+  dispatch_io(logits.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> chunks((v + kChunk - 1) / kChunk);
       for (int64_t r = begin; r < end; ++r)
-        sample_row(x + r * logits.stride(0), v, t[r], u[r], need_raw, chunks.data(), tokens.data_ptr<int64_t>()[r],
-                   processed.data_ptr<float>()[r], raw.data_ptr<float>()[r]);
+        sample_row(logits.data_ptr<T>() + r * logits.stride(0), v, t[r], u[r], need_raw, chunks.data(),
+                   tokens.data_ptr<int64_t>()[r], processed.data_ptr<float>()[r], raw.data_ptr<float>()[r]);
     });
-  };
-  if (logits.scalar_type() == at::kBFloat16) {
-    run(logits.data_ptr<at::BFloat16>());
-  } else {
-    run(logits.data_ptr<float>());
-  }
+  });
   return {tokens, processed, raw};
 }
 

@@ -1,12 +1,29 @@
 // Vector math shared by the AVX-512 kernels (include after <immintrin.h>, inside an AVX-512 guard).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <cstdint>
 
 namespace fp8engine_vec {
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<float>{}) or f(Tag<at::BFloat16>{}) for a float32 or bfloat16 tensor dtype.
+template <typename F>
+void dispatch_io(at::ScalarType t, F&& f) {
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "expected float32 or bfloat16, got ", t);
+  if (t == at::kFloat) {
+    f(Tag<float>{});
+  } else {
+    f(Tag<at::BFloat16>{});
+  }
+}
 
 // Lanes [0, n) of a 16-lane vector (all of them for n >= 16).
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
