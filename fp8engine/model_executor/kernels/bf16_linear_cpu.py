@@ -1,12 +1,10 @@
 """CPU BF16 linear: the C++ kernel (csrc/bf16_linear.cpp) for the shapes where it beats torch, torch's
 F.linear (its reference) everywhere else, including other devices and dtypes."""
 
-import functools
-
 import torch
 from torch.nn import functional as F
 
-from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
+from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel, load_cpu_ops
 
 # Rows the kernel takes in one pass over the weight. Measured on a 2-core Zen 5 with every layer's
 # weights coming from DRAM, as in a model forward (30 layers of the default model): at M = 1 the
@@ -16,11 +14,9 @@ from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
 _STREAM_MAX_M = 4
 
 
-@functools.cache
 def kernel_ops():
     """torch.ops.fp8engine when it holds bf16_linear, else None."""
-    ops = load_cpu_ops()
-    return ops if ops is not None and hasattr(ops, "bf16_linear") else None
+    return load_cpu_ops() if cpu_kernel("bf16_linear") is not None else None
 
 
 def use_kernel(m: int) -> bool:
@@ -34,10 +30,10 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
             or weight.stride(-1) != 1 or x.numel() == 0 or not use_kernel(x.numel() // k)):
         return F.linear(x, weight, bias)
-    ops = kernel_ops()
-    if ops is None:
+    kernel = cpu_kernel("bf16_linear")
+    if kernel is None:
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return ops.bf16_linear(x2, weight, bias).reshape(*x.shape[:-1], n)
+    return kernel(x2, weight, bias).reshape(*x.shape[:-1], n)

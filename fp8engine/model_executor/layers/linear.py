@@ -37,8 +37,9 @@ class Linear(nn.Module):
             self.weight_scale_inv = _param(torch.ones(sum(rows), cdiv(in_features, BLOCK)))
             self.fused_scales = all(n % BLOCK == 0 for n in self.shard_sizes[:-1])
             # Otherwise output row n reads scale row scale_rows[n]: one CPU call serves every shard.
-            self.scale_rows = torch.cat([torch.arange(size, dtype=torch.int32) // BLOCK + row0 for size, row0
-                                         in zip(self.shard_sizes, self.scale_row_offsets)])
+            self.scale_rows = None if self.fused_scales else torch.cat(
+                [torch.arange(size, dtype=torch.int32) // BLOCK + row0
+                 for size, row0 in zip(self.shard_sizes, self.scale_row_offsets)])
 
     @property
     def is_fp8(self) -> bool:
