@@ -32,13 +32,15 @@ struct Problem {
 
 // ---- small M ---------------------------------------------------------------------------------------
 
-// acc[i][j] += x row i . w row j over 32 k starting at k; masked-off k load as zeros.
+// acc[i][j] += x row i . w row j over 32 k starting at k; masked-off k load as zeros. Each weight load
+// prefetches the line `ahead` elements on (the next tile's row), as the FP8 kernel does.
 template <int MR, int NR>
-void gemv_chunk(const uint16_t* const (&xr)[MR], const uint16_t* const (&wr)[NR], int64_t k, __mmask32 mask,
-                __m512 (&acc)[MR][NR]) {
+void gemv_chunk(const uint16_t* const (&xr)[MR], const uint16_t* const (&wr)[NR], int64_t ahead, int64_t k,
+                __mmask32 mask, __m512 (&acc)[MR][NR]) {
   __m512bh xv[MR];
   for (int i = 0; i < MR; ++i) xv[i] = as_bh(_mm512_maskz_loadu_epi16(mask, xr[i] + k));
   for (int j = 0; j < NR; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k + ahead), _MM_HINT_T0);
     const __m512bh wv = as_bh(_mm512_maskz_loadu_epi16(mask, wr[j] + k));
     for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
   }
@@ -55,8 +57,9 @@ void gemv_tile(const Problem& p, int64_t m0, int64_t n0, float (&res)[kGemvAcc])
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= p.k; k += 32) gemv_chunk(xr, wr, k, ~__mmask32(0), acc);
-  if (k < p.k) gemv_chunk(xr, wr, k, tail_mask32(p.k - k), acc);
+  const int64_t ahead = NR * p.ldw;
+  for (; k + 32 <= p.k; k += 32) gemv_chunk(xr, wr, ahead, k, ~__mmask32(0), acc);
+  if (k < p.k) gemv_chunk(xr, wr, ahead, k, tail_mask32(p.k - k), acc);
   alignas(64) float tot[kGemvAcc][16] = {};
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) _mm512_store_ps(tot[i * NR + j], acc[i][j]);

@@ -307,10 +307,13 @@ RowsBf16 quantize_rows(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8m0
   return out;
 }
 
-// acc[i][j] += x row i . w row j over [k0, kend) (at most one K block), in 64-k chunks.
+// acc[i][j] += x row i . w row j over [k0, kend) (at most one K block), in 64-k chunks. Each weight
+// load also prefetches the line `ahead` bytes on (the next tile's row at the same k): rows of a few
+// hundred bytes are too short for the hardware prefetchers to get going, and without this the loop
+// waited on DRAM (30 layers of the default model at M=1: 5.7 -> 4.1 ms).
 template <int MR, int NR, bool kFull>
-void gemv_block(const E4m3ToBf16& cvt, const uint8_t* const (&wr)[NR], const uint16_t* xb, int64_t kp, int64_t k0,
-                int64_t kend, __m512 (&acc)[MR][NR]) {
+void gemv_block(const E4m3ToBf16& cvt, const uint8_t* const (&wr)[NR], int64_t ahead, const uint16_t* xb, int64_t kp,
+                int64_t k0, int64_t kend, __m512 (&acc)[MR][NR]) {
   for (int64_t k = k0; k < (kFull ? k0 + kBlock : kend); k += 64) {
     const __mmask64 mask = kFull ? ~__mmask64(0) : tail_mask64(kend - k);
     __m512bh xv[MR][2];
@@ -318,6 +321,7 @@ void gemv_block(const E4m3ToBf16& cvt, const uint8_t* const (&wr)[NR], const uin
       for (int h = 0; h < 2; ++h) xv[i][h] = as_bh(_mm512_loadu_si512(xb + i * kp + k + 32 * h));
     for (int j = 0; j < NR; ++j) {
       __m512i w0, w1;
+      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k + ahead), _MM_HINT_T0);
       cvt(_mm512_maskz_loadu_epi8(mask, wr[j] + k), w0, w1);
       for (int i = 0; i < MR; ++i)
         acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], xv[i][0], as_bh(w0)), xv[i][1], as_bh(w1));
@@ -338,9 +342,9 @@ void gemv_tile(const Problem& p, const E4m3ToBf16& cvt, const uint16_t* xb, int6
       for (auto& a : row) a = _mm512_setzero_ps();
     const int64_t k0 = b * kBlock, kend = std::min(p.k, k0 + kBlock);
     if (kend - k0 == kBlock) {
-      gemv_block<MR, NR, true>(cvt, wr, xb, kp, k0, kend, acc);
+      gemv_block<MR, NR, true>(cvt, wr, NR * p.k, xb, kp, k0, kend, acc);
     } else {
-      gemv_block<MR, NR, false>(cvt, wr, xb, kp, k0, kend, acc);
+      gemv_block<MR, NR, false>(cvt, wr, NR * p.k, xb, kp, k0, kend, acc);
     }
     for (int j = 0; j < NR; ++j) {
       const float swj = p.sw_at(std::min(n0 + j, p.n - 1), b);
