@@ -221,14 +221,26 @@ struct Buffers {
         kb(kLanes * padded) {}
   std::vector<float> q, acc, kv, s, m, l, alpha;
   std::vector<uint16_t> qb, kb;  // bf16 queries and (converted FP8) keys for the dot-product scores
-  std::vector<float> saved;      // full FP8: every chunk's scores, from the statistics pass
+  std::vector<float> saved;      // full FP8: every chunk's scores (-inf where not visible), then exp(s - m)
+  std::vector<float> lane_max;   // full FP8: per row, the lane-wise max of its scores
+  int chunks = 0;                // full FP8: chunks the scores pass saved
 };
 
 enum class Pass {
   kOnline,    // running max / sum with rescaled accumulators
-  kStats,     // max and sum only (first pass of full FP8)
-  kFp8Probs,  // final max and 1/sum known: quantise the normalised probabilities, accumulate P V
+  kScores,    // full FP8, first pass: save the masked scores and their lane-wise max (no reductions)
+  kFp8Probs,  // full FP8, last pass: e = exp(s - m) and 1/sum known, quantise P, accumulate P V
 };
+
+// Value of an E4M3 rounding of c in [0, 448] (round to nearest even, subnormal step 2^-9), as
+// e4m3_to_fp32(fp32_to_e4m3(c)) gives it but in five instructions: adding and subtracting
+// 2^(e + 20), with 2^e the binade of c but at least 2^-6, makes the FPU round to 3 mantissa bits.
+inline __m512 e4m3_round_nonneg(__m512 c) {
+  const __m512i binade = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(c), splat_i(0x7F800000)),
+                                          splat_i(121 << 23));
+  const __m512 m = _mm512_castsi512_ps(_mm512_add_epi32(binade, splat_i(20 << 23)));
+  return _mm512_sub_ps(_mm512_add_ps(c, m), m);
+}
 
 // Scores of rows [r0, rows) against the kLanes keys in kv (rows past the chunk hold stale data and
 // are masked by the caller).
@@ -252,9 +264,13 @@ inline void chunk_scores(const Buffers& b, int r0, int rows, int padded, float s
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 template <typename CT, int kD>
 constexpr bool kDotScores = !std::is_same_v<CT, float> && kD % 64 == 0 && kD > 0;
+template <typename CT, int kD>
+constexpr bool kDotPv = std::is_same_v<CT, at::Float8_e4m3fn> && kD % 64 == 0 && kD > 0;
 #else
 template <typename CT, int kD>
 constexpr bool kDotScores = false;
+template <typename CT, int kD>
+constexpr bool kDotPv = false;
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
@@ -328,6 +344,72 @@ inline void key_scores_dp(const Problem& p, const CT* kc, int64_t base, int n, i
     chunk_scores_dp<kD>(b, b.kb.data(), kD, n, r0, rows, p.score_scale, b.s.data());
   }
 }
+
+// Full FP8 P V by bf16 dot products: P and V hold E4M3 values, exact in bf16, so every product is
+// exact and only the fp32 summation order differs from chunk_pv. A dot product sums a pair of keys,
+// so V is laid out as pairs: for keys (2i, 2i + 1) and each 64 dims, four vectors whose 32-bit lanes
+// hold (v[2i][d], v[2i + 1][d]); vector q, 128-bit lane L holds d = 16L + 4q + 0..3 (what unpacking
+// bytes then words within lanes produces). The accumulators keep that order until unpermute_pv.
+template <int kD>
+inline void v_pairs_bf16(const at::Float8_e4m3fn* src, int64_t stride, int n, uint16_t* dst) {
+  const fp8e::E4m3ToBf16 cvt;
+  for (int t = 0; t < n; t += 2) {
+    const at::Float8_e4m3fn* r0 = src + t * stride;
+    const at::Float8_e4m3fn* r1 = src + std::min(t + 1, n - 1) * stride;  // an odd tail pairs with P = 0
+    for (int c = 0; c < kD; c += 64) {
+      __m512i hi0, lo0, hi1, lo1;
+      cvt.bytes(_mm512_loadu_si512(r0 + c), hi0, lo0);
+      cvt.bytes(_mm512_loadu_si512(r1 + c), hi1, lo1);
+      const __m512i a0 = _mm512_unpacklo_epi8(lo0, hi0), a1 = _mm512_unpackhi_epi8(lo0, hi0);
+      const __m512i b0 = _mm512_unpacklo_epi8(lo1, hi1), b1 = _mm512_unpackhi_epi8(lo1, hi1);
+      uint16_t* out = dst + (t / 2) * 2 * kD + 2 * c;
+      _mm512_storeu_si512(out, _mm512_unpacklo_epi16(a0, b0));
+      _mm512_storeu_si512(out + 32, _mm512_unpackhi_epi16(a0, b0));
+      _mm512_storeu_si512(out + 64, _mm512_unpacklo_epi16(a1, b1));
+      _mm512_storeu_si512(out + 96, _mm512_unpackhi_epi16(a1, b1));
+    }
+  }
+}
+
+// acc[r] += sum_t p[r][t] v[t] for rows [r0, rows) over n keys in pairs (see v_pairs_bf16).
+template <int kD>
+inline void chunk_pv_dp(Buffers& b, int r0, int rows, int n) {
+  constexpr int kVecs = kD / kLanes;
+  const int pairs = (n + 1) / 2;
+  for (int r = r0; r < rows; ++r) {
+    alignas(32) uint32_t pp[kLanes / 2];  // P as bf16 pairs (exact: E4M3 values)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pp),
+                       reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(b.s.data() + r * kLanes))));
+    float* accp = b.acc.data() + r * kD;
+    __m512 acc[kVecs];
+    for (int c = 0; c < kVecs; ++c) acc[c] = _mm512_loadu_ps(accp + c * kLanes);
+    for (int i = 0; i < pairs; ++i) {
+      const __m512bh pv = as_bh(_mm512_set1_epi32(static_cast<int>(pp[i])));
+      for (int c = 0; c < kVecs; ++c)
+        acc[c] = _mm512_dpbf16_ps(acc[c], pv, as_bh(_mm512_loadu_si512(b.kb.data() + i * 2 * kD + 32 * c)));
+    }
+    for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(accp + c * kLanes, acc[c]);
+  }
+}
+
+// Accumulators of chunk_pv_dp back to natural order: a 4 x 4 transpose of 128-bit lanes per 64 dims.
+template <int kD>
+inline void unpermute_pv(Buffers& b, int rows) {
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < kD; c += 64) {
+      float* a = b.acc.data() + r * kD + c;
+      __m512 v[4], t[4];
+      for (int q = 0; q < 4; ++q) v[q] = _mm512_loadu_ps(a + 16 * q);
+      t[0] = _mm512_shuffle_f32x4(v[0], v[1], 0x44);  // lanes 0, 1 of v0, then of v1
+      t[1] = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);  // lanes 2, 3
+      t[2] = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+      t[3] = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+      _mm512_storeu_ps(a, _mm512_shuffle_f32x4(t[0], t[2], 0x88));       // lane 0 of v0..v3
+      _mm512_storeu_ps(a + 16, _mm512_shuffle_f32x4(t[0], t[2], 0xDD));  // lane 1
+      _mm512_storeu_ps(a + 32, _mm512_shuffle_f32x4(t[1], t[3], 0x88));  // lane 2
+      _mm512_storeu_ps(a + 48, _mm512_shuffle_f32x4(t[1], t[3], 0xDD));  // lane 3
+    }
+}
 #endif
 
 // Turns row r's scores into (unnormalised or quantised) probabilities in place.
@@ -335,11 +417,18 @@ inline void softmax_step(Pass pass, __mmask16 visible, int r, Buffers& b) {
   float* s = b.s.data() + r * kLanes;
   const __m512 x = _mm512_loadu_ps(s);
   if (pass == Pass::kFp8Probs) {
-    // Same rounding steps as the reference: softmax = e * (1 / sum), then E4M3(P * 448).
-    const __m512 e = exp512(_mm512_sub_ps(x, splat(b.m[r])));
-    const __m512 p = _mm512_mul_ps(_mm512_mul_ps(e, splat(b.l[r])), splat(kFp8Max));
-    _mm512_storeu_ps(s, _mm512_maskz_mov_ps(visible, e4m3_to_fp32(fp32_to_e4m3(p))));
+    // Same rounding steps as the reference: softmax = e * (1 / sum), then E4M3(P * 448). Keys the row
+    // does not see hold e = 0.
+    const __m512 p = _mm512_mul_ps(_mm512_mul_ps(x, splat(b.l[r])), splat(kFp8Max));
+    _mm512_storeu_ps(s, e4m3_round_nonneg(p));
     b.alpha[r] = 1.f;
+    return;
+  }
+  if (pass == Pass::kScores) {
+    const __m512 masked = _mm512_mask_mov_ps(splat(-INFINITY), visible, x);
+    _mm512_storeu_ps(s, masked);
+    float* mx = b.lane_max.data() + r * kLanes;
+    _mm512_storeu_ps(mx, _mm512_max_ps(masked, _mm512_loadu_ps(mx)));
     return;
   }
   const float m_new = std::max(b.m[r], _mm512_mask_reduce_max_ps(visible, x));
@@ -405,9 +494,9 @@ void key_scores(const Problem& p, const CT* kc, int64_t base, int n, int r0, int
   chunk_scores<kD>(b, r0, rows, kD ? kD : p.padded, p.score_scale, b.s.data());
 }
 
-// One pass of tile t over keys [kb, ke), reading the paged cache in place. Full FP8 runs a statistics
-// pass and then the probabilities pass over the same chunks; the second reuses the first's scores
-// (b.saved, sized by the caller) instead of reading K again.
+// One pass of tile t over keys [kb, ke), reading the paged cache in place. Full FP8 runs a scores pass
+// and then the probabilities pass over the same chunks; the second reads what fp8_softmax made of the
+// first's scores (b.saved, sized by the caller) instead of reading K again.
 template <typename CT, int kD>
 void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers& b) {
   const int d = kD ? kD : p.padded, dim = kD ? kD : p.dim;  // constants let the masks fold away
@@ -425,24 +514,53 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
       const int off1 = j1 % p.block_size, n1 = std::min({kLanes, p.block_size - off1, ke - j1});
       const int64_t next = blocks[j1 / p.block_size] * p.blk_stride + off1 * p.tok_stride + head;
       if (pass != Pass::kFp8Probs) prefetch_rows(kc + next, p.tok_stride, n1, dim);
-      if (pass != Pass::kStats) prefetch_rows(vc + next, p.tok_stride, n1, dim);
+      if (pass != Pass::kScores) prefetch_rows(vc + next, p.tok_stride, n1, dim);
     }
     // Rows are token-major, so the rows that can see key j0 (and maybe later ones) are a suffix.
     const int r0 = std::max(0, j0 - t.pos0) * p.group;
     const int64_t saved = int64_t(chunk++) * rows * kLanes;  // this chunk's scores in b.saved (full FP8)
     if (pass == Pass::kFp8Probs) {
-      std::copy_n(b.saved.data() + saved, rows * kLanes, b.s.data());  // the statistics pass computed these
+      std::copy_n(b.saved.data() + saved, rows * kLanes, b.s.data());  // fp8_softmax's exp(s - m)
     } else {
       key_scores<CT, kD>(p, kc, base, n, r0, rows, b);
-      if (pass == Pass::kStats) std::copy_n(b.s.data(), rows * kLanes, b.saved.data() + saved);
     }
     for (int r = r0; r < rows; ++r) softmax_step(pass, tail_mask(std::min(n, t.pos0 + r / p.group - j0 + 1)), r, b);
-    if (pass != Pass::kStats) {
+    if (pass == Pass::kScores) {
+      std::fill_n(b.s.data(), r0 * kLanes, -INFINITY);  // rows that see no key of this chunk
+      std::copy_n(b.s.data(), rows * kLanes, b.saved.data() + saved);
+    } else {
+      if constexpr (kDotPv<CT, kD>) {
+        if (pass == Pass::kFp8Probs) {
+          v_pairs_bf16<kD>(vc + base, p.tok_stride, n, b.kb.data());
+          chunk_pv_dp<kD>(b, r0, rows, n);
+          j0 += n;
+          continue;
+        }
+      }
       rows_to_fp32(vc + base, p.tok_stride, n, dim, d, b.kv.data());
       chunk_pv<kD>(b, r0, rows, n, d);
     }
     j0 += n;
   }
+  b.chunks = chunk;
+}
+
+// Full FP8 between its two passes: per row m = max of the saved scores, the saved scores become
+// e = exp(s - m) (0 where not visible) and l = 1 / sum(e). Lane-wise maxima and sums leave one
+// reduction per row for the whole tile instead of two per 16-key chunk.
+void fp8_softmax(int rows, Buffers& b) {
+  for (int r = 0; r < rows; ++r) b.m[r] = _mm512_reduce_max_ps(_mm512_loadu_ps(b.lane_max.data() + r * kLanes));
+  std::vector<__m512> sums(rows, _mm512_setzero_ps());
+  for (int c = 0; c < b.chunks; ++c)
+    for (int r = 0; r < rows; ++r) {
+      float* s = b.saved.data() + (int64_t(c) * rows + r) * kLanes;
+      const __m512 x = _mm512_loadu_ps(s);
+      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, splat(-INFINITY), _CMP_NEQ_UQ),
+                                           exp512(_mm512_sub_ps(x, splat(b.m[r]))));
+      _mm512_storeu_ps(s, e);
+      sums[r] = _mm512_add_ps(sums[r], e);
+    }
+  for (int r = 0; r < rows; ++r) b.l[r] = 1.f / _mm512_reduce_add_ps(sums[r]);
 }
 
 template <typename F>
@@ -512,14 +630,17 @@ void run_work(const Problem& p, const Tile& t, const Work& w, float* scratch, Bu
   std::fill_n(b.l.begin(), rows, 0.f);
   std::fill_n(b.acc.begin(), rows * p.padded, 0.f);
   if (p.full_fp8()) {
-    // Quantising P needs the final max and sum, hence a statistics pass first (full-FP8 tiles are
-    // never split, so both passes see every key).
+    // Quantising P needs the final max and sum, hence a scores pass first (full-FP8 tiles are never
+    // split, so both passes see every key).
     // A chunk ends after 16 keys, at a block boundary or at the last key.
     const size_t keys = w.key_end - w.key_begin, chunks = keys / kLanes + keys / p.block_size + 2;
     if (b.saved.size() < chunks * rows * kLanes) b.saved.resize(chunks * rows * kLanes);
-    attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kStats, b);
-    for (int r = 0; r < rows; ++r) b.l[r] = 1.f / b.l[r];
+    if (b.lane_max.size() < size_t(rows) * kLanes) b.lane_max.resize(size_t(rows) * kLanes);
+    std::fill_n(b.lane_max.begin(), rows * kLanes, -INFINITY);
+    attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kScores, b);
+    fp8_softmax(rows, b);
     attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kFp8Probs, b);
+    if constexpr (kDotPv<CT, kD>) unpermute_pv<kD>(b, rows);
     std::fill_n(b.alpha.begin(), rows, p.out_scale);
     store_output(p, t, b.acc.data(), b.alpha.data());
     return;
