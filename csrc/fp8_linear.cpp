@@ -65,8 +65,9 @@ void for_chunks16(int64_t n, F&& f) {
   if (c < n) f(c, tail_mask16(n - c));
 }
 
-// c10's float -> float8_e4m3fn conversion for 16 lanes (round to nearest even; >= 480 and NaN -> 0x7F).
-__m128i e4m3_from_f32x16(__m512 v) {
+// c10's float -> float8_e4m3fn conversion for 16 lanes (round to nearest even; >= 480 and NaN -> 0x7F),
+// one code per 32-bit lane (the upper 24 bits zero).
+__m512i e4m3_dwords_from_f32x16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(int(0x80000000u)));
   const __m512i a = _mm512_xor_si512(bits, sign);
@@ -80,7 +81,7 @@ __m128i e4m3_from_f32x16(__m512 v) {
       _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(int(0xC407FFFFu))), odd), 20);
   __m512i r = _mm512_mask_blend_epi32(small, rn, rs);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7F));
-  return _mm512_cvtepi32_epi8(_mm512_or_si512(r, _mm512_srli_epi32(sign, 24)));
+  return _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
 }
 
 // v / scale rounded correctly, as a division would, at the cost of a multiply and two FMAs (a
@@ -93,12 +94,13 @@ __m512 divide(__m512 v, __m512 scale, __m512 recip) {
   return _mm512_mask_mov_ps(corrected, _mm512_fpclass_ps_mask(q, 0x1E), q);  // +-0 and +-inf kept as they are
 }
 
-// E4M3 bytes of clamp(v / scale), with the quotient rounded as the reference's division rounds it.
-__m128i quantize_f32x16(__m512 v, __m512 scale, __m512 recip) {
+// E4M3 codes (one per 32-bit lane) of clamp(v / scale), with the quotient rounded as the reference's
+// division rounds it.
+__m512i quantize_f32x16(__m512 v, __m512 scale, __m512 recip) {
   const __m512 q = divide(v, scale, recip);
   // max(lo, q) / min(hi, .) return q when q is NaN, so NaN survives like torch.clamp.
   const __m512 c = _mm512_min_ps(_mm512_set1_ps(kFp8Max), _mm512_max_ps(_mm512_set1_ps(-kFp8Max), q));
-  return e4m3_from_f32x16(c);
+  return e4m3_dwords_from_f32x16(c);
 }
 
 // |v| bit patterns order like the values and a NaN's exceed them all, so an integer max is an amax
@@ -114,15 +116,54 @@ float amax_rows(const T* p, int64_t ld, int64_t rows, int64_t cols) {
   return f32_from_bits(_mm512_reduce_max_epu32(mx));
 }
 
+// Calls f(offset, mask) over 32-lane chunks of [0, n); whole chunks get a constant all-ones mask (a
+// plain load or store: the masked forms are slow on Zen 5).
+template <typename F>
+void for_chunks32(int64_t n, F&& f) {
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) f(c, ~__mmask32(0));
+  if (c < n) f(c, tail_mask32(n - c));
+}
+
+// bf16 rows: the same ordering holds for the 16-bit patterns, so one integer max covers 32 values.
+float amax_rows(const at::BFloat16* p, int64_t ld, int64_t rows, int64_t cols) {
+  __m512i mx = _mm512_setzero_si512();
+  for (int64_t r = 0; r < rows; ++r)
+    for_chunks32(cols, [&](int64_t c, __mmask32 m) {
+      const __m512i v = _mm512_maskz_loadu_epi16(m, p + r * ld + c);
+      mx = _mm512_max_epu16(mx, _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF)));
+    });
+  mx = _mm512_max_epu32(_mm512_srli_epi32(mx, 16), _mm512_and_si512(mx, _mm512_set1_epi32(0xFFFF)));
+  return f32_from_bits(_mm512_reduce_max_epu32(mx) << 16);
+}
+
 template <typename T>
 void quantize_span(const T* src, uint8_t* dst, int64_t n, float scale) {
   const __m512 s = _mm512_set1_ps(scale), recip = _mm512_set1_ps(1.f / scale);
   for_chunks16(n, [&](int64_t c, __mmask16 m) {
-    const __m128i q = quantize_f32x16(load_f32(src + c, m), s, recip);
+    const __m128i q = _mm512_cvtepi32_epi8(quantize_f32x16(load_f32(src + c, m), s, recip));
     if (m == 0xFFFF) {  // masked stores are slow on Zen 5
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c), q);
     } else {
       _mm_mask_storeu_epi8(dst + c, m, q);
+    }
+  });
+}
+
+// bf16: 32 values per load, split into the fp32 of the even elements (shifted up) and of the odd ones
+// (masked), whose codes recombine into 16-bit pairs in one narrowing.
+void quantize_span(const at::BFloat16* src, uint8_t* dst, int64_t n, float scale) {
+  const __m512 s = _mm512_set1_ps(scale), recip = _mm512_set1_ps(1.f / scale);
+  for_chunks32(n, [&](int64_t c, __mmask32 m) {
+    const __m512i v = _mm512_maskz_loadu_epi16(m, src + c);
+    const __m512i even = quantize_f32x16(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), s, recip);
+    const __m512i odd = quantize_f32x16(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u)))),
+                                        s, recip);
+    const __m256i q = _mm512_cvtepi32_epi16(_mm512_or_si512(even, _mm512_slli_epi32(odd, 8)));
+    if (m == ~__mmask32(0)) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), q);
+    } else {
+      _mm256_mask_storeu_epi8(dst + c, m, q);
     }
   });
 }

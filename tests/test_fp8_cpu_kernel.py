@@ -58,6 +58,21 @@ def test_weight_quantization_rounding_edges(ops):
     w = values.reshape(128, 128).repeat(1, 3)
     w[0, ::128] = 448.0
     _assert_same_quant(_quantize_with_kernel(ops, w, None), quant.quantize_weight_blockwise(w))
+    wb = w.bfloat16()  # bf16 has its own load and amax path; E4M3 values and midpoints are exact in it
+    _assert_same_quant(_quantize_with_kernel(ops, wb, None), quant.quantize_weight_blockwise(wb))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_quantization_non_finite_blocks(ops, dtype):
+    # A NaN makes its block's scale NaN and every code of the block NaN (0x7F); an Inf makes the scale
+    # Inf, the finite values of its block 0 and the Inf itself NaN, exactly as in the reference.
+    w = torch.randn(256, 300).to(dtype)
+    w[5, 7] = float("nan")
+    w[130, 260] = float("inf")
+    w[200, 131] = -float("inf")
+    q, s = _quantize_with_kernel(ops, w, None)
+    _assert_same_quant((q, s), quant.quantize_weight_blockwise(w))
+    assert s[0, 0].isnan() and s[1, 2].isinf() and s[1, 1].isinf() and s[0, 1].isfinite()
 
 
 def test_weight_quantization_strided_source(ops):
