@@ -13,6 +13,7 @@
 #include <array>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "e4m3.h"
 #include "linear_common.h"
@@ -221,8 +222,49 @@ void quantize_span(const T* src, uint8_t* dst, int64_t n, float scale) {
 // max(a, b) that keeps a NaN from either side, as an amax must.
 float nan_max(float a, float b) { return std::isnan(a) || a >= b ? a : b; }
 
+// amax[b] over rows x 128 columns of block b, row by row.
 template <typename T>
-void quantize_weight_impl(const at::Tensor& w, uint8_t* q, float* scales, bool ue8m0) {
+void panel_amax(const T* p, int64_t ld, int64_t rows, int64_t k, float* amax) {
+  const int64_t nbk = cdiv(k, kBlock);
+  std::fill_n(amax, nbk, 0.f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nbk; ++b)
+      amax[b] = nan_max(amax[b], amax_rows(p + r * ld + b * kBlock, ld, 1, std::min(kBlock, k - b * kBlock)));
+}
+
+#ifdef FP8E_AVX512
+// bf16: one integer max per 32 values into a vector per block, reduced once per panel.
+void panel_amax(const at::BFloat16* p, int64_t ld, int64_t rows, int64_t k, float* amax) {
+  const int64_t nbk = cdiv(k, kBlock);
+  std::vector<__m512i> acc(nbk, _mm512_setzero_si512());
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+  for (int64_t r = 0; r < rows; ++r)
+    for_chunks32(k, [&](int64_t c, __mmask32 m) {
+      __m512i& a = acc[c / kBlock];
+      a = _mm512_max_epu16(a, _mm512_and_si512(_mm512_maskz_loadu_epi16(m, p + r * ld + c), magnitude));
+    });
+  for (int64_t b = 0; b < nbk; ++b) {
+    const __m512i a = _mm512_max_epu32(_mm512_srli_epi32(acc[b], 16), _mm512_and_si512(acc[b], _mm512_set1_epi32(0xFFFF)));
+    amax[b] = f32_from_bits(_mm512_reduce_max_epu32(a) << 16);
+  }
+}
+#endif
+
+// Codes of rows x k values into q (rows k apart) with the panel's block scales s.
+template <typename T>
+void quantize_panel(const T* p, int64_t ld, int64_t rows, int64_t k, const float* s, uint8_t* q) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < cdiv(k, kBlock); ++b)
+      quantize_span(p + r * ld + b * kBlock, q + r * k + b * kBlock, std::min(kBlock, k - b * kBlock), s[b]);
+}
+
+// Which halves of the work a call does: the block scales, the codes, or both. Weight updates compute
+// the scales while validating (staging: a NaN or Inf shows up as a non-finite scale) and quantize with
+// them at commit, so the weights are read once per phase.
+enum class QuantWork { kScales, kCodes, kBoth };
+
+template <typename T>
+void quantize_weight_impl(const at::Tensor& w, uint8_t* q, float* scales, bool ue8m0, QuantWork work) {
   const int64_t n = w.size(0), k = w.size(1), ld = w.stride(0);
   const int64_t nbk = cdiv(k, kBlock), panels = cdiv(n, kBlock);
   const T* base = w.data_ptr<T>();
@@ -230,39 +272,48 @@ void quantize_weight_impl(const at::Tensor& w, uint8_t* q, float* scales, bool u
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t r0 = panel * kBlock, rows = std::min(kBlock, n - r0);
       float* s = scales + panel * nbk;
-      std::fill_n(s, nbk, 0.f);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t b = 0; b < nbk; ++b)
-          s[b] = nan_max(s[b], amax_rows(base + (r0 + r) * ld + b * kBlock, ld, 1, std::min(kBlock, k - b * kBlock)));
-      for (int64_t b = 0; b < nbk; ++b) s[b] = block_scale(s[b], ue8m0);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t b = 0; b < nbk; ++b)
-          quantize_span(base + (r0 + r) * ld + b * kBlock, q + (r0 + r) * k + b * kBlock,
-                        std::min(kBlock, k - b * kBlock), s[b]);
+      if (work != QuantWork::kCodes) {
+        panel_amax(base + r0 * ld, ld, rows, k, s);
+        for (int64_t b = 0; b < nbk; ++b) s[b] = block_scale(s[b], ue8m0);
+      }
+      if (work != QuantWork::kScales) quantize_panel(base + r0 * ld, ld, rows, k, s, q + r0 * k);
     }
   });
 }
 
-void fp8_quantize_weight_(const at::Tensor& w, const at::Tensor& out_q, const at::Tensor& out_scale,
-                          bool ue8m0) {
+void quantize_weight(const at::Tensor& w, const at::Tensor* out_q, const at::Tensor& out_scale, bool ue8m0,
+                     QuantWork work) {
   TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "fp8_quantize_weight_: w must be 2-D with unit inner stride");
   const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(out_q.scalar_type() == at::kFloat8_e4m3fn && out_q.is_contiguous() &&
-                  out_q.sizes() == w.sizes(),
-              "fp8_quantize_weight_: out_q must be a contiguous float8_e4m3fn tensor shaped like w");
+  if (out_q != nullptr)
+    TORCH_CHECK(out_q->scalar_type() == at::kFloat8_e4m3fn && out_q->is_contiguous() && out_q->sizes() == w.sizes() &&
+                    out_q->device().is_cpu(),
+                "fp8_quantize_weight_: out_q must be a contiguous CPU float8_e4m3fn tensor shaped like w");
   TORCH_CHECK(out_scale.scalar_type() == at::kFloat && out_scale.is_contiguous() &&
                   out_scale.numel() == cdiv(n, kBlock) * cdiv(k, kBlock),
               "fp8_quantize_weight_: out_scale must be contiguous float32 [ceil(N/128), ceil(K/128)]");
-  TORCH_CHECK(w.device().is_cpu() && out_q.device().is_cpu() && out_scale.device().is_cpu(),
-              "fp8_quantize_weight_: CPU tensors only");
-  auto* q = static_cast<uint8_t*>(out_q.data_ptr());
+  TORCH_CHECK(w.device().is_cpu() && out_scale.device().is_cpu(), "fp8_quantize_weight_: CPU tensors only");
+  auto* q = out_q != nullptr ? static_cast<uint8_t*>(out_q->data_ptr()) : nullptr;
   float* scales = out_scale.data_ptr<float>();
   switch (w.scalar_type()) {
-    case at::kFloat: return quantize_weight_impl<float>(w, q, scales, ue8m0);
-    case at::kBFloat16: return quantize_weight_impl<at::BFloat16>(w, q, scales, ue8m0);
-    case at::kHalf: return quantize_weight_impl<at::Half>(w, q, scales, ue8m0);
+    case at::kFloat: return quantize_weight_impl<float>(w, q, scales, ue8m0, work);
+    case at::kBFloat16: return quantize_weight_impl<at::BFloat16>(w, q, scales, ue8m0, work);
+    case at::kHalf: return quantize_weight_impl<at::Half>(w, q, scales, ue8m0, work);
     default: TORCH_CHECK(false, "fp8_quantize_weight_: unsupported weight dtype ", w.scalar_type());
   }
+}
+
+// scales_given: out_scale already holds this weight's block scales (from fp8_block_scales_).
+void fp8_quantize_weight_(const at::Tensor& w, const at::Tensor& out_q, const at::Tensor& out_scale, bool ue8m0,
+                          bool scales_given) {
+  quantize_weight(w, &out_q, out_scale, ue8m0, scales_given ? QuantWork::kCodes : QuantWork::kBoth);
+}
+
+// Returns whether every scale is finite, i.e. w holds no NaN or Inf.
+bool fp8_block_scales_(const at::Tensor& w, const at::Tensor& out_scale, bool ue8m0) {
+  quantize_weight(w, nullptr, out_scale, ue8m0, QuantWork::kScales);
+  const float* s = out_scale.data_ptr<float>();
+  return std::all_of(s, s + out_scale.numel(), [](float v) { return std::isfinite(v); });
 }
 
 struct Problem {
@@ -666,8 +717,12 @@ TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.def(
       "fp8_block_linear(Tensor x, Tensor w_q, Tensor w_scale_inv, Tensor? bias, bool ue8m0, Tensor? scale_rows=None) "
       "-> Tensor");
-  m.def("fp8_quantize_weight_(Tensor w, Tensor(a!) out_q, Tensor(b!) out_scale, bool ue8m0) -> ()");
+  m.def(
+      "fp8_quantize_weight_(Tensor w, Tensor(a!) out_q, Tensor(b!) out_scale, bool ue8m0, bool scales_given=False) "
+      "-> ()");
+  m.def("fp8_block_scales_(Tensor w, Tensor(a!) out_scale, bool ue8m0) -> bool");
   m.def("fp8_cpu_backend() -> str", TORCH_FN(fp8_cpu_backend));
   m.impl("fp8_block_linear", c10::DispatchKey::CPU, TORCH_FN(fp8_block_linear));
   m.impl("fp8_quantize_weight_", c10::DispatchKey::CPU, TORCH_FN(fp8_quantize_weight_));
+  m.impl("fp8_block_scales_", c10::DispatchKey::CPU, TORCH_FN(fp8_block_scales_));
 }

@@ -338,7 +338,7 @@ class LLMEngine:
             raise ValueError(f"in_flight must be 'wait' or 'abort', got {in_flight!r}")
         new_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         start = time.perf_counter()
-        staged = updater.stage(self.runner.model, weights, self.kv_scales)
+        staged = updater.stage(self.runner.model, weights, self.kv_scales, self.runner.block_scales)
         scales = self.kv_scales.check_external(kv_scales)
         num_aborted = self._drain(in_flight)
         num_quantized = updater.commit(staged, self.runner.quantize_into)
@@ -353,7 +353,7 @@ class LLMEngine:
 
     def check_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Validate weights exactly as update_weights would (names, shapes, dtypes, values); writes nothing."""
-        updater.stage(self.runner.model, weights, self.kv_scales)
+        updater.stage(self.runner.model, weights, self.kv_scales, self.runner.block_scales)
 
     def _drain(self, in_flight: str) -> int:
         if in_flight == "abort":

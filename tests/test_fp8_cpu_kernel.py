@@ -62,6 +62,23 @@ def test_weight_quantization_rounding_edges(ops):
     _assert_same_quant(_quantize_with_kernel(ops, wb, None), quant.quantize_weight_blockwise(wb))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_block_scales_then_codes_equal_one_pass(ops, dtype, scale_fmt):
+    # Weight updates compute the scales while validating and quantize with them at commit.
+    torch.manual_seed(3)
+    w = (torch.randn(300, 700) * torch.logspace(-3, 1, 700)).to(dtype)
+    expected = quant.quantize_weight_blockwise(w, scale_fmt=scale_fmt)
+    scales, finite = fp8_linear_cpu.block_scales_cpu(w, scale_fmt)
+    assert finite and torch.equal(scales.view(torch.int32), expected[1].view(torch.int32))
+    out_q, out_s = torch.empty(300, 700, dtype=E4M3), torch.full((3, 6), -1.0)
+    fp8_linear_cpu.quantize_weight_into_cpu(w, out_q, out_s, scale_fmt=scale_fmt, scales=scales)
+    _assert_same_quant((out_q, out_s), expected)
+    w[299, 699] = float("nan")
+    assert fp8_linear_cpu.block_scales_cpu(w, scale_fmt)[1] is False
+    assert fp8_linear_cpu.block_scales_cpu(w.t(), scale_fmt) is None  # not unit-stride rows: caller validates
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_weight_quantization_non_finite_blocks(ops, dtype):
     # A NaN makes its block's scale NaN and every code of the block NaN (0x7F); an Inf makes the scale

@@ -44,6 +44,15 @@ def quantize_into(config: EngineConfig):
     return quant.quantize_weight_into
 
 
+def block_scales(config: EngineConfig):
+    """(w, scale_fmt) -> (w's FP8 block scales, all finite) or None, for the quantizer that
+    quantize_into(config) returns when it accepts them back (`scales=`); None when it does not."""
+    if config.device == "cpu" and config.quantization == "fp8":
+        from fp8engine.model_executor.kernels import fp8_linear_cpu
+        return fp8_linear_cpu.block_scales_cpu
+    return None
+
+
 def attention(config: EngineConfig) -> SimpleNamespace:
     """An object with write_kv_cache(...) and paged_attention(...) and a `name`."""
     if config.device == "cuda":

@@ -35,11 +35,12 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
         self.linear_backend, fp8_fn = backends.fp8_linear(config)
         self.quantize_into = backends.quantize_into(config)
+        self.block_scales = backends.block_scales(config)
         self.attention = backends.attention(config)
         make_linear = LinearFactory(self.dtype, fp8_fn, config.fp8_scale_fmt)
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
-        load_checkpoint(self.model, model_dir, self.quantize_into)
+        load_checkpoint(self.model, model_dir, self.quantize_into, self.block_scales)
         self.model.eval()
         self.attn_layers = self.model.attention_layers()
         for layer in self.attn_layers:

@@ -9,6 +9,7 @@ import glob
 import math
 import os
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v|q)_scale$")
 QuantizeInto = Callable[..., None]
+BlockScales = Callable[[torch.Tensor, str | None], tuple[torch.Tensor, bool] | None]  # (scales, all finite)
 
 
 @dataclass(slots=True)
@@ -60,8 +62,21 @@ def is_kv_scale(name: str) -> bool:
     return KV_SCALE_NAME.match(name) is not None
 
 
+# Targets per model and name: parameters are never re-allocated, so a target's views stay valid, and
+# finding one walks the module tree (a few microseconds per tensor, every weight update).
+_TARGETS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Target]]" = weakref.WeakKeyDictionary()
+
+
 def resolve(model: torch.nn.Module, name: str) -> Target:
     """The target of HF tensor `name`; ValueError if the model has no such tensor."""
+    targets = _TARGETS.setdefault(model, {})
+    target = targets.get(name)
+    if target is None:
+        target = targets[name] = _resolve(model, name)
+    return target
+
+
+def _resolve(model: torch.nn.Module, name: str) -> Target:
     if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
         name = "model.embed_tokens.weight"
     module_path, _, attr = name.rpartition(".")
@@ -97,8 +112,11 @@ def _linear_target(name: str, layer: Linear, shard: int, attr: str) -> Target:
                      + ("" if layer.is_fp8 else " (the engine runs it unquantized)"))
 
 
-def check(target: Target, tensor: torch.Tensor) -> None:
-    """Validate a tensor for its target without writing anything."""
+def check(target: Target, tensor: torch.Tensor, block_scales: BlockScales | None = None) -> torch.Tensor | None:
+    """Validate a tensor for its target without writing anything.
+
+    With `block_scales` (the quantizer's scale pass), a float tensor bound for an FP8 weight is checked
+    through its block scales, which are returned for `write` to reuse; otherwise returns None."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"weight {target.name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tuple(tensor.shape) != target.shape:
@@ -111,11 +129,19 @@ def check(target: Target, tensor: torch.Tensor) -> None:
     if tensor.dtype not in allowed:
         raise ValueError(f"weight {target.name!r}: dtype {tensor.dtype} not accepted here "
                          f"(expected one of {[str(d) for d in allowed]})")
+    if block_scales is not None and target.kind == "fp8_weight" and tensor.dtype != FP8_DTYPE:
+        result = block_scales(tensor, target.scale_fmt)
+        if result is not None:
+            scales, finite = result
+            if not finite:
+                raise ValueError(f"weight {target.name!r}: contains NaN or Inf values")
+            return scales
     low, high = _min_max(tensor)
     if not (math.isfinite(low) and math.isfinite(high)):
         raise ValueError(f"weight {target.name!r}: contains NaN or Inf values")
     if target.kind == "fp8_scale" and not low > 0:
         raise ValueError(f"weight {target.name!r}: scales must be positive")
+    return None
 
 
 def _min_max(tensor: torch.Tensor) -> tuple[float, float]:
@@ -134,24 +160,26 @@ def _allowed_dtypes(target: Target) -> tuple[torch.dtype, ...]:
     return FLOAT_DTYPES
 
 
-def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = quantize_weight_into) -> bool:
-    """Write into the target's storage in place; True when the tensor was quantized."""
+def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = quantize_weight_into,
+          scales: torch.Tensor | None = None) -> bool:
+    """Write into the target's storage in place; True when the tensor was quantized. scales: what
+    `check` returned (block scales computed while validating), passed on to the quantizer."""
     tensor = tensor.to(target.view.device)
     if target.kind == "fp8_weight" and tensor.dtype != FP8_DTYPE:
-        quantize_into(tensor, target.view, target.scale_view, scale_fmt=target.scale_fmt)
+        extra = {} if scales is None else {"scales": scales}
+        quantize_into(tensor, target.view, target.scale_view, scale_fmt=target.scale_fmt, **extra)
         return True
     target.view.copy_(tensor)
     return False
 
 
 def load_checkpoint(model: torch.nn.Module, model_dir: str,
-                    quantize_into: QuantizeInto = quantize_weight_into) -> None:
+                    quantize_into: QuantizeInto = quantize_weight_into, block_scales: BlockScales | None = None) -> None:
     """Load every tensor of a Hugging Face directory; each model tensor must be covered."""
     seen = set()
     for name, tensor in iter_safetensors(model_dir, lambda n: not (is_skipped(n) or is_kv_scale(n))):
         target = resolve(model, name)
-        check(target, tensor)
-        write(target, tensor, quantize_into)
+        write(target, tensor, quantize_into, check(target, tensor, block_scales))
         seen.add(target.name if target.kind != "fp8_scale" else name.removesuffix("_scale_inv"))
     missing = [n for n in expected_names(model) if n not in seen and n != "lm_head.weight"]
     if missing:

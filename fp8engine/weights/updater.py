@@ -11,19 +11,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp8engine.weights.loader import Target, check, is_skipped, resolve, write
+from fp8engine.weights.loader import BlockScales, Target, check, is_skipped, resolve, write
 from fp8engine.weights.quant import FP8_DTYPE
 
 
 @dataclass(slots=True)
 class Staged:
-    items: list[tuple[Target, torch.Tensor]] = field(default_factory=list)
+    items: list[tuple[Target, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # + block scales
     num_bytes: int = 0
     kv_scales: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def stage(model: torch.nn.Module, weights, kv_scales) -> Staged:
-    """Validate every (hf_name, tensor) of `weights` against the model; nothing is written."""
+def stage(model: torch.nn.Module, weights, kv_scales, block_scales: BlockScales | None = None) -> Staged:
+    """Validate every (hf_name, tensor) of `weights` against the model; nothing is written.
+
+    block_scales: the quantizer's scale pass; FP8-bound tensors are then validated through their block
+    scales, which the commit reuses instead of computing them again."""
     staged = Staged()
     for entry in _entries(weights):
         name, tensor = _unpack(entry)
@@ -36,15 +39,14 @@ def stage(model: torch.nn.Module, weights, kv_scales) -> Staged:
             staged.kv_scales.setdefault(layer, {})[which] = kv_scales.check_scale_tensor(name, tensor)
         elif not is_skipped(name):
             target = resolve(model, name)
-            check(target, tensor)
-            staged.items.append((target, tensor))
+            staged.items.append((target, tensor, check(target, tensor, block_scales)))
     _check_prequantized_pairs(staged.items)
     return staged
 
 
 def commit(staged: Staged, quantize_into) -> int:
     """Write staged tensors into place; returns how many were quantized."""
-    return sum(write(target, tensor, quantize_into) for target, tensor in staged.items)
+    return sum(write(target, tensor, quantize_into, scales) for target, tensor, scales in staged.items)
 
 
 def _entries(weights) -> Iterable:
@@ -62,9 +64,9 @@ def _unpack(entry) -> tuple[str, torch.Tensor]:
     return entry
 
 
-def _check_prequantized_pairs(items: list[tuple[Target, torch.Tensor]]) -> None:
-    fp8_weights = {t.name for t, x in items if t.kind == "fp8_weight" and x.dtype == FP8_DTYPE}
-    scales = {t.name.removesuffix("_scale_inv") for t, _ in items if t.kind == "fp8_scale"}
+def _check_prequantized_pairs(items: list[tuple[Target, torch.Tensor, torch.Tensor | None]]) -> None:
+    fp8_weights = {t.name for t, x, _ in items if t.kind == "fp8_weight" and x.dtype == FP8_DTYPE}
+    scales = {t.name.removesuffix("_scale_inv") for t, _, _ in items if t.kind == "fp8_scale"}
     for name in sorted(fp8_weights - scales):
         raise ValueError(f"weight {name!r} is pre-quantized (float8_e4m3fn) but "
                          f"{name}_scale_inv is missing from the update")

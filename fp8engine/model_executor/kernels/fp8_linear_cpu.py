@@ -47,9 +47,23 @@ def fp8_block_linear_cpu(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+def block_scales_cpu(w: torch.Tensor, scale_fmt: str | None = None) -> tuple[torch.Tensor, bool] | None:
+    """(the float32 block scales quantize_weight_into_cpu would give w, whether all are finite), computed
+    without writing anything: weight updates validate with them (a NaN or Inf makes its block's scale
+    non-finite) and quantize with them. None when the C++ kernel cannot take w; the caller then
+    validates another way."""
+    ops = kernel_ops()
+    if ops is None or w.dim() != 2 or w.dtype not in _WEIGHT_DTYPES or w.device.type != "cpu" or w.stride(-1) != 1:
+        return None
+    scales = torch.empty(quant.cdiv(w.shape[0], quant.BLOCK), quant.cdiv(w.shape[1], quant.BLOCK))
+    return scales, ops.fp8_block_scales_(w, scales, _ue8m0(scale_fmt))
+
+
 def quantize_weight_into_cpu(w: torch.Tensor, out_q: torch.Tensor, out_scale: torch.Tensor,
-                             scale_fmt: str | None = None) -> None:
-    """Block-quantize w [N, K] into the existing out_q (E4M3 [N, K]) and out_scale (float32 blocks)."""
+                             scale_fmt: str | None = None, scales: torch.Tensor | None = None) -> None:
+    """Block-quantize w [N, K] into the existing out_q (E4M3 [N, K]) and out_scale (float32 blocks).
+
+    scales: w's block scales from block_scales_cpu, when the caller has them (skips that pass)."""
     ops = kernel_ops()
     if ops is None:
         quant.quantize_weight_into(w, out_q, out_scale, scale_fmt=scale_fmt)
@@ -61,11 +75,12 @@ def quantize_weight_into_cpu(w: torch.Tensor, out_q: torch.Tensor, out_scale: to
         w = w.float()
     if w.stride(-1) != 1:
         w = w.contiguous()
-    if out_q.is_contiguous() and out_scale.is_contiguous():
-        ops.fp8_quantize_weight_(w, out_q, out_scale, ue8m0)
-        return
-    q, s = torch.empty_like(out_q, memory_format=torch.contiguous_format), torch.empty_like(
-        out_scale, memory_format=torch.contiguous_format)
-    ops.fp8_quantize_weight_(w, q, s, ue8m0)
-    out_q.copy_(q)
-    out_scale.copy_(s)
+    direct = out_q.is_contiguous() and out_scale.is_contiguous()
+    q = out_q if direct else torch.empty_like(out_q, memory_format=torch.contiguous_format)
+    s = out_scale if direct else torch.empty_like(out_scale, memory_format=torch.contiguous_format)
+    if scales is not None:
+        s.copy_(scales)
+    ops.fp8_quantize_weight_(w, q, s, ue8m0, scales is not None)
+    if not direct:
+        out_q.copy_(q)
+        out_scale.copy_(s)
