@@ -7,8 +7,9 @@
 //
 // Work is split into tiles of (sequence, kv head, up to kTargetRows query rows), where a row is one
 // (query token, query head of the GQA group) pair, so every K/V row is read and converted once per
-// tile. Each tile runs a flash-decoding style online softmax over 16-key chunks; tiles with long
-// contexts in small batches are further split over the keys and merged afterwards (split-KV).
+// tile. Each tile makes two passes over its keys in 16-key chunks: scores (K), then e V (V) once the
+// row maxima and sums are known; tiles with long contexts in small batches are further split over the
+// keys and merged afterwards (split-KV).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -221,15 +222,18 @@ struct Buffers {
         kb(kLanes * padded) {}
   std::vector<float> q, acc, kv, s, m, l, alpha;
   std::vector<uint16_t> qb, kb;  // bf16 queries and (converted FP8) keys for the dot-product scores
-  std::vector<float> saved;      // full FP8: every chunk's scores (-inf where not visible), then exp(s - m)
-  std::vector<float> lane_max;   // full FP8: per row, the lane-wise max of its scores
-  int chunks = 0;                // full FP8: chunks the scores pass saved
+  std::vector<float> saved;      // every chunk's scores (-inf where not visible), then exp(s - m)
+  std::vector<float> lane_max;   // per row, the lane-wise max of its scores
+  int chunks = 0;                // chunks the scores pass saved
 };
 
+// A work item runs two passes over its keys with exp_scores between them: the final max is known
+// before any exponential, so no per-chunk reductions or accumulator rescaling (an online softmax
+// needs two horizontal reductions and a scalar exp per row and 16-key chunk).
 enum class Pass {
-  kOnline,    // running max / sum with rescaled accumulators
-  kScores,    // full FP8, first pass: save the masked scores and their lane-wise max (no reductions)
-  kFp8Probs,  // full FP8, last pass: e = exp(s - m) and 1/sum known, quantise P, accumulate P V
+  kScores,    // save the masked scores and their lane-wise max
+  kProbs,     // accumulate e V with e = exp(s - m) from exp_scores
+  kFp8Probs,  // full FP8: quantise P = e / sum, accumulate P V
 };
 
 // Value of an E4M3 rounding of c in [0, 448] (round to nearest even, subnormal step 2^-9), as
@@ -431,12 +435,7 @@ inline void softmax_step(Pass pass, __mmask16 visible, int r, Buffers& b) {
     _mm512_storeu_ps(mx, _mm512_max_ps(masked, _mm512_loadu_ps(mx)));
     return;
   }
-  const float m_new = std::max(b.m[r], _mm512_mask_reduce_max_ps(visible, x));
-  const __m512 e = _mm512_maskz_mov_ps(visible, exp512(_mm512_sub_ps(x, splat(m_new))));
-  b.alpha[r] = std::exp(b.m[r] - m_new);  // 0 on the first chunk, where m is -inf
-  b.l[r] = b.l[r] * b.alpha[r] + _mm512_reduce_add_ps(e);
-  b.m[r] = m_new;
-  _mm512_storeu_ps(s, e);
+  b.alpha[r] = 1.f;  // kProbs: s already holds e, which needs no rescaling
 }
 
 // acc[r] = acc[r] * alpha[r] + sum_t p[r][t] * v[t] for kRows rows from r, accumulators in registers
@@ -494,9 +493,9 @@ void key_scores(const Problem& p, const CT* kc, int64_t base, int n, int r0, int
   chunk_scores<kD>(b, r0, rows, kD ? kD : p.padded, p.score_scale, b.s.data());
 }
 
-// One pass of tile t over keys [kb, ke), reading the paged cache in place. Full FP8 runs a scores pass
-// and then the probabilities pass over the same chunks; the second reads what fp8_softmax made of the
-// first's scores (b.saved, sized by the caller) instead of reading K again.
+// One pass of tile t over keys [kb, ke), reading the paged cache in place: the scores pass reads K,
+// the probabilities pass V and what exp_scores made of the first's scores (b.saved, sized by the
+// caller).
 template <typename CT, int kD>
 void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers& b) {
   const int d = kD ? kD : p.padded, dim = kD ? kD : p.dim;  // constants let the masks fold away
@@ -518,9 +517,9 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
     }
     // Rows are token-major, so the rows that can see key j0 (and maybe later ones) are a suffix.
     const int r0 = std::max(0, j0 - t.pos0) * p.group;
-    const int64_t saved = int64_t(chunk++) * rows * kLanes;  // this chunk's scores in b.saved (full FP8)
-    if (pass == Pass::kFp8Probs) {
-      std::copy_n(b.saved.data() + saved, rows * kLanes, b.s.data());  // fp8_softmax's exp(s - m)
+    const int64_t saved = int64_t(chunk++) * rows * kLanes;  // this chunk's scores in b.saved
+    if (pass != Pass::kScores) {
+      std::copy_n(b.saved.data() + saved, rows * kLanes, b.s.data());  // exp_scores's exp(s - m)
     } else {
       key_scores<CT, kD>(p, kc, base, n, r0, rows, b);
     }
@@ -545,10 +544,10 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
   b.chunks = chunk;
 }
 
-// Full FP8 between its two passes: per row m = max of the saved scores, the saved scores become
-// e = exp(s - m) (0 where not visible) and l = 1 / sum(e). Lane-wise maxima and sums leave one
-// reduction per row for the whole tile instead of two per 16-key chunk.
-void fp8_softmax(int rows, Buffers& b) {
+// Between the passes: per row m = max of the saved scores, the saved scores become e = exp(s - m) (0
+// where not visible) and l = sum(e). Lane-wise maxima and sums leave one reduction per row for the
+// whole work item. A row that sees no key (of a split-KV partition) keeps m = -inf and l = 0.
+void exp_scores(int rows, Buffers& b) {
   for (int r = 0; r < rows; ++r) b.m[r] = _mm512_reduce_max_ps(_mm512_loadu_ps(b.lane_max.data() + r * kLanes));
   std::vector<__m512> sums(rows, _mm512_setzero_ps());
   for (int c = 0; c < b.chunks; ++c)
@@ -560,7 +559,7 @@ void fp8_softmax(int rows, Buffers& b) {
       _mm512_storeu_ps(s, e);
       sums[r] = _mm512_add_ps(sums[r], e);
     }
-  for (int r = 0; r < rows; ++r) b.l[r] = 1.f / _mm512_reduce_add_ps(sums[r]);
+  for (int r = 0; r < rows; ++r) b.l[r] = _mm512_reduce_add_ps(sums[r]);
 }
 
 template <typename F>
@@ -626,26 +625,24 @@ void run_work(const Problem& p, const Tile& t, const Work& w, float* scratch, Bu
       for (int r = 0; r < rows; ++r)
         pack_query_bf16(b.q.data() + r * kD, kD, !std::is_same_v<CT, at::BFloat16>, b.qb.data() + r * kD);
   }
-  std::fill_n(b.m.begin(), rows, -std::numeric_limits<float>::infinity());
-  std::fill_n(b.l.begin(), rows, 0.f);
   std::fill_n(b.acc.begin(), rows * p.padded, 0.f);
+  // A chunk ends after 16 keys, at a block boundary or at the last key.
+  const size_t keys = w.key_end - w.key_begin, chunks = keys / kLanes + keys / p.block_size + 2;
+  if (b.saved.size() < chunks * rows * kLanes) b.saved.resize(chunks * rows * kLanes);
+  if (b.lane_max.size() < size_t(rows) * kLanes) b.lane_max.resize(size_t(rows) * kLanes);
+  std::fill_n(b.lane_max.begin(), rows * kLanes, -INFINITY);
+  attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kScores, b);
+  exp_scores(rows, b);
   if (p.full_fp8()) {
-    // Quantising P needs the final max and sum, hence a scores pass first (full-FP8 tiles are never
-    // split, so both passes see every key).
-    // A chunk ends after 16 keys, at a block boundary or at the last key.
-    const size_t keys = w.key_end - w.key_begin, chunks = keys / kLanes + keys / p.block_size + 2;
-    if (b.saved.size() < chunks * rows * kLanes) b.saved.resize(chunks * rows * kLanes);
-    if (b.lane_max.size() < size_t(rows) * kLanes) b.lane_max.resize(size_t(rows) * kLanes);
-    std::fill_n(b.lane_max.begin(), rows * kLanes, -INFINITY);
-    attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kScores, b);
-    fp8_softmax(rows, b);
+    // Quantising P needs the final sum too (full-FP8 tiles are never split, so the passes see every key).
+    for (int r = 0; r < rows; ++r) b.l[r] = 1.f / b.l[r];
     attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kFp8Probs, b);
     if constexpr (kDotPv<CT, kD>) unpermute_pv<kD>(b, rows);
     std::fill_n(b.alpha.begin(), rows, p.out_scale);
     store_output(p, t, b.acc.data(), b.alpha.data());
     return;
   }
-  attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kOnline, b);
+  attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kProbs, b);
   if (t.nparts == 1) {
     for (int r = 0; r < rows; ++r) b.alpha[r] = p.out_scale / b.l[r];
     store_output(p, t, b.acc.data(), b.alpha.data());
