@@ -127,14 +127,22 @@ def run_hf(workload: Workload, model: str, dtype: str, progress: bool) -> dict:
 
 
 def run(workload: str, modes: list[str], baseline: str | None = None, model: str = "default",
-        dtype: str = "bfloat16", device: str = "auto", progress: bool = True) -> dict:
+        dtype: str = "bfloat16", device: str = "auto", progress: bool = True, rounds: int = 1) -> dict:
+    """Every mode once per round; rounds alternate the order (first to last, then last to first), and
+    each mode reports its median round, so a slow spell of the machine does not land on one mode."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose from {sorted(WORKLOADS)}")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown modes {unknown}; choose from {list(MODES)}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     spec = WORKLOADS[workload]
-    results = [run_engine(m, spec, model, dtype, device, progress) for m in modes]
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for i in range(rounds):
+        for m in modes if i % 2 == 0 else modes[::-1]:
+            runs[m].append(run_engine(m, spec, model, dtype, device, progress))
+    results = [_median_run(runs[m]) for m in modes]
     if baseline == "hf":
         results.append(run_hf(spec, model, dtype, progress))
     elif baseline is not None:
@@ -142,8 +150,16 @@ def run(workload: str, modes: list[str], baseline: str | None = None, model: str
     first = results[0]["output_tok_s"]
     for r in results:
         r["ratio_vs_first"] = r["output_tok_s"] / first
-    return {"workload": asdict(spec), "model": model, "dtype": dtype, "machine": machine_info(),
+    return {"workload": asdict(spec), "model": model, "dtype": dtype, "rounds": rounds, "machine": machine_info(),
             "results": results}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (the lower middle one for an even count), with every round's."""
+    ordered = sorted(runs, key=lambda r: r["output_tok_s"])
+    median = dict(ordered[(len(ordered) - 1) // 2])
+    median["output_tok_s_rounds"] = [r["output_tok_s"] for r in runs]
+    return median
 
 
 def format_table(report: dict) -> str:
@@ -157,6 +173,12 @@ def format_table(report: dict) -> str:
     w = report["workload"]
     head = (f"workload {w['name']}: {w['num_prompts']} prompts x n={w['n']} x {w['max_tokens']} tokens, "
             f"{report['dtype']}, torch {report['machine']['torch']}, {report['machine']['processor']}")
+    rounds = report.get("rounds", 1)
+    if rounds > 1:
+        head += f"; median of {rounds} rounds in alternating order"
+        per_round = [f"{r['mode']} " + "/".join(f"{x:.0f}" for x in r["output_tok_s_rounds"])
+                     for r in report["results"] if "output_tok_s_rounds" in r]
+        head += "\ntok/s per round: " + ", ".join(per_round)
     return "\n".join([head, line([c for c, _ in cols])] + [line(r) for r in rows])
 
 

@@ -78,7 +78,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         from fp8engine.benchmarks import throughput
         report = throughput.run(args.workload, modes, args.baseline, args.model, args.dtype, args.device,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, rounds=args.rounds)
         print(throughput.format_table(report))
         if args.plot:
             from fp8engine.benchmarks.plot import plot_report
@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="auto")
     bench.add_argument("--json", default=None)
     bench.add_argument("--plot", default=None)
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="run every mode this many times in alternating order and report the median")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--concurrency", type=int, default=64, help="serve: concurrent streaming clients")
     bench.add_argument("--num-requests", type=int, default=200, help="serve: requests in all")
