@@ -220,7 +220,16 @@ class LLMEngine:
         return None
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        # A stop string that completes with this token lies within its last few tokens (a character
+        # spans at most 4 byte-level tokens): decoding only those keeps the check O(1) per token
+        # instead of O(length), and the whole text is decoded once, on a hit, to cut it.
+        ids = seq.output_token_ids
+        window = 8 + 4 * max(len(s) for s in seq.params.stop)
+        if len(ids) > window:
+            tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=True)
+            if not any(s in tail for s in seq.params.stop):
+                return False
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
         hits = [(text.find(s), s) for s in seq.params.stop if s in text]
         if not hits:
             return False

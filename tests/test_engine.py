@@ -88,6 +88,21 @@ def test_stop_conditions(engine_fp32):
     assert out.token_ids == tokens[:7] and out.finish_reason == "length"
 
 
+def test_stop_string_late_in_a_long_output(engine_fp32):
+    # The stop check decodes only the last tokens; a stop string completing far into the output must
+    # cut the text exactly where a check of the whole text does.
+    prompt = "Write a long story about a lighthouse keeper."
+    base = engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))[0].outputs[0]
+    words = base.text.split()
+    late = next(w for w in reversed(words[len(words) // 2:]) if len(w) > 4 and base.text.index(w) > len(base.text) // 2)
+    out = engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=120, stop=[late],
+                                                        ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == late
+    assert out.text == base.text[:base.text.index(late)]
+    assert out.token_ids == base.token_ids[:len(out.token_ids)]
+    assert len(out.token_ids) > 8 + 4 * len(late)  # past the window the check decodes
+
+
 def test_eos_and_min_tokens(engine_fp32):
     chat = CHATS[0]
     out = engine_fp32.generate([chat], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
