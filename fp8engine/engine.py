@@ -9,6 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from fp8engine.config import EngineConfig
+from fp8engine.detokenizer import Detokenizer
 from fp8engine.kvcache.block_manager import BlockManager
 from fp8engine.kvcache.kv_scales import KVScaleManager
 from fp8engine.model_executor.layers.sampler import SampleRow, sample
@@ -38,6 +39,7 @@ class LLMEngine:
         self.config = config
         self.model_dir = default_model_path() if config.model == "default" else config.model
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.runner = ModelRunner(config, self.model_dir)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
@@ -271,7 +273,7 @@ class LLMEngine:
         wants = seq.params.logprobs is not None
         text = seq.text
         if seq.params.detokenize and not (seq.is_finished and seq.stop_reason in seq.params.stop):
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            text = self.detokenizer.text(seq.detok, seq.output_token_ids)
         return CompletionOutput(
             index=seq.index, token_ids=list(seq.output_token_ids), text=text,
             logprobs=list(seq.logprobs) if wants else None,

@@ -5,6 +5,7 @@ from enum import Enum, auto
 
 import torch
 
+from fp8engine.detokenizer import DetokState
 from fp8engine.kvcache.hashing import chain_hash
 from fp8engine.sampling_params import SamplingParams
 
@@ -59,6 +60,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text = ""
+        self.detok = DetokState()
 
     @property
     def params(self) -> SamplingParams:
