@@ -2,12 +2,15 @@
 
 Measured on this CPU (the same kernels give the same figures every run):
     mode         k3/token   identical greedy   greedy tokens before divergence
-    fp8-linear   0.039      1/16               44%
-    fp8-kv       0.016      4/16               64%
-    full-fp8     0.058      1/16               29%
-A 135M model is a hard case: W8A8 E4M3 costs 2-5% relative error per GEMM (measured per layer),
-and 30 layers compound it. The bounds are ~1.6x the measured k3 and ~0.6x the measured agreement,
-and a lower k3 bound proves the mode really changes the numerics.
+    fp8-linear   0.053      3/16               43%
+    fp8-kv       0.015      4/16               59%
+    full-fp8     0.080      0/16               29%
+The k3 figure depends on which BF16 samples are drawn: over 12 sample seeds fp8-linear ranged from
+0.028 to 0.065 (mean 0.044), and a change of attention kernel that moved seed 0 from 0.039 to 0.053
+left the 12-seed mean where it was (0.0435 vs 0.0441). A 135M model is a hard case: W8A8 E4M3 costs
+2-5% relative error per GEMM (measured per layer), and 30 layers compound it. The bounds are ~1.6x
+the measured k3 and ~0.6x the measured agreement, and a lower k3 bound proves the mode really
+changes the numerics.
 """
 
 import pytest
@@ -17,9 +20,9 @@ from tests.mismatch import greedy_agreement, k3_against, reference
 from tests.prompts import PROMPTS
 
 MODES = {
-    "fp8-linear": (dict(quantization="fp8"), 0.06, 0.20),
+    "fp8-linear": (dict(quantization="fp8"), 0.085, 0.25),
     "fp8-kv": (dict(kv_cache_dtype="fp8_e4m3"), 0.025, 0.35),
-    "full-fp8": (dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", fp8_attention=True), 0.10, 0.20),
+    "full-fp8": (dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", fp8_attention=True), 0.13, 0.18),
 }
 
 
