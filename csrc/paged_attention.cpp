@@ -217,10 +217,10 @@ struct Buffers {
         s(rows * kLanes),
         m(rows),
         l(rows),
-        alpha(rows),
+        out_mul(rows),
         qb(rows * padded),
         kb(kLanes * padded) {}
-  std::vector<float> q, acc, kv, s, m, l, alpha;
+  std::vector<float> q, acc, kv, s, m, l, out_mul;  // out_mul: what store_output multiplies acc by
   std::vector<uint16_t> qb, kb;  // bf16 queries and (converted FP8) keys for the dot-product scores
   std::vector<float> saved;      // every chunk's scores (-inf where not visible), then exp(s - m)
   std::vector<float> lane_max;   // per row, the lane-wise max of its scores
@@ -416,7 +416,8 @@ inline void unpermute_pv(Buffers& b, int rows) {
 }
 #endif
 
-// Turns row r's scores into (unnormalised or quantised) probabilities in place.
+// Row r's chunk scores in place: the scores pass masks keys the row does not see (-inf) and keeps the
+// lane-wise max; full FP8 turns e = exp(s - m) into quantised probabilities (kProbs uses e as it is).
 inline void softmax_step(Pass pass, __mmask16 visible, int r, Buffers& b) {
   float* s = b.s.data() + r * kLanes;
   const __m512 x = _mm512_loadu_ps(s);
@@ -425,28 +426,23 @@ inline void softmax_step(Pass pass, __mmask16 visible, int r, Buffers& b) {
     // does not see hold e = 0.
     const __m512 p = _mm512_mul_ps(_mm512_mul_ps(x, splat(b.l[r])), splat(kFp8Max));
     _mm512_storeu_ps(s, e4m3_round_nonneg(p));
-    b.alpha[r] = 1.f;
-    return;
-  }
-  if (pass == Pass::kScores) {
+  } else if (pass == Pass::kScores) {
     const __m512 masked = _mm512_mask_mov_ps(splat(-INFINITY), visible, x);
     _mm512_storeu_ps(s, masked);
     float* mx = b.lane_max.data() + r * kLanes;
     _mm512_storeu_ps(mx, _mm512_max_ps(masked, _mm512_loadu_ps(mx)));
-    return;
   }
-  b.alpha[r] = 1.f;  // kProbs: s already holds e, which needs no rescaling
 }
 
-// acc[r] = acc[r] * alpha[r] + sum_t p[r][t] * v[t] for kRows rows from r, accumulators in registers
-// so that each V vector is loaded once per kRows rows.
+// acc[r] += sum_t p[r][t] * v[t] for kRows rows from r, accumulators in registers so that each V
+// vector is loaded once per kRows rows.
 template <int kD, int kRows>
 inline void pv_rows(Buffers& b, int r, int n) {
   constexpr int kVecs = kD / kLanes;
   __m512 acc[kRows][kVecs];
   for (int i = 0; i < kRows; ++i)
     for (int c = 0; c < kVecs; ++c)
-      acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(b.acc.data() + (r + i) * kD + c * kLanes), splat(b.alpha[r + i]));
+      acc[i][c] = _mm512_loadu_ps(b.acc.data() + (r + i) * kD + c * kLanes);
   for (int t = 0; t < n; ++t)
     for (int c = 0; c < kVecs; ++c) {
       const __m512 v = _mm512_loadu_ps(b.kv.data() + t * kD + c * kLanes);
@@ -472,7 +468,7 @@ inline void chunk_pv(Buffers& b, int r0, int rows, int n, int padded) {
       const float* p = b.s.data() + r * kLanes;
       float* acc = b.acc.data() + r * padded;
       for (int c = 0; c < padded; c += kLanes) {
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), splat(b.alpha[r]));
+        __m512 a = _mm512_loadu_ps(acc + c);
         for (int t = 0; t < n; ++t) a = _mm512_fmadd_ps(splat(p[t]), _mm512_loadu_ps(b.kv.data() + t * padded + c), a);
         _mm512_storeu_ps(acc + c, a);
       }
@@ -523,7 +519,8 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
     } else {
       key_scores<CT, kD>(p, kc, base, n, r0, rows, b);
     }
-    for (int r = r0; r < rows; ++r) softmax_step(pass, tail_mask(std::min(n, t.pos0 + r / p.group - j0 + 1)), r, b);
+    if (pass != Pass::kProbs)
+      for (int r = r0; r < rows; ++r) softmax_step(pass, tail_mask(std::min(n, t.pos0 + r / p.group - j0 + 1)), r, b);
     if (pass == Pass::kScores) {
       std::fill_n(b.s.data(), r0 * kLanes, -INFINITY);  // rows that see no key of this chunk
       std::copy_n(b.s.data(), rows * kLanes, b.saved.data() + saved);
@@ -638,14 +635,14 @@ void run_work(const Problem& p, const Tile& t, const Work& w, float* scratch, Bu
     for (int r = 0; r < rows; ++r) b.l[r] = 1.f / b.l[r];
     attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kFp8Probs, b);
     if constexpr (kDotPv<CT, kD>) unpermute_pv<kD>(b, rows);
-    std::fill_n(b.alpha.begin(), rows, p.out_scale);
-    store_output(p, t, b.acc.data(), b.alpha.data());
+    std::fill_n(b.out_mul.begin(), rows, p.out_scale);
+    store_output(p, t, b.acc.data(), b.out_mul.data());
     return;
   }
   attend<CT, kD>(p, t, w.key_begin, w.key_end, Pass::kProbs, b);
   if (t.nparts == 1) {
-    for (int r = 0; r < rows; ++r) b.alpha[r] = p.out_scale / b.l[r];
-    store_output(p, t, b.acc.data(), b.alpha.data());
+    for (int r = 0; r < rows; ++r) b.out_mul[r] = p.out_scale / b.l[r];
+    store_output(p, t, b.acc.data(), b.out_mul.data());
     return;
   }
   float* dst = partial(p, t, w.part, scratch);
@@ -671,9 +668,9 @@ void merge_partials(const Problem& p, const Tile& t, float* scratch, Buffers& b)
         _mm512_storeu_ps(acc + c, _mm512_fmadd_ps(splat(w), _mm512_loadu_ps(src + 2 * rows + r * d + c),
                                                   _mm512_loadu_ps(acc + c)));
     }
-    b.alpha[r] = p.out_scale / l;
+    b.out_mul[r] = p.out_scale / l;
   }
-  store_output(p, t, b.acc.data(), b.alpha.data());
+  store_output(p, t, b.acc.data(), b.out_mul.data());
 }
 
 // Runs f(i, buffers) for i in [0, n) on torch's intra-op threads, handing out items one at a time
