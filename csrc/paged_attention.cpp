@@ -546,7 +546,8 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
 // whole work item. A row that sees no key (of a split-KV partition) keeps m = -inf and l = 0.
 void exp_scores(int rows, Buffers& b) {
   for (int r = 0; r < rows; ++r) b.m[r] = _mm512_reduce_max_ps(_mm512_loadu_ps(b.lane_max.data() + r * kLanes));
-  std::vector<__m512> sums(rows, _mm512_setzero_ps());
+  float* sums = b.lane_max.data();  // the maxima are reduced: their buffer holds the lane-wise sums now
+  std::fill_n(sums, rows * kLanes, 0.f);
   for (int c = 0; c < b.chunks; ++c)
     for (int r = 0; r < rows; ++r) {
       float* s = b.saved.data() + (int64_t(c) * rows + r) * kLanes;
@@ -554,9 +555,9 @@ void exp_scores(int rows, Buffers& b) {
       const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, splat(-INFINITY), _CMP_NEQ_UQ),
                                            exp512(_mm512_sub_ps(x, splat(b.m[r]))));
       _mm512_storeu_ps(s, e);
-      sums[r] = _mm512_add_ps(sums[r], e);
+      _mm512_storeu_ps(sums + r * kLanes, _mm512_add_ps(_mm512_loadu_ps(sums + r * kLanes), e));
     }
-  for (int r = 0; r < rows; ++r) b.l[r] = _mm512_reduce_add_ps(sums[r]);
+  for (int r = 0; r < rows; ++r) b.l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sums + r * kLanes));
 }
 
 template <typename F>
