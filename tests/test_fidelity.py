@@ -1,11 +1,14 @@
 """The engine against Hugging Face transformers: greedy tokens and teacher-forced logprobs.
 
-float32: the engine and HF agree to float rounding (measured: 24/24 identical, mean |dlp| 6e-6).
+float32: the engine and HF agree to float rounding (measured: 24/24 identical, mean |dlp| 6e-6 on the
+default model, 2e-7 on the tiny Qwen3).
 bfloat16: the bar is HF's own self-consistency. Measured on this CPU over these 24 prompts, HF
 generate with its KV cache and without it agree on 19, and HF's decode-time logprobs differ from
-its teacher-forced logprobs by 0.027 on average (bf16 logits have a 0.125 quantum at the default
-model's logit magnitudes; the lm_head rounding alone accounts for 0.015). The engine measured
-14-16/24 identical and 0.028-0.029, so the BF16 bounds sit just outside those figures.
+its teacher-forced logprobs by 0.0274 on average (`python -m tests.hf_self_consistency`; bf16 logits
+have a 0.125 quantum at the default model's logit magnitudes, the lm_head rounding alone accounts
+for 0.015). The engine measured 19/24 identical and 0.0270 on the default model (14-16/24 and 0.028
+before its attention took the softmax max over all keys first), and 12/24 and 0.0011 on the tiny
+random Qwen3, whose near-flat logits make greedy ties common. The bounds sit just outside those.
 """
 
 import pytest
@@ -31,13 +34,15 @@ def compare(engine, hf_model, prompts):
     return same, sum(diffs) / len(diffs)
 
 
-BOUNDS = {"float32": (22, 1e-3), "bfloat16": (10, 0.04)}
+# (model, dtype) -> (min identical greedy continuations of 24, max mean |engine - HF logprob|)
+BOUNDS = {("default", "float32"): (22, 1e-3), ("default", "bfloat16"): (17, 0.031),
+          ("qwen3", "float32"): (22, 1e-3), ("qwen3", "bfloat16"): (10, 0.0015)}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_default_model_matches_hf(dtype, default_dir, request):
     engine = request.getfixturevalue("engine_bf16" if dtype == "bfloat16" else "engine_fp32")
-    min_same, bound = BOUNDS[dtype]
+    min_same, bound = BOUNDS["default", dtype]
     same, mean_diff = compare(engine, load_hf(default_dir, getattr(torch, dtype)), PROMPTS)
     assert same >= min_same, f"only {same}/24 greedy continuations identical"
     assert mean_diff <= bound, mean_diff
@@ -45,7 +50,7 @@ def test_default_model_matches_hf(dtype, default_dir, request):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_tiny_qwen3_matches_hf(dtype, tiny_qwen3_dir):
-    min_same, bound = BOUNDS[dtype]
+    min_same, bound = BOUNDS["qwen3", dtype]
     engine = make_engine(tiny_qwen3_dir, dtype=dtype)
     same, mean_diff = compare(engine, load_hf(tiny_qwen3_dir, getattr(torch, dtype)), PROMPTS)
     assert same >= min_same, f"only {same}/24 greedy continuations identical"
