@@ -173,8 +173,8 @@ def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = qu
     return False
 
 
-def load_checkpoint(model: torch.nn.Module, model_dir: str,
-                    quantize_into: QuantizeInto = quantize_weight_into, block_scales: BlockScales | None = None) -> None:
+def load_checkpoint(model: torch.nn.Module, model_dir: str, quantize_into: QuantizeInto = quantize_weight_into,
+                    block_scales: BlockScales | None = None) -> None:
     """Load every tensor of a Hugging Face directory; each model tensor must be covered."""
     seen = set()
     for name, tensor in iter_safetensors(model_dir, lambda n: not (is_skipped(n) or is_kv_scale(n))):
