@@ -180,7 +180,8 @@ void quantize_span_bf16(const at::BFloat16* src, uint8_t* dst, int64_t n, float 
   for_chunks32(n, [&](int64_t c, __mmask32 m) {
     const __m512i v = _mm512_maskz_loadu_epi16(m, src + c);
     const __m512i even = quantize(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), s, recip);
-    const __m512i odd = quantize(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u)))), s, recip);
+    const __m512 odd_f32 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000u))));
+    const __m512i odd = quantize(odd_f32, s, recip);
     const __m256i q = _mm512_cvtepi32_epi16(_mm512_or_si512(even, _mm512_slli_epi32(odd, 8)));
     if (m == ~__mmask32(0)) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), q);

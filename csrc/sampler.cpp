@@ -112,7 +112,8 @@ void sample_row(const T* x, int64_t v, float temperature, float uniform, bool ne
   raw = need_raw ? value(x, token) - raw_lse : 0.f;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_in, const at::Tensor& temperature_in,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_in,
+                                                           const at::Tensor& temperature_in,
                                                            const at::Tensor& uniform_in, bool need_raw) {
   TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "logits must be [rows, vocab]");
   TORCH_CHECK(logits_in.scalar_type() == at::kFloat || logits_in.scalar_type() == at::kBFloat16,
