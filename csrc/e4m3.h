@@ -7,7 +7,7 @@
 #include <array>
 #include <cstdint>
 
-#if defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -41,6 +41,20 @@ struct Bf16Tables {
   }
 };
 inline constexpr Bf16Tables kE4m3Bf16{};
+
+#if defined(__AVX512F__)
+// c (|c| <= 448) rounded to the nearest E4M3 value, as a float (round to nearest even, subnormal step
+// 2^-9): adding and subtracting m = +-2^(e + 20), with 2^e the binade of c but at least 2^-6, makes the
+// FPU round to 3 mantissa bits. A NaN passes through; the sign of a zero may differ from a conversion's.
+inline __m512 e4m3_round_ps(__m512 c) {
+  const __m512i bits = _mm512_castps_si512(c);
+  const __m512i binade = _mm512_max_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)),
+                                          _mm512_set1_epi32(121 << 23));
+  const __m512i e = _mm512_add_epi32(binade, _mm512_set1_epi32(20 << 23));
+  const __m512 m = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(e, bits, _mm512_set1_epi32(int(0x80000000u)), 0xF8));
+  return _mm512_sub_ps(_mm512_add_ps(c, m), m);
+}
+#endif
 
 #if defined(__AVX512BW__) && defined(__AVX512VBMI__)
 // E4M3 -> bf16 for 64 bytes: the high byte (sign bit copied in) and low byte of each code's bf16,

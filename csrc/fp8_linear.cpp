@@ -67,13 +67,10 @@ void for_chunks16(int64_t n, F&& f) {
   if (c < n) f(c, tail_mask16(n - c));
 }
 
-// c10's float -> float8_e4m3fn conversion for 16 lanes (round to nearest even; >= 480 and NaN -> 0x7F),
-// one code per 32-bit lane (the upper 24 bits zero).
-__m512i e4m3_dwords_from_f32x16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(int(0x80000000u)));
-  const __m512i a = _mm512_xor_si512(bits, sign);
-  const __mmask16 nan = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(1087 << 20));
+// E4M3 magnitude codes (round to nearest even) of the bit patterns a of |x|, x not NaN and below 480:
+// below 2^-6 adding 2^14 lets the fp32 adder round onto the subnormal grid, above it the exponent is
+// rebiased while rounding on the top 3 mantissa bits.
+__m512i e4m3_magnitude_codes(__m512i a) {
   const __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23));
   const __m512i denorm = _mm512_set1_epi32(141 << 23);
   const __m512i rs = _mm512_sub_epi32(
@@ -81,8 +78,17 @@ __m512i e4m3_dwords_from_f32x16(__m512 v) {
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
   const __m512i rn = _mm512_srli_epi32(
       _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(int(0xC407FFFFu))), odd), 20);
-  __m512i r = _mm512_mask_blend_epi32(small, rn, rs);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7F));
+  return _mm512_mask_blend_epi32(small, rn, rs);
+}
+
+// c10's float -> float8_e4m3fn conversion for 16 lanes (round to nearest even; >= 480 and NaN -> 0x7F),
+// one code per 32-bit lane (the upper 24 bits zero).
+__m512i e4m3_dwords_from_f32x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(int(0x80000000u)));
+  const __m512i a = _mm512_xor_si512(bits, sign);
+  const __mmask16 nan = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(1087 << 20));
+  const __m512i r = _mm512_mask_mov_epi32(e4m3_magnitude_codes(a), nan, _mm512_set1_epi32(0x7F));
   return _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
 }
 
@@ -114,14 +120,7 @@ __m512i quantize_finite_f32x16(__m512 v, __m512 scale, __m512 recip) {
   const __m512 av = _mm512_castsi512_ps(_mm512_xor_si512(bits, sign));
   const __m512 q0 = _mm512_mul_ps(av, recip);
   const __m512 q = _mm512_min_ps(_mm512_fmadd_ps(_mm512_fnmadd_ps(q0, scale, av), recip, q0), _mm512_set1_ps(kFp8Max));
-  const __m512i a = _mm512_castps_si512(q);
-  const __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(121 << 23));
-  const __m512i denorm = _mm512_set1_epi32(141 << 23);
-  const __m512i rs = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(q, _mm512_castsi512_ps(denorm))), denorm);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
-  const __m512i rn = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(int(0xC407FFFFu))), odd), 20);
-  return _mm512_or_si512(_mm512_mask_blend_epi32(small, rn, rs), _mm512_srli_epi32(sign, 24));
+  return _mm512_or_si512(e4m3_magnitude_codes(_mm512_castps_si512(q)), _mm512_srli_epi32(sign, 24));
 }
 
 // |v| bit patterns order like the values and a NaN's exceed them all, so an integer max is an amax
@@ -146,6 +145,12 @@ void for_chunks32(int64_t n, F&& f) {
   if (c < n) f(c, tail_mask32(n - c));
 }
 
+// The largest of 32 bf16 magnitudes (bit patterns, sign cleared) as a float.
+float bf16_max(__m512i mx) {
+  mx = _mm512_max_epu32(_mm512_srli_epi32(mx, 16), _mm512_and_si512(mx, _mm512_set1_epi32(0xFFFF)));
+  return f32_from_bits(_mm512_reduce_max_epu32(mx) << 16);
+}
+
 // bf16 rows: the same ordering holds for the 16-bit patterns, so one integer max covers 32 values.
 float amax_rows(const at::BFloat16* p, int64_t ld, int64_t rows, int64_t cols) {
   __m512i mx = _mm512_setzero_si512();
@@ -154,8 +159,7 @@ float amax_rows(const at::BFloat16* p, int64_t ld, int64_t rows, int64_t cols) {
       const __m512i v = _mm512_maskz_loadu_epi16(m, p + r * ld + c);
       mx = _mm512_max_epu16(mx, _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF)));
     });
-  mx = _mm512_max_epu32(_mm512_srli_epi32(mx, 16), _mm512_and_si512(mx, _mm512_set1_epi32(0xFFFF)));
-  return f32_from_bits(_mm512_reduce_max_epu32(mx) << 16);
+  return bf16_max(mx);
 }
 
 template <typename T>
@@ -276,11 +280,7 @@ void panel_amax(const at::BFloat16* p, int64_t ld, int64_t rows, int64_t k, floa
       const __m512i v = _mm512_and_si512(_mm512_maskz_loadu_epi16(m, p + r * ld + c), magnitude);
       _mm512_store_si512(a, _mm512_max_epu16(_mm512_load_si512(a), v));
     });
-  for (int64_t b = 0; b < nbk; ++b) {
-    const __m512i v = _mm512_load_si512(acc.get() + b * 32);
-    const __m512i a = _mm512_max_epu32(_mm512_srli_epi32(v, 16), _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)));
-    amax[b] = f32_from_bits(_mm512_reduce_max_epu32(a) << 16);
-  }
+  for (int64_t b = 0; b < nbk; ++b) amax[b] = bf16_max(_mm512_load_si512(acc.get() + b * 32));
 }
 #endif
 
@@ -370,18 +370,10 @@ struct Problem {
 // each 32-bit lane still holds a pair of neighbouring k.
 
 // clamp(v / scale) rounded to the nearest E4M3 value, as a float (the sign of a zero may differ from
-// e4m3_from_f32, which no product sees). Adding and subtracting m = +-2^(e + 20), with 2^e the binade
-// of the value but at least 2^-6, makes the FPU round to 3 mantissa bits (subnormal step 2^-9) with
-// ties to even; a NaN passes through the additions.
+// e4m3_from_f32, which no product sees).
 __m512 e4m3_round_f32x16(__m512 v, __m512 scale, __m512 recip) {
   const __m512 q = divide(v, scale, recip);
-  const __m512 c = _mm512_min_ps(_mm512_set1_ps(kFp8Max), _mm512_max_ps(_mm512_set1_ps(-kFp8Max), q));
-  const __m512i bits = _mm512_castps_si512(c);
-  const __m512i binade = _mm512_max_epu32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)),
-                                          _mm512_set1_epi32(121 << 23));
-  const __m512i e = _mm512_add_epi32(binade, _mm512_set1_epi32(20 << 23));
-  const __m512 m = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(e, bits, _mm512_set1_epi32(int(0x80000000u)), 0xF8));
-  return _mm512_sub_ps(_mm512_add_ps(c, m), m);
+  return e4m3_round_ps(_mm512_min_ps(_mm512_set1_ps(kFp8Max), _mm512_max_ps(_mm512_set1_ps(-kFp8Max), q)));
 }
 
 // Quantizes one row's K block (cols <= 128) into 4 vectors of 32 bf16 in lane order. E4M3 values are
@@ -529,9 +521,13 @@ constexpr int64_t kPairs = kBlock / 2;
 // lane; sxp[b][m] are the group scales (0 for padding rows).
 struct PackedX {
   int64_t mpad = 0;
-  int64_t ld = 0;  // floats from one pair of xp to the next: mpad + 16 (see pack_activations)
   Buffer<float> xp;
   Buffer<float> sxp;
+  // Floats from one pair of xp to the next: one vector more than mpad. With M a multiple of 1024 the
+  // pairs would sit a multiple of 4 KiB apart, all in the same few L1 sets, and the micro kernel's
+  // activation block (64 pairs x 64 rows) would evict itself between the weight rows that reuse it
+  // (M=2048: 10.2 -> 9.2 ms for 3072 x 576).
+  int64_t ld() const { return mpad + 16; }
 };
 
 // Quantizes a 16-row x 1-block tile of activations straight into the packed layout.
@@ -568,12 +564,8 @@ void pack_tile(const T* src, int64_t ld, int64_t rows, int64_t cols, bool ue8m0,
 
 template <typename T>
 PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8m0) {
-  PackedX out{cdiv(m, 16) * 16, 0, nullptr, nullptr};
-  // One vector more than mpad per pair: with M a multiple of 1024 the pairs would sit a multiple of
-  // 4 KiB apart, all in the same few L1 sets, and the micro kernel's activation block (64 pairs x 64
-  // rows) would evict itself between the weight rows that reuse it (M=2048: 10.2 -> 9.2 ms for 3072 x 576).
-  out.ld = out.mpad + 16;
-  out.xp = alloc_buffer<float>(nkb * kPairs * out.ld);
+  PackedX out{cdiv(m, 16) * 16, nullptr, nullptr};
+  out.xp = alloc_buffer<float>(nkb * kPairs * out.ld());
   out.sxp = alloc_buffer<float>(nkb * out.mpad);
   const int64_t mvecs = out.mpad / 16;
   at::parallel_for(0, mvecs * nkb, 4, [&](int64_t begin, int64_t end) {
@@ -582,11 +574,11 @@ PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8
       const int64_t rows = std::min<int64_t>(16, m - mv * 16), cols = std::min(kBlock, k - b * kBlock);
       const T* src = x + mv * 16 * k + b * kBlock;
       float* scale = out.sxp.get() + b * out.mpad + mv * 16;
-      float* dst = out.xp.get() + b * kPairs * out.ld + mv * 16;
+      float* dst = out.xp.get() + b * kPairs * out.ld() + mv * 16;
       if (cols == kBlock) {
-        pack_tile<true>(src, k, rows, cols, ue8m0, scale, dst, out.ld);
+        pack_tile<true>(src, k, rows, cols, ue8m0, scale, dst, out.ld());
       } else {
-        pack_tile<false>(src, k, rows, cols, ue8m0, scale, dst, out.ld);
+        pack_tile<false>(src, k, rows, cols, ue8m0, scale, dst, out.ld());
       }
     }
   });
@@ -622,13 +614,13 @@ void gemm_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const 
     const uint16_t* wblock = wb + b * kTileN * kBlock;
     for (int64_t mv = t.mv0; mv < t.mv1; mv += kMaxMv) {
       const int mvs = static_cast<int>(std::min<int64_t>(kMaxMv, t.mv1 - mv));
-      const float* xp = x.xp.get() + b * kPairs * x.ld + mv * 16;
+      const float* xp = x.xp.get() + b * kPairs * x.ld() + mv * 16;
       const float* sx = x.sxp.get() + b * x.mpad + mv * 16;
       const int nr = micro_nr(mvs);
       for (int64_t j0 = 0; j0 < kTileN; j0 += nr) {
         float sw[kMaxNr];
         for (int j = 0; j < nr; ++j) sw[j] = p.sw_at(std::min(t.n0 + j0 + j, p.n - 1), b);
-        kMicro<true>[mvs](wblock + j0 * kBlock, kBlock, xp, x.ld, pairs, sx, sw, ct + j0 * ldc + (mv - t.mv0) * 16,
+        kMicro<true>[mvs](wblock + j0 * kBlock, kBlock, xp, x.ld(), pairs, sx, sw, ct + j0 * ldc + (mv - t.mv0) * 16,
                           ldc, b == 0);
       }
     }

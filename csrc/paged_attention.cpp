@@ -236,16 +236,6 @@ enum class Pass {
   kFp8Probs,  // full FP8: quantise P = e / sum, accumulate P V
 };
 
-// Value of an E4M3 rounding of c in [0, 448] (round to nearest even, subnormal step 2^-9), as
-// e4m3_to_fp32(fp32_to_e4m3(c)) gives it but in five instructions: adding and subtracting
-// 2^(e + 20), with 2^e the binade of c but at least 2^-6, makes the FPU round to 3 mantissa bits.
-inline __m512 e4m3_round_nonneg(__m512 c) {
-  const __m512i binade = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(c), splat_i(0x7F800000)),
-                                          splat_i(121 << 23));
-  const __m512 m = _mm512_castsi512_ps(_mm512_add_epi32(binade, splat_i(20 << 23)));
-  return _mm512_sub_ps(_mm512_add_ps(c, m), m);
-}
-
 // Scores of rows [r0, rows) against the kLanes keys in kv (rows past the chunk hold stale data and
 // are masked by the caller).
 template <int kD>
@@ -425,7 +415,7 @@ inline void softmax_step(Pass pass, __mmask16 visible, int r, Buffers& b) {
     // Same rounding steps as the reference: softmax = e * (1 / sum), then E4M3(P * 448). Keys the row
     // does not see hold e = 0.
     const __m512 p = _mm512_mul_ps(_mm512_mul_ps(x, splat(b.l[r])), splat(kFp8Max));
-    _mm512_storeu_ps(s, e4m3_round_nonneg(p));
+    _mm512_storeu_ps(s, fp8e::e4m3_round_ps(p));  // = e4m3_to_fp32(fp32_to_e4m3(p)) for p in [0, 448]
   } else if (pass == Pass::kScores) {
     const __m512 masked = _mm512_mask_mov_ps(splat(-INFINITY), visible, x);
     _mm512_storeu_ps(s, masked);

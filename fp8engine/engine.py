@@ -228,10 +228,10 @@ class LLMEngine:
         ids = seq.output_token_ids
         window = 8 + 4 * max(len(s) for s in seq.params.stop)
         if len(ids) > window:
-            tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=True)
+            tail = self.detokenizer.decode(ids[-window:])
             if not any(s in tail for s in seq.params.stop):
                 return False
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.detokenizer.decode(ids)
         hits = [(text.find(s), s) for s in seq.params.stop if s in text]
         if not hits:
             return False
