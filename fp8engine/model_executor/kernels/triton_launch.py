@@ -1,0 +1,668 @@
+"""The Triton kernels' launches as the engine issues them, shared by the native-compile test
+(tests/test_triton_compile.py, no GPU needed) and the GPU check (`make gpu-check`).
+
+Nothing here restates a wrapper's launch configuration. A case builds the engine's tensors (the model's
+fused Linear layers with their per-shard views, the KV cache as views of one [layers, 2, ...] tensor,
+the step metadata in the dtypes model_runner uses) and calls the same wrappers the engine calls:
+`Linear.forward` -> fp8_block_linear_triton, the loader's per-shard quantize_weight_blockwise_triton,
+write_kv_cache_triton and paged_attention_triton. On "meta" tensors the wrappers run on the host only and
+`record_launches` captures each kernel launch (grid, arguments, constexprs, num_warps, num_stages);
+`compile_launch` then specialises it with Triton's own launch binder (pointer alignment, integer
+divisibility, ints equal to 1 as constexprs, as a CUDA launch would) and compiles it for a GPU target.
+On CUDA tensors the same cases run for real (fp8engine/benchmarks/gpu_check.py).
+
+The kernel modules choose their interpreter-only branches (E4M3_BY_BITS / INTERPRET) from
+triton.knobs.runtime.interpret when imported, and @triton.jit itself builds interpreter objects under
+TRITON_INTERPRET=1, triton.language's own helpers included (at `import triton`). So native compiles run in
+spawned processes with TRITON_INTERPRET unset (`clean_process_pool`, `compile_all`), on private copies of
+both modules (`native_kernels()`) that never replace the modules sys.modules holds.
+
+Triton is imported only inside functions: importing this module does not import it.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from fp8engine.model_executor.kernels.attention_ref import FP8_DTYPE
+
+_PACKAGE = "fp8engine.model_executor.kernels"
+
+# Interpreter-only constexprs: compiled natively they must be False.
+INTERPRETER_FLAGS = ("E4M3_BY_BITS", "INTERPRET")
+
+# Per-block shared memory limits (opt-in maximum): H100/H200 227 KiB, Ada (sm_89) 99 KiB.
+SHARED_LIMIT = {90: 232448, 89: 101376}
+MAX_REGS = 255
+TARGETS = (90, 89)
+
+
+# ------------------------------------------------------------------------------------------ shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    block_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+
+MODELS = {
+    # The default model (SmolLM2-135M-Instruct, a Llama): q/k/v shards of 576/192/192 rows are not
+    # multiples of 128, so qkv_proj runs one GEMM per shard.
+    "smollm2-135m": ModelShape("smollm2-135m", hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=1536),
+    "llama-7b": ModelShape("llama-7b", hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336),
+}
+
+# Tokens in one forward step: a single decoding sequence (M = 1 is specialised as a constexpr), a decode
+# batch (BLOCK_M 16), a prefill chunk (BLOCK_M 64).
+LINEAR_TOKENS = {"decode1": 1, "decode": 13, "prefill": 512}
+
+# Attention batches, per sequence (context length including the new tokens, new tokens), as the scheduler
+# forms them: one decoding sequence (num_seqs == 1 is a constexpr), a decode batch (BLOCK_M 16) and a
+# chunked prefill mixed with decodes (BLOCK_M 64).
+ATTENTION_BATCHES = {
+    "decode1": [(57, 1)],
+    "decode": [(1, 1), (17, 1), (40, 1), (100, 1), (33, 1), (16, 1), (64, 1), (5, 1)],
+    "prefill": [(300, 300), (77, 45), (40, 1)],
+}
+
+# KV-cache modes: the model dtype, E4M3 with scales, E4M3 with full FP8 attention (fp8_q_scale).
+KV_MODES = ("model", "fp8", "full-fp8")
+K_SCALE, V_SCALE, Q_SCALE = 0.05, 0.03, 0.02
+NUM_LAYERS_IN_CACHE = 2  # the cache tensor holds a few layers; cases use layer 1's views
+
+
+def linear_layers(shape: ModelShape) -> list[tuple[str, int, list[int]]]:
+    """(name, in_features, shard_sizes) of one decoder layer's projections, as models/llama.py builds them."""
+    q_size, kv_size = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return [("qkv_proj", shape.hidden, [q_size, kv_size, kv_size]),
+            ("o_proj", q_size, [shape.hidden]),
+            ("gate_up_proj", shape.hidden, [shape.intermediate] * 2),
+            ("down_proj", shape.intermediate, [shape.hidden])]
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+def _load_copy(name: str):
+    path = Path(__file__).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{_PACKAGE}._native_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def native_kernels() -> SimpleNamespace:
+    """Copies of fp8_triton and attention_triton loaded with the Triton interpreter off: JITFunctions,
+    module flags _E4M3_BY_BITS / _INTERPRET False. sys.modules keeps the real modules."""
+    import triton
+    canonical = f"{_PACKAGE}.fp8_triton"
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = False
+        fp8 = _load_copy("fp8_triton")
+        # attention_triton imports a helper from fp8_triton: give it the native copy's.
+        saved = sys.modules.get(canonical)
+        sys.modules[canonical] = fp8
+        try:
+            attention = _load_copy("attention_triton")
+        finally:
+            if saved is None:
+                del sys.modules[canonical]
+            else:
+                sys.modules[canonical] = saved
+    return SimpleNamespace(fp8=fp8, attention=attention)
+
+
+def canonical_kernels() -> SimpleNamespace:
+    """The modules the engine imports (on CUDA, without the interpreter)."""
+    from fp8engine.model_executor.kernels import attention_triton, fp8_triton
+    return SimpleNamespace(fp8=fp8_triton, attention=attention_triton)
+
+
+def kernel_names(mods: SimpleNamespace) -> dict[str, object]:
+    """Every @triton.jit kernel (a function with a program grid) of the two modules, by name."""
+    return {name: getattr(mod, name) for mod in (mods.fp8, mods.attention) for name in dir(mod)
+            if name.endswith("_kernel") and hasattr(getattr(mod, name), "arg_names")}
+
+
+@contextlib.contextmanager
+def triton_only(mods: SimpleNamespace) -> Iterator[None]:
+    """The Triton kernels even where DeepGEMM or FlashInfer would take over (they never do on meta tensors)."""
+    saved = mods.fp8._deepgemm_fits, mods.attention._flashinfer_fits
+    mods.fp8._deepgemm_fits = lambda *args: False
+    mods.attention._flashinfer_fits = lambda *args: False
+    try:
+        yield
+    finally:
+        mods.fp8._deepgemm_fits, mods.attention._flashinfer_fits = saved
+
+
+# ------------------------------------------------------------------------------------------ cases
+
+
+@dataclasses.dataclass
+class Case:
+    """One engine call: `run(mods, inputs)` calls the Triton wrappers, `ref(inputs)` the torch reference."""
+    name: str
+    kind: str  # act_quant | weight_quant | linear | write_kv | attention
+    make: Callable[[torch.device], dict]
+    run: Callable[[SimpleNamespace, dict], object]
+    ref: Callable[[dict], object] | None
+
+
+def _randn(shape, dtype, device, scale=1.0):
+    if torch.device(device).type == "meta":
+        return torch.empty(shape, dtype=dtype, device=device)
+    return (torch.randn(shape, device=device) * scale).to(dtype)
+
+
+def _linear_layer(mods, in_features: int, shards: list[int], shape: ModelShape, device, scale_fmt):
+    from fp8engine.model_executor.layers.linear import Linear
+
+    def fp8_fn(x, w_q, w_scale_inv, bias=None, scale_fmt=None):  # backends._linear_with_scale_fmt
+        return mods.fp8.fp8_block_linear_triton(x, w_q, w_scale_inv, bias, scale_fmt=scale_fmt)
+    with torch.device(device):
+        return Linear(in_features, shards, shape.dtype, False, fp8_fn, scale_fmt)
+
+
+def _weight_quant_case(shape: ModelShape, layer: str, in_features: int, shards: list[int],
+                       scale_fmt: str | None) -> Case:
+    def make(device):
+        return {"shards": shards, "in_features": in_features, "device": device,
+                "w": [_randn((n, in_features), shape.dtype, device, 0.02) for n in shards]}
+
+    def run(mods, inputs):
+        # The loader's write(): each checkpoint shard quantised into its views of the fused layer.
+        if "layer" not in inputs:
+            inputs["layer"] = _linear_layer(mods, in_features, shards, shape, inputs["device"], scale_fmt)
+        lin = inputs["layer"]
+        for i, w in enumerate(inputs["w"]):
+            out_q, out_scale = lin.shard_views(i)
+            mods.fp8.quantize_weight_blockwise_triton(w, out_q, out_scale, scale_fmt=scale_fmt)
+        return [lin.shard_views(i) for i in range(len(shards))]
+
+    def ref(inputs):
+        from fp8engine.weights import quant
+        return [quant.quantize_weight_blockwise(w, scale_fmt=scale_fmt) for w in inputs["w"]]
+    fmt = f"/{scale_fmt}" if scale_fmt else ""
+    return Case(f"{shape.name}/weight_quant/{layer}{fmt}", "weight_quant", make, run, ref)
+
+
+def _linear_case(shape: ModelShape, layer: str, in_features: int, shards: list[int], tokens: str,
+                 scale_fmt: str | None) -> Case:
+    m = LINEAR_TOKENS[tokens]
+
+    def make(device):
+        inputs = {"x": _randn((m, in_features), shape.dtype, device), "device": device,
+                  "w": _randn((sum(shards), in_features), shape.dtype, device, 0.02)}
+        return inputs
+
+    def _layer(mods, inputs):
+        from fp8engine.weights import quant
+        lin = _linear_layer(mods, in_features, shards, shape, inputs["device"], scale_fmt)
+        if torch.device(inputs["device"]).type != "meta":
+            with torch.no_grad():
+                for i, n in enumerate(shards):
+                    out_q, out_scale = lin.shard_views(i)
+                    start = lin.shard_offsets[i]
+                    quant.quantize_weight_into(inputs["w"][start:start + n], out_q, out_scale, scale_fmt=scale_fmt)
+        return lin
+
+    def run(mods, inputs):
+        if "layer" not in inputs:
+            inputs["layer"] = _layer(mods, inputs)
+        lin, x = inputs["layer"], inputs["x"]
+        if x.device.type == "cpu" and not lin.fused_scales:
+            # Linear.forward's branch for CUDA (and meta); on CPU it would hand all shards to the C++ kernel.
+            return torch.cat([lin.fp8_fn(x, *lin.shard_views(i), None, lin.scale_fmt)
+                              for i in range(len(lin.shard_sizes))], dim=-1)
+        return lin(x)
+
+    def ref(inputs):
+        from fp8engine.weights import quant
+        lin = inputs["layer"]
+        return quant.fp8_block_linear_ref(inputs["x"], lin.weight, lin.weight_scale_inv, None,
+                                          scale_fmt=scale_fmt, scale_rows=lin.scale_rows)
+    return Case(f"{shape.name}/linear/{layer}/{tokens}", "linear", make, run, ref)
+
+
+def _act_quant_case(shape: ModelShape, in_features: int, tokens: str, scale_fmt: str | None) -> Case:
+    m = LINEAR_TOKENS[tokens]
+
+    def make(device):
+        return {"x": _randn((m, in_features), shape.dtype, device)}
+
+    def run(mods, inputs):
+        return mods.fp8.per_token_group_quant_fp8(inputs["x"], scale_fmt=scale_fmt)
+
+    def ref(inputs):
+        from fp8engine.weights import quant
+        return quant.quantize_activation_groups(inputs["x"], scale_fmt=scale_fmt)
+    fmt = f"/{scale_fmt}" if scale_fmt else ""
+    return Case(f"{shape.name}/act_quant/K={in_features}/{tokens}{fmt}", "act_quant", make, run, ref)
+
+
+def attention_inputs(shape: ModelShape, batch: str, kv_mode: str, device) -> dict:
+    """A step's attention tensors in the engine's layout: q / k / v as rotary and split leave them
+    (contiguous), layer 1's K/V views of a [layers, 2, blocks, block_size, kv_heads, head_dim] cache,
+    metadata as model_runner._prepare builds it (blocks shuffled over the pool)."""
+    seqs = ATTENTION_BATCHES[batch]
+    bs = shape.block_size
+    needed = [-(-seq_len // bs) for seq_len, _ in seqs]
+    num_blocks = sum(needed) + 3
+    gen = torch.Generator().manual_seed(len(seqs) * 1000 + num_blocks)
+    ids = torch.randperm(num_blocks, generator=gen)
+    tables, slots, starts = [], [], [0]
+    offset = 0
+    for (seq_len, new), n in zip(seqs, needed):
+        table = ids[offset:offset + n].tolist()
+        offset += n
+        tables.append(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(seq_len - new, seq_len)]
+        starts.append(starts[-1] + new)
+    width = max(needed)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    tokens = starts[-1]
+    kv_dtype = shape.dtype if kv_mode == "model" else FP8_DTYPE
+    meta = torch.device(device).type == "meta"
+    cache_shape = (NUM_LAYERS_IN_CACHE, 2, num_blocks, bs, shape.kv_heads, shape.head_dim)
+    if meta:
+        cache = torch.empty(cache_shape, dtype=kv_dtype, device=device)
+    else:
+        # The positions before this step's tokens were written by earlier steps.
+        cache = torch.randn(cache_shape, generator=gen)
+        if kv_dtype == FP8_DTYPE:  # real values N(0, 1), stored / k_scale (v_scale)
+            cache[:, 0] /= K_SCALE
+            cache[:, 1] /= V_SCALE
+            cache = cache.clamp(-448, 448)
+        cache = cache.to(kv_dtype).to(device)
+    scales = kv_dtype == FP8_DTYPE
+
+    def tensor(values, dtype):
+        return torch.empty(len(values), dtype=dtype, device=device) if meta else \
+            torch.tensor(values, dtype=dtype, device=device)
+    return dict(
+        q=_randn((tokens, shape.heads, shape.head_dim), shape.dtype, device),
+        k=_randn((tokens, shape.kv_heads, shape.head_dim), shape.dtype, device),
+        v=_randn((tokens, shape.kv_heads, shape.head_dim), shape.dtype, device),
+        k_cache=cache[1, 0], v_cache=cache[1, 1],
+        slot_mapping=tensor(slots, torch.int64),
+        query_start_loc=tensor(starts, torch.int32),
+        seq_lens=tensor([seq_len for seq_len, _ in seqs], torch.int32),
+        block_tables=(torch.empty(len(seqs), width, dtype=torch.int32, device=device) if meta
+                      else torch.tensor(padded, dtype=torch.int32, device=device)),
+        scale=shape.head_dim ** -0.5,
+        k_scale=K_SCALE if scales else 1.0, v_scale=V_SCALE if scales else 1.0,
+        fp8_q_scale=Q_SCALE if kv_mode == "full-fp8" else None,
+    )
+
+
+def _write_kv_args(inputs: dict) -> tuple:
+    return (inputs["k"], inputs["v"], inputs["k_cache"], inputs["v_cache"], inputs["slot_mapping"],
+            inputs["k_scale"], inputs["v_scale"])
+
+
+def _attention_args(inputs: dict) -> tuple:
+    return (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_tables"], inputs["query_start_loc"],
+            inputs["seq_lens"], inputs["scale"], inputs["k_scale"], inputs["v_scale"], inputs["fp8_q_scale"])
+
+
+def _write_kv_case(shape: ModelShape, batch: str, kv_mode: str) -> Case:
+    def run(mods, inputs):
+        mods.attention.write_kv_cache_triton(*_write_kv_args(inputs))
+        return inputs["k_cache"], inputs["v_cache"]
+
+    def ref(inputs):
+        from fp8engine.model_executor.kernels.attention_ref import write_kv_cache_ref
+        k_cache, v_cache = inputs["k_cache"].clone(), inputs["v_cache"].clone()
+        write_kv_cache_ref(inputs["k"], inputs["v"], k_cache, v_cache, *_write_kv_args(inputs)[4:])
+        return k_cache, v_cache
+    return Case(f"{shape.name}/write_kv/{kv_mode}/{batch}", "write_kv",
+                functools.partial(attention_inputs, shape, batch, kv_mode), run, ref)
+
+
+def _attention_case(shape: ModelShape, batch: str, kv_mode: str) -> Case:
+    def run(mods, inputs):
+        return mods.attention.paged_attention_triton(*_attention_args(inputs))
+
+    def ref(inputs):
+        from fp8engine.model_executor.kernels.attention_ref import paged_attention_ref
+        return paged_attention_ref(*_attention_args(inputs))
+    return Case(f"{shape.name}/attention/{kv_mode}/{batch}", "attention",
+                functools.partial(attention_inputs, shape, batch, kv_mode), run, ref)
+
+
+KINDS = ("weight_quant", "act_quant", "linear", "write_kv", "attention")
+
+
+def engine_cases(shape: ModelShape, scale_fmts=(None,), kinds=KINDS, steps=tuple(ATTENTION_BATCHES),
+                 kv_modes=KV_MODES) -> list[Case]:
+    """The Triton calls a step (and a weight load) of this model makes: linear layers at LINEAR_TOKENS[step],
+    attention over ATTENTION_BATCHES[step] for each KV mode; quantisation in each scale format (the linear
+    layers in the first)."""
+    layers = linear_layers(shape)
+    cases = []
+    if "weight_quant" in kinds:
+        cases += [_weight_quant_case(shape, layer, k, shards, fmt)
+                  for fmt in scale_fmts for layer, k, shards in layers]
+    if "act_quant" in kinds:  # also inside every linear case; alone they are compared bit for bit
+        in_features = sorted({k for _, k, _ in layers})
+        cases += [_act_quant_case(shape, k, "prefill", fmt) for fmt in scale_fmts for k in in_features]
+    if "linear" in kinds:
+        cases += [_linear_case(shape, layer, k, shards, step, scale_fmts[0])
+                  for step in steps for layer, k, shards in layers]
+    for kv_mode in kv_modes:
+        for step in steps:
+            if "write_kv" in kinds and kv_mode != "full-fp8":  # full FP8 writes the cache as fp8 does
+                cases.append(_write_kv_case(shape, step, kv_mode))
+            if "attention" in kinds:
+                cases.append(_attention_case(shape, step, kv_mode))
+    return cases
+
+
+def case_sets() -> dict[str, list[Case]]:
+    """The cases the compile test and the GPU check cover: the default model in bf16 (both scale formats, all
+    steps), a 7B-class Llama in bf16 (decode batch and prefill), and the default model's attention in float32
+    (dtype="float32"; its fp32 dots run on FMA units)."""
+    fp32 = dataclasses.replace(MODELS["smollm2-135m"], name="smollm2-135m-fp32", dtype=torch.float32)
+    return {
+        "smollm2-135m": engine_cases(MODELS["smollm2-135m"], scale_fmts=(None, "ue8m0")),
+        "llama-7b": engine_cases(MODELS["llama-7b"], steps=("decode", "prefill")),
+        "smollm2-135m-fp32": engine_cases(fp32, kinds=("write_kv", "attention"), steps=("decode", "prefill"),
+                                          kv_modes=("model", "fp8")),
+    }
+
+
+# ------------------------------------------------------------------------------------------ launches
+
+
+@dataclasses.dataclass
+class Launch:
+    kernel: object  # a JITFunction
+    grid: tuple
+    args: tuple
+    kwargs: dict
+    case: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+
+class _Recorder:
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(Launch(self.kernel, tuple(grid), args, kwargs))
+        return launch
+
+
+@contextlib.contextmanager
+def record_launches(mods: SimpleNamespace) -> Iterator[list[Launch]]:
+    """Within the block, the modules' kernels record their launches instead of running."""
+    launches: list[Launch] = []
+    saved = []
+    for mod in (mods.fp8, mods.attention):
+        for name in dir(mod):
+            kernel = getattr(mod, name)
+            if name.endswith("_kernel") and hasattr(kernel, "arg_names"):
+                saved.append((mod, name, kernel))
+                setattr(mod, name, _Recorder(kernel, launches))
+    try:
+        yield launches
+    finally:
+        for mod, name, kernel in saved:
+            setattr(mod, name, kernel)
+
+
+def case_launches(case: Case, mods: SimpleNamespace | None = None) -> list[Launch]:
+    """The kernel launches the case makes, captured on meta tensors."""
+    mods = mods or native_kernels()
+    inputs = case.make(torch.device("meta"))
+    with triton_only(mods), record_launches(mods) as launches:
+        case.run(mods, inputs)
+    for launch in launches:
+        launch.case = case.name
+    return launches
+
+
+def _specialize(launch: Launch, target):
+    """(signature, constexprs, attrs, options) of the launch, as JITFunction.run derives them."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    import triton
+    kernel = launch.kernel
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.kwargs)
+    # The options JITFunction.run adds before binding.
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or triton.knobs.runtime.debug
+    for knob in ("instrumentation_mode", "fpsan_homomorphic_casts"):
+        if hasattr(triton.knobs.compilation, knob):
+            kwargs[knob] = getattr(triton.knobs.compilation, knob)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def launch_key(launch: Launch, arch: int) -> str:
+    """Launches with the same key compile to the same binary."""
+    from triton.backends.compiler import GPUTarget
+    signature, constexprs, attrs, options = _specialize(launch, GPUTarget("cuda", arch, 32))
+    return repr((launch.name, signature, sorted(constexprs.items()), sorted(attrs.items()),
+                 sorted(options.__dict__.items())))
+
+
+@dataclasses.dataclass
+class CompiledLaunch:
+    """A compiled launch and what its code shows."""
+    name: str
+    arch: int
+    cases: list[str]
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    ptx: str
+    n_regs: int
+    stack_bytes: int  # per-thread stack frame: spills here (these kernels make no calls)
+    spill_stores: int  # STL instructions in the SASS
+    spill_loads: int  # LDL instructions in the SASS
+    shared: int  # bytes per block: Triton's dynamic shared memory plus any static
+
+    @property
+    def mma(self) -> dict[str, set[str]]:
+        return mma_instructions(self.ptx)
+
+    def summary(self) -> dict:
+        mma = self.mma
+        return {"kernel": self.name, "arch": f"sm_{self.arch}", "instr": instruction_class(self.ptx),
+                "wgmma": sorted(mma["wgmma"]), "mma": sorted(mma["mma"]), "regs": self.n_regs,
+                "stack": self.stack_bytes, "spill_stores": self.spill_stores, "spill_loads": self.spill_loads,
+                "shared": self.shared, "num_warps": self.num_warps, "num_stages": self.num_stages,
+                "constexprs": {k: str(v) for k, v in self.constexprs.items()}, "cases": self.cases}
+
+
+def _constexpr_names(kernel, constexprs: dict) -> dict:
+    """By argument name, as plain values (tl.dtype as its name: 'bf16', 'fp32')."""
+    return {kernel.arg_names[path[0]]: value if isinstance(value, (bool, int, float, type(None))) else str(value)
+            for path, value in constexprs.items() if len(path) == 1}
+
+
+def compile_launch(launch: Launch, arch: int, cases: list[str] | None = None,
+                   native_only: bool = True) -> CompiledLaunch:
+    """Compiles the launch natively for sm_<arch> (through ptxas) and reads its resource use. native_only:
+    refuse interpreter-only constexprs set True."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    target = GPUTarget("cuda", arch, 32)
+    with triton.knobs.runtime.scope():  # code generation consults the knob (constexpr functions)
+        triton.knobs.runtime.interpret = False
+        signature, constexprs, attrs, options = _specialize(launch, target)
+        names = _constexpr_names(launch.kernel, constexprs)
+        for flag in INTERPRETER_FLAGS:
+            if native_only and names.get(flag, False):
+                raise AssertionError(f"{launch.name}: {flag}=True, an interpreter-only branch, in a native compile")
+        compiled = triton.compile(ASTSource(launch.kernel, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)
+    usage = cubin_usage(compiled.asm["cubin"])
+    return CompiledLaunch(
+        name=launch.name, arch=arch, cases=cases or [launch.case], constexprs=names,
+        num_warps=options.num_warps, num_stages=options.num_stages, ptx=compiled.asm["ptx"],
+        n_regs=usage["regs"], stack_bytes=usage["stack"], spill_stores=usage["stl"], spill_loads=usage["ldl"],
+        shared=compiled.metadata.shared + usage["static_shared"])
+
+
+def cubin_usage(cubin: bytes) -> dict:
+    """Registers, stack frame, static shared memory of a one-kernel cubin (cuobjdump -res-usage); where there is
+    a stack frame, its local store / load instructions in the SASS (the spill code; disassembling costs ~0.5 s)."""
+    import triton
+    tool = triton.knobs.nvidia.cuobjdump.path
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        usage = {key.lower(): int(value) for key, value in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", res)}
+        stack = usage["stack"] + usage["local"]
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout \
+            if stack else ""
+    return {"regs": usage["reg"], "stack": stack, "static_shared": usage["shared"],
+            "stl": len(re.findall(r"\bSTL(\.\w+)*\s", sass)), "ldl": len(re.findall(r"\bLDL(\.\w+)*\s", sass))}
+
+
+def compile_cases(cases: list[Case], arch: int, mods: SimpleNamespace | None = None) -> list[CompiledLaunch]:
+    """Every distinct launch of the cases compiled for sm_<arch> (identical specialisations once)."""
+    distinct: dict[str, tuple[Launch, list[str]]] = {}
+    for case in cases:
+        for launch in case_launches(case, mods):
+            entry = distinct.setdefault(launch_key(launch, arch), (launch, []))
+            if case.name not in entry[1]:
+                entry[1].append(case.name)
+    return [compile_launch(launch, arch, names) for launch, names in distinct.values()]
+
+
+def _compile_set(label: str, arch: int) -> list[CompiledLaunch]:
+    return compile_cases(case_sets()[label], arch)
+
+
+def _without_interpreter() -> None:
+    os.environ.pop("TRITON_INTERPRET", None)
+
+
+def clean_process_pool(workers: int | None = None):
+    """Spawned worker processes that import Triton with TRITON_INTERPRET unset.
+
+    A process that imported triton under TRITON_INTERPRET=1 holds triton.language's own @jit helpers
+    (tl.zeros, tl.cdiv, ...) as interpreter objects, and one that imported it without holds them as
+    JITFunctions, which the interpreter cannot run: the interpreter tests need the first, native compiles the
+    second. Compiling in these workers leaves the calling process (a pytest run mixing both) as it was.
+    Triton compiles under the GIL, so more workers also use more cores. Default: the CPU count, at most 4."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    workers = workers or min(4, os.cpu_count() or 1)
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_without_interpreter)
+
+
+def compile_all(archs=TARGETS, labels=None, pool=None) -> dict[tuple[str, int], list[CompiledLaunch]]:
+    """compile_cases for every case set and arch, in clean worker processes: {(label, arch): compiled}."""
+    labels = list(case_sets()) if labels is None else list(labels)
+    jobs = [(label, arch) for arch in archs for label in labels]
+    own = pool is None
+    pool = clean_process_pool() if own else pool
+    try:
+        # Longest first: the 7B set and the float32 prefill kernels keep ptxas busiest.
+        futures = {job: pool.submit(_compile_set, *job) for job in sorted(jobs, key=lambda j: j[0] != "llama-7b")}
+        return {job: futures[job].result() for job in jobs}
+    finally:
+        if own:
+            pool.shutdown()
+
+
+def report_line(compiled: CompiledLaunch) -> str:
+    s = compiled.summary()
+    blocks = ",".join(f"{k}={v}" for k, v in s["constexprs"].items() if k in ("BLOCK_M", "BLOCK_N", "BLOCK_D"))
+    more = f" (+{len(compiled.cases) - 1})" if len(compiled.cases) > 1 else ""
+    return (f"sm_{compiled.arch} {compiled.name:26s} {s['instr']:5s} {','.join(s['wgmma'] + s['mma']) or '-':5s} "
+            f"regs {s['regs']:3d}  shared {s['shared']:6d}  stack {s['stack']:3d}  stl {s['spill_stores']:2d}  "
+            f"warps {s['num_warps']}  {blocks:24s} {compiled.cases[0]}{more}")
+
+
+# ------------------------------------------------------------------------------------------ PTX checks
+
+
+_WGMMA = re.compile(r"wgmma\.mma_async\S*?\.(f32|f16)\.(\w+)\.(\w+)\b")
+_MMA = re.compile(r"\bmma\.sync\.aligned\.m\d+n\d+k\d+\S*?\.(?:row|col)\.(?:row|col)\.(\w+)\.(\w+)\.(\w+)\.(\w+)\b")
+
+
+def mma_instructions(ptx: str) -> dict[str, set[str]]:
+    """Operand types of the PTX's tensor-core instructions: {"wgmma": {...}, "mma": {...}}."""
+    wgmma = {f"{a}x{b}" if a != b else a for _, a, b in _WGMMA.findall(ptx)}
+    mma = {f"{a}x{b}" if a != b else a for _, a, b, _ in _MMA.findall(ptx)}
+    return {"wgmma": wgmma, "mma": mma}
+
+
+def instruction_class(ptx: str) -> str:
+    """wgmma, mma (mma.sync) or fma: the best matrix instruction the PTX contains."""
+    mma = mma_instructions(ptx)
+    return "wgmma" if mma["wgmma"] else "mma" if mma["mma"] else "fma"
+
+
+def assert_matrix_instruction(compiled: CompiledLaunch, instr: str, operand: str) -> None:
+    """The kernel's dots run as `instr` (wgmma / mma) on `operand` (e4m3, bf16) operands, and only so."""
+    found = compiled.mma
+    if operand not in found.get(instr, set()):
+        raise AssertionError(f"{compiled.name} sm_{compiled.arch}: expected {instr} with {operand} operands, "
+                             f"found wgmma {sorted(found['wgmma'])}, mma {sorted(found['mma'])} "
+                             f"({compiled.cases[0]})")
+    others = (found["wgmma"] | found["mma"]) - {operand}
+    if others:
+        raise AssertionError(f"{compiled.name} sm_{compiled.arch}: other tensor-core operands too: {sorted(others)}")
+
+
+def assert_resources(compiled: CompiledLaunch, spills_allowed: bool = False) -> None:
+    """Registers within the hardware's 255, shared memory within the arch's per-block limit, no spills."""
+    where = f"{compiled.name} sm_{compiled.arch} ({compiled.cases[0]})"
+    if compiled.n_regs > MAX_REGS:
+        raise AssertionError(f"{where}: {compiled.n_regs} registers")
+    if compiled.shared > SHARED_LIMIT[compiled.arch]:
+        raise AssertionError(f"{where}: {compiled.shared} B shared > {SHARED_LIMIT[compiled.arch]}")
+    if not spills_allowed and (compiled.spill_stores or compiled.spill_loads or compiled.stack_bytes):
+        raise AssertionError(f"{where}: spills ({compiled.stack_bytes} B stack, {compiled.spill_stores} "
+                             f"stores, {compiled.spill_loads} loads, {compiled.n_regs} registers)")
+
+
+# Native conversions in PTX. The interpreter-only branches replace them by integer arithmetic.
+NATIVE_CVT = {
+    "f32->e4m3": re.compile(r"cvt\.rn\.satfinite\.e4m3x2\.f32"),
+    "e4m3->f16": re.compile(r"cvt\.rn\.f16x2\.e4m3x2"),
+    "f32->bf16": re.compile(r"cvt\.rn\.(?:satfinite\.)?bf16(?:x2)?\.f32"),
+}
+
+
+def assert_native_cvt(compiled: CompiledLaunch, *conversions: str) -> None:
+    """The PTX converts with the hardware instructions (the native branch), not integer encoders."""
+    missing = [c for c in conversions if not NATIVE_CVT[c].search(compiled.ptx)]
+    if missing:
+        raise AssertionError(f"{compiled.name} sm_{compiled.arch}: no native {', '.join(missing)} conversion "
+                             f"({compiled.cases[0]})")
