@@ -1,54 +1,76 @@
 """EngineConfig: every engine option in one validated dataclass."""
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_GPU_KV_FRACTION = 0.85
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Allowed values, checked by EngineConfig and offered as the CLI's choices.
+DTYPES = tuple(_DTYPES)
+QUANTIZATIONS = (None, "fp8")
+FP8_SCALE_FMTS = (None, "ue8m0")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+KV_SCALE_MODES = ("recompute", "external", "static")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _option(default, help: str, choices: tuple | None = None, unit: str | None = None):
+    """A field with its one-line help, its allowed values and its unit ("bytes") as metadata."""
+    return field(default=default, metadata={"help": help, "choices": choices, "unit": unit})
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Engine options.
+    """Engine options, validated on construction (a ValueError names the option and the value).
 
-    model: "default" (bundled SmolLM2-135M-Instruct) or a Hugging Face model directory.
-    dtype: model dtype, "bfloat16" or "float32".
-    quantization: None (model dtype) or "fp8" (W8A8, 128x128 weight blocks, 1x128 activation groups).
-    kv_cache_dtype: "auto" (model dtype) or "fp8_e4m3".
-    kv_scale_mode: "recompute" | "external" | "static" (see ARCHITECTURE.md).
-    kv_scale_margin: recompute mode multiplies the measured k/v amax by this before dividing by 448.
-    block_size: tokens per KV block.
-    kv_cache_memory_bytes / num_kv_blocks: KV budget; default 1 GiB on CPU, 85% of free memory on CUDA.
+    Each field's metadata holds its one-line help and, where the values are fixed, the allowed ones;
+    the CLI flags are derived from them, and so is the list below.
     """
 
-    model: str = "default"
-    dtype: str = "bfloat16"
-    quantization: str | None = None
-    fp8_scale_fmt: str | None = None
-    kv_cache_dtype: str = "auto"
-    kv_scale_mode: str = "recompute"
-    kv_scale_margin: float = 1.2
-    fp8_attention: bool = False
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
+    model: str = _option("default", "'default' (the bundled SmolLM2-135M-Instruct) or a Hugging Face "
+                                    "model directory")
+    dtype: str = _option("bfloat16", "model dtype of weights, activations and (with kv_cache_dtype auto) "
+                                     "the KV cache", DTYPES)
+    quantization: str | None = _option(None, "linear layers: none (model dtype) or fp8 (W8A8: 128x128 "
+                                             "weight blocks, 1x128 activation groups)", QUANTIZATIONS)
+    fp8_scale_fmt: str | None = _option(None, "FP8 block scales: none (float32, amax / 448) or ue8m0 "
+                                              "(rounded up to a power of two)", FP8_SCALE_FMTS)
+    kv_cache_dtype: str = _option("auto", "KV cache: auto (the model dtype) or fp8_e4m3 (half the bytes "
+                                          "per token of bfloat16)", KV_CACHE_DTYPES)
+    kv_scale_mode: str = _option("recompute", "FP8 KV scales: recompute (the first forward after each "
+                                              "weight version sets them), external (sent with each weight "
+                                              "update) or static (from the checkpoint, else 1.0)",
+                                 KV_SCALE_MODES)
+    kv_scale_margin: float = _option(1.2, "recompute mode multiplies the measured k/v amax by this "
+                                          "(>= 1.0) before dividing by 448")
+    fp8_attention: bool = _option(False, "full FP8: attention math on FP8 Q/K/V too (needs kv_cache_dtype "
+                                         "fp8_e4m3)")
+    device: str = _option("auto", "auto (cuda when available, else cpu), cpu or cuda", DEVICES)
+    block_size: int = _option(16, "tokens per KV block")
+    kv_cache_memory_bytes: int | None = _option(
+        None, f"KV cache budget in bytes; none = {DEFAULT_CPU_KV_BYTES >> 30} GiB on CPU, "
+              f"{DEFAULT_GPU_KV_FRACTION:.0%} of free memory on CUDA (or set num_kv_blocks)", unit="bytes")
+    num_kv_blocks: int | None = _option(None, "KV cache size in blocks, instead of a budget in bytes")
+    max_num_seqs: int = _option(256, "most sequences running in one step")
+    max_num_batched_tokens: int = _option(8192, "token budget of one step (prefill chunks and decodes "
+                                                "together)")
+    max_model_len: int | None = _option(None, "longest prompt + completion in tokens; none = the model's "
+                                              "limit")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompt prefixes already computed")
+    batch_invariant: bool = _option(False, "a request's tokens and logprobs do not depend on what else is "
+                                           "batched, on prefill chunking, prefix-cache hits or preemption "
+                                           "(bfloat16 on CPU)")
+    lm_head_fp32: bool = _option(False, "LM head matmul and logits in float32 (the weight stays in the model "
+                                        "dtype)")
+    seed: int = _option(0, "seeds the per-request seeds of requests that give none")
 
     def __post_init__(self):
-        _check_choice("dtype", self.dtype, _DTYPES)
-        _check_choice("quantization", self.quantization, (None, "fp8"))
-        _check_choice("fp8_scale_fmt", self.fp8_scale_fmt, (None, "ue8m0"))
-        _check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8_e4m3"))
-        _check_choice("kv_scale_mode", self.kv_scale_mode, ("recompute", "external", "static"))
-        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        for f in fields(self):
+            if f.metadata["choices"] is not None:
+                _check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         if self.fp8_attention and self.kv_cache_dtype != "fp8_e4m3":
             raise ValueError("fp8_attention=True needs kv_cache_dtype='fp8_e4m3'")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -67,6 +89,9 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
+        if self.batch_invariant and (self.device != "cpu" or self.dtype != "bfloat16"):
+            raise ValueError(f"batch_invariant=True needs device='cpu' and dtype='bfloat16' (the C++ kernels); "
+                             f"got device={self.device!r}, dtype={self.dtype!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -75,6 +100,10 @@ class EngineConfig:
     @property
     def kv_is_fp8(self) -> bool:
         return self.kv_cache_dtype == "fp8_e4m3"
+
+
+EngineConfig.__doc__ = EngineConfig.__doc__.rstrip() + "\n\n" + "".join(
+    f"    {f.name}: {f.metadata['help']}.\n" for f in fields(EngineConfig))
 
 
 def _check_choice(name: str, value, choices) -> None:

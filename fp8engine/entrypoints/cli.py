@@ -1,70 +1,96 @@
-"""`fp8engine serve | generate | bench`."""
+"""`fp8engine serve | generate | bench`; the options themselves are in options.py."""
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
 import time
+from pathlib import Path
 
-from fp8engine.config import EngineConfig
-from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
+import fp8engine
+from fp8engine.entrypoints.options import add_options, start_engine
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every EngineConfig option as a flag (--kv-cache-dtype fp8_e4m3, --quantization fp8, ...)."""
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            parser.add_argument(flag, type=_parse_value, default=f.default)
-
-
-def _parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return None if text.lower() == "none" else text
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+DEFAULT_PROMPTS = ("What is 12 + 30? Answer briefly.", "Name a prime number larger than 10.")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from fp8engine.engine import LLMEngine
     from fp8engine.sampling_params import SamplingParams
-    engine = LLMEngine(engine_config(args))
-    prompts = [[{"role": "user", "content": p}] for p in args.prompt] or [
-        [{"role": "user", "content": "What is 12 + 30? Answer briefly."}],
-        [{"role": "user", "content": "Name a prime number larger than 10."}]]
+    prompts = [_chat(p) for p in [*args.prompts, *args.prompt]]
+    if args.prompts_file is not None:
+        prompts += load_prompts(args.prompts_file)
+    prompts = prompts or [_chat(p) for p in DEFAULT_PROMPTS]
+    engine = start_engine(args)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed_sampling, logprobs=0)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
-    tokens = 0
+    samples = [sample_record(i, out, c) for i, out in enumerate(outs) for c in out.outputs]
+    stats = engine.get_stats()
+    tokens = sum(len(s["token_ids"]) for s in samples)
+    summary = dict(num_prompts=len(outs), num_samples=len(samples), num_generated_tokens=tokens,
+                   seconds=seconds, output_tok_s=tokens / seconds,
+                   num_preemptions_total=stats.num_preemptions_total,
+                   kv_cache_capacity_tokens=stats.kv_cache_capacity_tokens, kv_cache_dtype=stats.kv_cache_dtype,
+                   linear_backend=stats.linear_backend, attention_backend=stats.attention_backend)
+    if args.output == "json":
+        print(json.dumps({"samples": samples, "summary": summary}, indent=2))
+    elif args.output == "jsonl":
+        for sample in samples:
+            print(json.dumps(sample))
+    else:
+        _print_text(outs, summary)
+    return 0
+
+
+def sample_record(prompt_index: int, out, sample) -> dict:
+    """One sample of `generate --json/--jsonl`."""
+    return {"prompt_index": prompt_index, "sample_index": sample.index, "text": sample.text,
+            "token_ids": sample.token_ids, "logprobs": sample.logprobs, "finish_reason": sample.finish_reason,
+            "num_preemptions": sample.num_preemptions, "weight_version": out.weight_version}
+
+
+def load_prompts(path: str) -> list:
+    """Prompts from a file ("-" = stdin): one chat message per line, or, when the first line is a JSON
+    object, one JSON object per line with "prompt" (raw text or token ids) or "messages" (chat)."""
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    lines = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"no prompts in {path!r}")
+    if not lines[0][1].lstrip().startswith("{"):
+        return [_chat(line) for _, line in lines]
+    prompts = []
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not a JSON object ({exc.msg})") from None
+        if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
+            raise ValueError(f"{path}:{number}: a JSON line needs exactly one of 'prompt' (text or token ids) "
+                             f"and 'messages' (chat)")
+        prompts.append(record["prompt"] if "prompt" in record else record["messages"])
+    return prompts
+
+
+def _chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _print_text(outs, summary: dict) -> None:
     for out in outs:
         print(f"=== prompt {out.request_id}: {out.prompt_token_ids[-12:]} (weight_version {out.weight_version})")
         for c in out.outputs:
-            tokens += len(c.token_ids)
             lps = ", ".join(f"{x:.3f}" for x in c.logprobs[:6])
             print(f"[{c.index}] {c.text!r}\n    finish={c.finish_reason} tokens={len(c.token_ids)} "
                   f"preemptions={c.num_preemptions} logprobs[:6]=[{lps}] "
                   f"sum={c.cumulative_logprob:.2f}")
-    stats = engine.get_stats()
-    print(f"{tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s; preemptions total "
-          f"{stats.num_preemptions_total}; KV {stats.num_kv_blocks_total} blocks "
-          f"({stats.kv_cache_capacity_tokens} tokens, {stats.kv_cache_dtype}); linear {stats.linear_backend}, "
-          f"attention {stats.attention_backend}")
-    return 0
+    s = summary
+    print(f"{s['num_generated_tokens']} tokens in {s['seconds']:.2f} s = {s['output_tok_s']:.1f} tok/s; "
+          f"preemptions total {s['num_preemptions_total']}; KV {s['kv_cache_capacity_tokens']} tokens "
+          f"({s['kv_cache_dtype']}); linear {s['linear_backend']}, attention {s['attention_backend']}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    modes = [m for m in args.modes.split(",") if m]
     if args.workload == "serve":
         from fp8engine.benchmarks import serve_load
         report = serve_load.run_side_by_side(concurrency=args.concurrency, num_requests=args.num_requests,
@@ -73,11 +99,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(serve_load.format_table(report))
     elif args.workload == "sync":
         from fp8engine.benchmarks import weight_sync
-        report = weight_sync.run(model=args.model, modes=modes)
+        report = weight_sync.run(model=args.model, modes=args.modes)
         print(weight_sync.format_table(report))
     else:
         from fp8engine.benchmarks import throughput
-        report = throughput.run(args.workload, modes, args.baseline, args.model, args.dtype, args.device,
+        report = throughput.run(args.workload, args.modes, args.baseline, args.model, args.dtype, args.device,
                                 progress=not args.no_progress, rounds=args.rounds)
         print(throughput.format_table(report))
         if args.plot:
@@ -95,52 +121,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+COMMAND_HELP = {
+    "serve": (cmd_serve, "OpenAI-compatible rollout server with the RL endpoints"),
+    "generate": (cmd_generate, "generate from prompts; print text, tokens, logprobs and preemptions, or JSON"),
+    "bench": (cmd_bench, "throughput / weight-sync / server benchmarks, engine modes side by side"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fp8engine", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fp8engine", description="A paged-attention LLM inference engine "
+                                     "for RL rollouts. `fp8engine COMMAND --help` lists a command's options.")
+    parser.add_argument("--version", action="version", version=f"fp8engine {fp8engine.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate from chat prompts and print tokens, logprobs, preemptions")
-    add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", default=[])
-    gen.add_argument("--n", type=int, default=2)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--max-tokens", type=int, default=48)
-    gen.add_argument("--seed-sampling", type=int, default=0)
-    gen.set_defaults(func=cmd_generate)
-    bench = sub.add_parser("bench", help="throughput / weight-sync benchmarks, modes side by side")
-    bench.add_argument("--workload", default="quick",
-                       choices=["quick", "decode", "rl-short", "rl-long", "sync", "serve"])
-    bench.add_argument("--modes", default="bf16")
-    bench.add_argument("--baseline", default=None, choices=["hf"])
-    bench.add_argument("--model", default="default")
-    bench.add_argument("--dtype", default="bfloat16")
-    bench.add_argument("--device", default="auto")
-    bench.add_argument("--json", default=None)
-    bench.add_argument("--plot", default=None)
-    bench.add_argument("--rounds", type=int, default=1,
-                       help="run every mode this many times in alternating order and report the median")
-    bench.add_argument("--no-progress", action="store_true")
-    bench.add_argument("--concurrency", type=int, default=64, help="serve: concurrent streaming clients")
-    bench.add_argument("--num-requests", type=int, default=200, help="serve: requests in all")
-    bench.add_argument("--max-tokens", type=int, default=16, help="serve: tokens per request")
-    bench.set_defaults(func=cmd_bench)
-    serve = sub.add_parser("serve", help="OpenAI-compatible rollout server")
-    add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--admin-key", default=None)
-    serve.add_argument("--allowed-weight-dir", action="append", default=[])
-    serve.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="limit for OpenAI requests")
-    serve.add_argument("--max-update-bytes", type=int, default=MAX_UPDATE_BYTES,
-                       help="limit for /update_weights bodies")
-    serve.set_defaults(func=cmd_serve)
+    for command, (func, help) in COMMAND_HELP.items():
+        command_parser = sub.add_parser(command, help=help, description=help)
+        add_options(command_parser, command)
+        command_parser.set_defaults(func=func)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
+    logging.getLogger("fp8engine.engine").setLevel(logging.WARNING)  # start_engine logs a fuller line
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -100,11 +100,11 @@ def serve(args: argparse.Namespace) -> int:
     """Build the engine from the CLI options and serve until interrupted."""
     import uvicorn
 
-    from fp8engine.entrypoints.cli import engine_config
+    from fp8engine.entrypoints.options import start_engine
     settings = ServerSettings.from_args(args)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", settings.host)
-    app = create_app(LLMEngine(engine_config(args)), settings)
+    app = create_app(start_engine(args), settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
     return 0
 
