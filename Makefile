@@ -1,7 +1,7 @@
 PY ?= python3
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test bench-short
+.PHONY: setup demo test bench-short gpu-check
 
 # Idempotent: CPU PyTorch from the local file first, then the project, then the default model.
 setup:
@@ -17,7 +17,13 @@ demo: setup
 	fp8engine bench --workload quick --modes bf16,fp8-linear,fp8-kv,full-fp8
 
 test:
-	$(PY) -m pytest -q tests
+	FP8ENGINE_REQUIRE_CPP=1 $(PY) -m pytest -q tests
 
 bench-short:
 	fp8engine bench --workload rl-short --modes bf16,fp8-linear --baseline hf --json bench_results/rl-short.json
+
+# On a CUDA machine: the Triton kernels at the engine's shapes (tests/test_triton_compile.py compiles the same
+# launches without a GPU), native numerics against the torch references and timings; JSON in bench_results/.
+# Without CUDA it says so and exits 0.
+gpu-check:
+	$(PY) -m fp8engine.benchmarks.gpu_check --json bench_results/gpu_check.json

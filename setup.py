@@ -20,7 +20,7 @@ setup(
     extras_require={
         "gpu": ["triton", "flashinfer-python", "deep-gemm", "xformers"],
         "server": ["fastapi", "uvicorn[standard]", "uvloop", "prometheus-client", "httpx"],
-        "dev": ["pytest", "gguf", "accelerate", "matplotlib", "openai", "triton"],
+        "dev": ["pytest", "pytest-randomly", "gguf", "accelerate", "matplotlib", "openai", "triton"],
     },
     entry_points={"console_scripts": ["fp8engine=fp8engine.entrypoints.cli:main"]},
 )

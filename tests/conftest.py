@@ -1,10 +1,66 @@
+import functools
 import os
+import random
+import shutil
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.manual_seed(0)
+
+
+def pytest_sessionstart(session):
+    """With FP8ENGINE_REQUIRE_CPP=1 (`make test`, CI) a C++ build that fails stops the run at once, with the
+    compiler's error, instead of failing every test that needs a kernel one build attempt at a time."""
+    from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops, require_cpp
+    if require_cpp():
+        try:
+            load_cpu_ops()
+        except RuntimeError as exc:
+            pytest.exit(str(exc), returncode=3)
+
+
+@pytest.fixture(autouse=True)
+def _seed_each_test(request):
+    """Each test draws from generators seeded by its own id, so its data does not depend on which tests
+    ran before it (or in which order)."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux); empty where /proc/cpuinfo does not list them."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                           if line.startswith("flags")), []))
+
+
+def cpu_can_build(op: str) -> bool:
+    """Whether this machine can build and run csrc/'s op: a C++ compiler, plus the instruction sets the
+    op is compiled under (csrc/*.cpp register it only inside those #if blocks)."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return False
+    needs = {"bf16_linear": {"avx512_bf16"}, "fp8_block_linear": set(), "fp8_quantize_weight_": set(),
+             "fp8_block_scales_": set(), "fp8_cpu_backend": set()}.get(op, {"avx512f", "avx512bw", "avx512vl"})
+    return needs <= cpu_flags()
+
+
+def require_cpu_op(op: str):
+    """torch.ops.fp8engine.<op>. Skips only where this machine cannot build it; where it can, a missing op
+    fails the test instead of letting the torch fallback pass (FP8ENGINE_REQUIRE_CPP=1 also fails the build)."""
+    from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
+    kernel = cpu_kernel(op)
+    if kernel is None:
+        if cpu_can_build(op):
+            pytest.fail(f"this machine can build the C++ op {op!r} but it did not load: is csrc/ broken?")
+        pytest.skip(f"this machine cannot build the C++ op {op!r}")
+    return kernel
 
 
 @pytest.fixture(scope="session")
@@ -25,13 +81,35 @@ def make_engine(model: str = "default", **kwargs):
 
 
 @pytest.fixture(scope="session")
-def engine_bf16():
+def _shared_bf16():
     return make_engine(dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")
-def engine_fp32():
+def _shared_fp32():
     return make_engine(dtype="float32")
+
+
+def fresh_state(engine):
+    """A shared engine as a test should find it: nothing queued and an empty prefix cache, so what a test
+    computes does not depend on what ran before it."""
+    assert not engine.has_unfinished_requests()
+    engine.flush_prefix_cache()
+    return engine
+
+
+@pytest.fixture()
+def engine_bf16(_shared_bf16):
+    yield fresh_state(_shared_bf16)
+    for request_id in list(_shared_bf16.requests):  # a failed test may leave requests behind
+        _shared_bf16.abort_request(request_id)
+
+
+@pytest.fixture()
+def engine_fp32(_shared_fp32):
+    yield fresh_state(_shared_fp32)
+    for request_id in list(_shared_fp32.requests):
+        _shared_fp32.abort_request(request_id)
 
 
 @pytest.fixture(scope="session")

@@ -20,9 +20,11 @@ def _start(cache: Path) -> subprocess.Popen:
 def test_killed_conversion_leaves_nothing_and_concurrent_ones_agree(tmp_path):
     target = tmp_path / "models" / "SmolLM2-135M-Instruct"
     victim = _start(tmp_path)
-    deadline = time.time() + 120
-    while not list((tmp_path / "models").glob(".SmolLM2-135M-Instruct.tmp-*")) and time.time() < deadline:
-        time.sleep(0.2)
+    deadline = time.time() + 600
+    while not list((tmp_path / "models").glob(".SmolLM2-135M-Instruct.tmp-*")):
+        assert victim.poll() is None, f"the conversion exited ({victim.returncode}) before its temporary directory appeared"
+        assert time.time() < deadline, "the conversion's temporary directory never appeared in 600 s"
+        time.sleep(0.05)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     assert not target.exists()

@@ -136,8 +136,11 @@ def test_prompt_logprobs_match_teacher_forcing(engine_fp32, default_dir):
     ("hi", dict(top_k=0), "top_k"),
 ])
 def test_bad_requests_raise_and_engine_keeps_serving(engine_bf16, prompt, params, message):
+    sampling = SamplingParams()
+    for name, value in (params or {}).items():  # set after construction: add_request itself must validate
+        setattr(sampling, name, value)
     with pytest.raises(ValueError, match=message):
-        engine_bf16.add_request(prompt, SamplingParams(**params) if params else None)
+        engine_bf16.add_request(prompt, sampling)
     assert not engine_bf16.has_unfinished_requests()
     out = engine_bf16.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3

@@ -1,6 +1,7 @@
 """The C++ CPU FP8 kernels (csrc/fp8_linear.cpp) against the torch reference in fp8engine.weights.quant."""
 
 import functools
+import zlib
 
 import pytest
 import torch
@@ -8,16 +9,15 @@ import torch
 from fp8engine.model_executor.kernels import fp8_linear_cpu
 from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
 from fp8engine.weights import quant
+from tests.conftest import require_cpu_op
 
 E4M3 = torch.float8_e4m3fn
 
 
 @pytest.fixture(scope="module")
 def ops():
-    ops = load_cpu_ops()
-    if ops is None:
-        pytest.skip("C++ CPU kernels could not be built")
-    return ops
+    require_cpu_op("fp8_block_linear")
+    return load_cpu_ops()
 
 
 def _quantize_with_kernel(ops, w: torch.Tensor, scale_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +41,7 @@ def test_backend_name(ops):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 def test_weight_quantization_bit_exact(ops, shape, dtype, scale_fmt):
-    torch.manual_seed(hash((shape, str(dtype), scale_fmt)) % 2**31)
+    torch.manual_seed(zlib.crc32(repr((shape, dtype, scale_fmt)).encode()))  # hash() of a str differs per process
     w = (torch.randn(shape) * torch.logspace(-4, 2, shape[1])).to(dtype)
     expected = quant.quantize_weight_blockwise(w, scale_fmt=scale_fmt)
     _assert_same_quant(_quantize_with_kernel(ops, w, scale_fmt), expected)
@@ -221,15 +221,26 @@ def test_wrapper_batch_dims_and_noncontiguous_input(ops):
 
 
 def test_wrapper_falls_back_to_the_reference(monkeypatch):
-    monkeypatch.setattr(fp8_linear_cpu, "kernel_ops", lambda: None)
-    assert fp8_linear_cpu.cpu_fp8_backend() == "torch-reference"
-    w = torch.randn(130, 200)
+    """Without the C++ ops every entry point runs the torch reference (spied on: an exact-equality check
+    alone would also pass on the kernel, which equals the reference on these inputs)."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(130, 200, generator=gen)
     w_q, w_s = quant.quantize_weight_blockwise(w)
-    x = torch.randn(4, 200, dtype=torch.bfloat16)
-    assert torch.equal(fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s), quant.fp8_block_linear_ref(x, w_q, w_s))
+    x = torch.randn(4, 200, generator=gen).bfloat16()
+    want = quant.fp8_block_linear_ref(x, w_q, w_s)
+    monkeypatch.setattr(fp8_linear_cpu, "kernel_ops", lambda: None)
+    monkeypatch.setattr(fp8_linear_cpu, "cpu_kernel", lambda name: None)
+    calls = []
+    for name in ("fp8_block_linear_ref", "quantize_weight_into"):
+        real = getattr(quant, name)
+        monkeypatch.setattr(quant, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    assert fp8_linear_cpu.cpu_fp8_backend() == "torch-reference"
+    assert fp8_linear_cpu.block_scales_cpu(w) is None
+    assert torch.equal(fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s), want)
     out_q, out_s = torch.empty_like(w_q), torch.empty_like(w_s)
     fp8_linear_cpu.quantize_weight_into_cpu(w, out_q, out_s)
     _assert_same_quant((out_q, out_s), (w_q, w_s))
+    assert calls == ["fp8_block_linear_ref", "quantize_weight_into"]
 
 
 @pytest.mark.parametrize("m", [1, 3, 37])

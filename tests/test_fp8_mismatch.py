@@ -15,7 +15,7 @@ changes the numerics.
 
 import pytest
 
-from tests.conftest import make_engine
+from tests.conftest import fresh_state, make_engine
 from tests.mismatch import greedy_agreement, k3_against, reference
 from tests.prompts import PROMPTS
 
@@ -27,8 +27,8 @@ MODES = {
 
 
 @pytest.fixture(scope="module")
-def bf16_reference(engine_bf16):
-    return reference(engine_bf16, PROMPTS[:16])
+def bf16_reference(_shared_bf16):
+    return reference(fresh_state(_shared_bf16), PROMPTS[:16])
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -1,8 +1,10 @@
 """FP8 KV cache: scale modes (recompute / external / static), capacity and preemptions."""
 
 import pytest
+import torch
 
 from fp8engine import SamplingParams
+from fp8engine.weights.quant import FP8_MAX
 from tests.conftest import make_engine
 from tests.prompts import PROMPTS, RAW
 
@@ -52,17 +54,26 @@ def test_recompute_follows_weights_and_stale_scales_do_worse():
 
 
 def test_external_scales_are_used_exactly():
-    engine = make_engine(dtype="bfloat16", kv_cache_dtype="fp8_e4m3", kv_scale_mode="external")
-    import torch
+    engine = make_engine(dtype="bfloat16", kv_cache_dtype="fp8_e4m3", kv_scale_mode="external", num_kv_blocks=32)
     engine.update_weights({"model.layers.1.self_attn.k_scale": torch.tensor(0.0371),
                            "model.layers.1.self_attn.v_scale": torch.tensor([0.0123])},
                           kv_scales={0: (0.5, 0.25), "model.layers.2.self_attn": (0.125, 0.0625)})
-    greedy(engine)
+    prompt = list(range(2000, 2050))
+    engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
     scales = engine.get_stats().kv_scales
     assert scales[LAYER0] == (0.5, 0.25)
     assert scales["model.layers.1.self_attn"] == (float(torch.tensor(0.0371)), float(torch.tensor(0.0123)))
     assert scales["model.layers.2.self_attn"] == (0.125, 0.0625)
     assert scales["model.layers.3.self_attn"] == (1.0, 1.0)
+    # and the cache holds E4M3(k / k_scale), E4M3(v / v_scale): layer 0's k and v depend on no cache, so
+    # they are the BF16-cache engine's, bit for bit
+    bf16_kv = make_engine(dtype="bfloat16", num_kv_blocks=32)
+    bf16_kv.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    for cache, want, scale in ((engine.runner.attn_layers[0].k_cache, bf16_kv.runner.attn_layers[0].k_cache, 0.5),
+                               (engine.runner.attn_layers[0].v_cache, bf16_kv.runner.attn_layers[0].v_cache, 0.25)):
+        expected = (want.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+        assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+        assert int((cache.view(torch.uint8) != 0).sum()) > 0.9 * 50 * cache.shape[-2] * cache.shape[-1]
 
 
 @pytest.mark.parametrize("bad,match", [

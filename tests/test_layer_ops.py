@@ -7,12 +7,18 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
 from fp8engine.model_executor.layers import rotary
 from fp8engine.model_executor.layers.activation import silu_and_mul
 from fp8engine.model_executor.layers.norm import RMSNorm
+from tests.conftest import require_cpu_op
 
-pytestmark = pytest.mark.skipif(cpu_kernel("rms_norm") is None, reason="C++ kernels not built")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    for op in ("rms_norm", "rotary_embedding_", "silu_and_mul"):
+        require_cpu_op(op)
+
 
 DTYPES = [(torch.bfloat16, 0.0), (torch.float32, 2e-6)]
 

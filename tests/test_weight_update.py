@@ -102,6 +102,12 @@ def test_get_weights_by_name_returns_dequantized_hf_shape(engine_a, state_b):
     assert torch.equal(engine_a.get_weights_by_name("model.norm.weight"), state_b["model.norm.weight"])
 
 
+def _with(t: torch.Tensor, index: tuple[int, int], value: float) -> torch.Tensor:
+    t = t.clone()
+    t[index] = value
+    return t
+
+
 def _raising_generator(items):
     yield from items[:20]
     raise RuntimeError("trainer died halfway")
@@ -114,6 +120,9 @@ def _raising_generator(items):
     ("nan", ValueError, "'model.layers.5.self_attn.o_proj.weight': contains NaN"),
     ("generator", RuntimeError, "trainer died halfway"),
     ("fp8_without_scale", ValueError, "_scale_inv is missing"),
+    ("inf", ValueError, "'model.layers.7.mlp.down_proj.weight': contains NaN or Inf"),
+    ("scale_not_positive", ValueError, "'model.layers.2.mlp.up_proj.weight_scale_inv': scales must be positive"),
+    ("scale_without_weight", ValueError, "up_proj.weight_scale_inv given without its float8_e4m3fn weight"),
 ])
 def test_bad_update_raises_and_changes_nothing(engine_a, state_b, case, error, match):
     before_out = rollout(engine_a)
@@ -128,6 +137,11 @@ def test_bad_update_raises_and_changes_nothing(engine_a, state_b, case, error, m
                          torch.full((576, 576), float("nan"), dtype=torch.bfloat16))],
         "generator": _raising_generator(items),
         "fp8_without_scale": items + [(up, quantize_weight_blockwise(state_b[up])[0])],
+        "inf": items + [("model.layers.7.mlp.down_proj.weight", _with(state_b["model.layers.7.mlp.down_proj.weight"],
+                                                                      (300, 1000), float("-inf")))],
+        "scale_not_positive": items + [(up, quantize_weight_blockwise(state_b[up])[0]),
+                                       (up + "_scale_inv", _with(quantize_weight_blockwise(state_b[up])[1], (3, 2), 0.0))],
+        "scale_without_weight": items + [(up + "_scale_inv", quantize_weight_blockwise(state_b[up])[1])],
     }[case]
     with pytest.raises(error, match=match):
         engine_a.update_weights(bad, weight_version=99)

@@ -2,7 +2,8 @@
 
 Each csrc/*.cpp registers its ops with TORCH_LIBRARY_FRAGMENT(fp8engine, m); after loading they are
 reachable as torch.ops.fp8engine.<name>. Without a compiler the engine falls back to the torch
-reference implementations and says so once.
+reference implementations and says so once; with FP8ENGINE_REQUIRE_CPP=1 (what `make test` and CI set)
+a failed build is an error instead, so a broken csrc/ cannot pass on the fallback.
 """
 
 import functools
@@ -26,6 +27,11 @@ def _sources() -> list[Path]:
     return sorted(CSRC_DIR.glob("*.cpp"))
 
 
+def require_cpp() -> bool:
+    """Whether a failed C++ build must raise instead of falling back (FP8ENGINE_REQUIRE_CPP=1)."""
+    return os.environ.get("FP8ENGINE_REQUIRE_CPP") == "1"
+
+
 @functools.cache
 def load_cpu_ops():
     """torch.ops.fp8engine after building csrc/, or None when it cannot be built."""
@@ -45,6 +51,8 @@ def load_cpu_ops():
              extra_cflags=["-O3", "-march=native", "-fopenmp", "-std=c++17"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, or a build error
+        if require_cpp():
+            raise RuntimeError(f"fp8engine: C++ CPU kernels failed to build and FP8ENGINE_REQUIRE_CPP=1: {exc}") from exc
         logger.warning("fp8engine: C++ CPU kernels unavailable (%s); using the torch reference", exc)
         return None
     return torch.ops.fp8engine

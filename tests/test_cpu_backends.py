@@ -1,0 +1,70 @@
+"""The C++ kernels this machine can build are the ones that run: a broken csrc/ fails here (and, with
+FP8ENGINE_REQUIRE_CPP=1 as `make test` sets, everywhere) instead of passing on the torch fallback."""
+
+import logging
+
+import pytest
+
+from fp8engine import SamplingParams
+from fp8engine.model_executor.kernels import cpu_ops, fp8_linear_cpu
+from tests.conftest import cpu_can_build, cpu_flags, make_engine
+
+OPS = ("fp8_block_linear", "fp8_quantize_weight_", "fp8_block_scales_", "bf16_linear", "paged_attention",
+       "write_kv_cache", "rms_norm", "rotary_embedding_", "silu_and_mul", "sample_rows")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_op_this_machine_can_build_is_loaded(op):
+    if not cpu_can_build(op):
+        pytest.skip(f"this machine cannot build {op}")
+    assert cpu_ops.cpu_kernel(op) is not None
+
+
+def test_fp8_backend_uses_the_bf16_dot_products_where_the_cpu_has_them():
+    if not cpu_can_build("fp8_block_linear"):
+        pytest.skip("no C++ compiler")
+    want = "cpp-avx512bf16" if {"avx512_bf16", "avx512f", "avx512bw", "avx512vl"} <= cpu_flags() else "cpp-scalar"
+    assert fp8_linear_cpu.cpu_fp8_backend() == want
+
+
+def test_engine_stats_name_the_kernels_that_run_and_count_steps_requests_tokens():
+    if not cpu_can_build("paged_attention") or not cpu_can_build("bf16_linear"):
+        pytest.skip("this machine cannot build the AVX-512 kernels")
+    prompts = [[1000, 1001, 1002, 1003, 1004], [2000, 2001, 2002]]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for options, linear in ((dict(), "cpp-bf16-gemv+torch"), (dict(quantization="fp8"), "cpp-avx512bf16"),
+                            (dict(dtype="float32"), "torch")):
+        engine = make_engine(num_kv_blocks=16, **options)
+        engine.generate(prompts, params)
+        stats = engine.get_stats()
+        assert (stats.linear_backend, stats.attention_backend, stats.device) == (linear, "cpp", "cpu"), options
+        # one step prefills both prompts and samples their first tokens, then four decode steps
+        assert (stats.num_steps_total, stats.num_requests_finished) == (5, 2)
+        assert (stats.num_prompt_tokens_total, stats.num_generation_tokens_total) == (8, 10)
+
+
+def _broken_csrc(tmp_path, monkeypatch):
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "broken.cpp").write_text("#include <torch/library.h>\nthis is not C++;\n")
+    monkeypatch.setattr(cpu_ops, "CSRC_DIR", src)
+    monkeypatch.setenv("FP8ENGINE_CACHE", str(tmp_path / "cache"))
+
+
+def test_a_broken_build_falls_back_with_a_warning_by_default(tmp_path, monkeypatch, caplog):
+    if not cpu_can_build("fp8_block_linear"):
+        pytest.skip("no C++ compiler")
+    _broken_csrc(tmp_path, monkeypatch)
+    monkeypatch.delenv("FP8ENGINE_REQUIRE_CPP", raising=False)
+    with caplog.at_level(logging.WARNING, logger=cpu_ops.__name__):
+        assert cpu_ops.load_cpu_ops.__wrapped__() is None
+    assert "C++ CPU kernels unavailable" in caplog.text
+
+
+def test_a_broken_build_is_an_error_when_the_kernels_are_required(tmp_path, monkeypatch):
+    if not cpu_can_build("fp8_block_linear"):
+        pytest.skip("no C++ compiler")
+    _broken_csrc(tmp_path, monkeypatch)
+    monkeypatch.setenv("FP8ENGINE_REQUIRE_CPP", "1")
+    with pytest.raises(RuntimeError, match="failed to build and FP8ENGINE_REQUIRE_CPP=1"):
+        cpu_ops.load_cpu_ops.__wrapped__()
