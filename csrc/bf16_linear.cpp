@@ -178,7 +178,10 @@ void linear_large_m(const Problem& p, at::BFloat16* y) {
 
 constexpr int64_t kSmallM = 7;  // up to here streaming the weights per 4 rows beats padding M to 16
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+// batch_invariant: always the large-M path, whose per-row arithmetic does not depend on M or on the row's
+// place in the batch (the small-M path sums in another order; see fp8_linear.cpp).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                       bool batch_invariant) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "bf16_linear: x and w must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
@@ -197,7 +200,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
                   static_cast<const uint16_t*>(w.data_ptr()), w.stride(0),
                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
   auto* out = y.data_ptr<at::BFloat16>();
-  if (m <= kSmallM) {
+  if (m <= kSmallM && !batch_invariant) {
     linear_small_m(p, out);
   } else {
     linear_large_m(p, out);
@@ -208,7 +211,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
-  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias, bool batch_invariant=False) -> Tensor");
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
 }
 

@@ -647,9 +647,12 @@ void linear_large_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
 
 constexpr int64_t kSmallM = 7;  // up to here re-converting weights per 4 rows beats padding to 16
 
+// The two paths sum a row's products in different orders (along K in 16 lanes, then across them; or one
+// lane per row, pair after pair), so a row's result depends on which one M picks. The large-M path gives
+// every row the same arithmetic whatever M is and wherever the row sits: batch_invariant takes it always.
 template <typename T>
-void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y) {
-  if (p.m <= kSmallM) {
+void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant) {
+  if (p.m <= kSmallM && !batch_invariant) {
     linear_small_m(p, x, ue8m0, y);
   } else {
     linear_large_m(p, x, ue8m0, y);
@@ -660,8 +663,9 @@ void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y) {
 
 float e4m3_to_f32(uint8_t v) { return f32_from_bits(static_cast<uint32_t>(kE4m3Bf16.full[v]) << 16); }
 
+// One row at a time in a fixed order: batch invariant as it stands.
 template <typename T>
-void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y) {
+void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_invariant*/) {
   const int64_t kp = p.nkb * kBlock;
   auto xq = alloc_buffer<uint8_t>(p.m * kp);
   auto sx = alloc_buffer<float>(p.m * p.nkb);
@@ -693,7 +697,7 @@ void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y) {
 // scale_rows[n] instead of n / 128.
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale_inv,
                             const std::optional<at::Tensor>& bias, bool ue8m0,
-                            const std::optional<at::Tensor>& scale_rows) {
+                            const std::optional<at::Tensor>& scale_rows, bool batch_invariant) {
   TORCH_CHECK(x.device().is_cpu() && w_q.device().is_cpu() && w_scale_inv.device().is_cpu(),
               "fp8_block_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "fp8_block_linear: x must be a contiguous [M, K] tensor");
@@ -727,9 +731,9 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at
                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
                   mapped ? scale_rows->data_ptr<int32_t>() : nullptr};
   if (x.scalar_type() == at::kFloat) {
-    linear_impl(p, x.data_ptr<float>(), ue8m0, y.data_ptr<float>());
+    linear_impl(p, x.data_ptr<float>(), ue8m0, y.data_ptr<float>(), batch_invariant);
   } else {
-    linear_impl(p, x.data_ptr<at::BFloat16>(), ue8m0, y.data_ptr<at::BFloat16>());
+    linear_impl(p, x.data_ptr<at::BFloat16>(), ue8m0, y.data_ptr<at::BFloat16>(), batch_invariant);
   }
   return y;
 }
@@ -746,8 +750,8 @@ std::string fp8_cpu_backend() {
 
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.def(
-      "fp8_block_linear(Tensor x, Tensor w_q, Tensor w_scale_inv, Tensor? bias, bool ue8m0, Tensor? scale_rows=None) "
-      "-> Tensor");
+      "fp8_block_linear(Tensor x, Tensor w_q, Tensor w_scale_inv, Tensor? bias, bool ue8m0, Tensor? scale_rows=None, "
+      "bool batch_invariant=False) -> Tensor");
   m.def(
       "fp8_quantize_weight_(Tensor w, Tensor(a!) out_q, Tensor(b!) out_scale, bool ue8m0, bool scales_given=False) "
       "-> ()");

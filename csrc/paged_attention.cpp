@@ -703,9 +703,17 @@ std::vector<Tile> plan_tiles(const at::Tensor& query_start_loc, const at::Tensor
 // Splits the keys of every tile longer than max(kMinPartition, total keys / kTargetWorks) into
 // partitions of that length, so a few long sequences still keep every thread busy (and the split
 // never depends on the thread count), and returns the work items largest first.
-std::vector<Work> plan_works(std::vector<Tile>& tiles, const Problem& p, int64_t& scratch_size) {
+//
+// fixed_partition > 0 (batch invariance) splits at that many keys whatever the batch. A query row's
+// result then depends only on its own keys: its chunks start at the same keys in a prefill tile and
+// alone, keys it does not see add exact zeros (e = 0, p = 0), and a partition past its last key merges
+// with weight exp(-inf) = 0 while a lone partition merges with weight exp(0) = 1.
+std::vector<Work> plan_works(std::vector<Tile>& tiles, const Problem& p, int64_t fixed_partition,
+                             int64_t& scratch_size) {
   int64_t part = std::numeric_limits<int>::max();
-  if (!p.full_fp8()) {
+  if (!p.full_fp8() && fixed_partition > 0) {
+    part = fixed_partition;
+  } else if (!p.full_fp8()) {
     int64_t keys = 0;
     for (const Tile& t : tiles) keys += t.keys();
     part = std::max<int64_t>(kMinPartition, (keys + kTargetWorks * kLanes - 1) / (kTargetWorks * kLanes) * kLanes);
@@ -743,7 +751,9 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables_in, const at::Tensor& query_start_loc_in,
                            const at::Tensor& seq_lens_in, double scale, double k_scale, double v_scale,
-                           double q_scale) {
+                           double q_scale, int64_t fixed_partition) {
+  TORCH_CHECK(fixed_partition >= 0 && fixed_partition % kLanes == 0,
+              "fixed_partition must be 0 (adaptive) or a positive multiple of ", kLanes, ", got ", fixed_partition);
   check_cache(k_cache, v_cache);
   const int dim = static_cast<int>(k_cache.size(3)), kv_heads = static_cast<int>(k_cache.size(2));
   TORCH_CHECK(q_in.dim() == 3 && q_in.size(2) == dim && q_in.size(1) % kv_heads == 0,
@@ -774,7 +784,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   std::vector<Tile> tiles = plan_tiles(query_start_loc, seq_lens, block_tables, q.size(0), k_cache.size(0),
                                        kv_heads, group, p.block_size);
   int64_t scratch_size = 0;
-  const std::vector<Work> works = plan_works(tiles, p, scratch_size);
+  const std::vector<Work> works = plan_works(tiles, p, fixed_partition, scratch_size);
   std::vector<float> scratch(scratch_size);
   const int max_rows = std::max(1, kTargetRows / group) * group;
   dispatch_cache(k_cache.scalar_type(), [&](auto ct) {
@@ -849,7 +859,7 @@ void write_kv_cache(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
-      "Tensor seq_lens, float scale, float k_scale, float v_scale, float q_scale) -> Tensor");
+      "Tensor seq_lens, float scale, float k_scale, float v_scale, float q_scale, int fixed_partition=0) -> Tensor");
   m.def(
       "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
       "float k_scale, float v_scale) -> ()");

@@ -9,6 +9,8 @@
 //                                  fp8engine/model_executor/layers/sampler.py (the reference).
 // One pass finds the max, one sums exp in chunks (keeping each chunk's sum), and the draw rescans a
 // single chunk, instead of materialising log-softmax, probabilities and a cumulative sum over V.
+// With `forced` tokens (scoring a given sequence) the draw is skipped and the logprobs are those of the
+// forced token, by the same arithmetic as a draw of it.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -92,7 +94,7 @@ int64_t invert_cdf(const T* x, int64_t v, float inv_t, float shift, const float*
 
 template <typename T>
 void sample_row(const T* x, int64_t v, float temperature, float uniform, bool need_raw, float* chunks,
-                int64_t& token, float& processed, float& raw) {
+                int64_t forced, int64_t& token, float& processed, float& raw) {
   float max = 0.f;
   const int64_t best = argmax_row(x, v, max);
   const bool tempered = temperature > 0.f && temperature != 1.f;
@@ -100,13 +102,13 @@ void sample_row(const T* x, int64_t v, float temperature, float uniform, bool ne
                             ? max + std::log(sum_exp(x, v, 1.f, max, tempered ? nullptr : chunks))
                             : 0.f;
   if (temperature == 0.f) {
-    token = best;
+    token = forced >= 0 ? forced : best;
     processed = 0.f;
   } else {
     // max(x / T) == max / T: division by T > 0 rounds monotonically.
     const float inv_t = tempered ? 1.f / temperature : 1.f, shift = tempered ? max / temperature : max;
     const float total = tempered ? sum_exp(x, v, inv_t, shift, chunks) : std::exp(raw_lse - max);
-    token = invert_cdf(x, v, inv_t, shift, chunks, (1.f - uniform) * total);
+    token = forced >= 0 ? forced : invert_cdf(x, v, inv_t, shift, chunks, (1.f - uniform) * total);
     processed = tempered ? value(x, token) / temperature - shift - std::log(total) : value(x, token) - raw_lse;
   }
   raw = need_raw ? value(x, token) - raw_lse : 0.f;
@@ -114,7 +116,8 @@ void sample_row(const T* x, int64_t v, float temperature, float uniform, bool ne
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits_in,
                                                            const at::Tensor& temperature_in,
-                                                           const at::Tensor& uniform_in, bool need_raw) {
+                                                           const at::Tensor& uniform_in, bool need_raw,
+                                                           const std::optional<at::Tensor>& forced_in) {
   TORCH_CHECK(logits_in.dim() == 2 && logits_in.size(1) > 0, "logits must be [rows, vocab]");
   TORCH_CHECK(logits_in.scalar_type() == at::kFloat || logits_in.scalar_type() == at::kBFloat16,
               "logits must be float32 or bfloat16");
@@ -124,6 +127,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& log
   TORCH_CHECK(temperature.numel() == rows && uniform.numel() == rows, "temperature and uniform need one value per row");
   TORCH_CHECK((temperature >= 0).all().item<bool>(), "temperature must be >= 0");
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
+  at::Tensor forced;
+  if (forced_in.has_value() && forced_in->defined()) {
+    forced = forced_in->to(at::kLong).contiguous();
+    TORCH_CHECK(forced.numel() == rows, "forced needs one token per row");
+    TORCH_CHECK(rows == 0 || (forced.min().item<int64_t>() >= 0 && forced.max().item<int64_t>() < v),
+                "forced tokens must lie in [0, vocab)");
+  }
+  const int64_t* f = forced.defined() ? forced.data_ptr<int64_t>() : nullptr;
   at::Tensor tokens = at::empty({rows}, at::kLong);
   at::Tensor processed = at::empty({rows}, at::kFloat), raw = at::empty({rows}, at::kFloat);
   const float* t = temperature.data_ptr<float>();
@@ -134,7 +145,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& log
       std::vector<float> chunks((v + kChunk - 1) / kChunk);
       for (int64_t r = begin; r < end; ++r)
         sample_row(logits.data_ptr<T>() + r * logits.stride(0), v, t[r], u[r], need_raw, chunks.data(),
-                   tokens.data_ptr<int64_t>()[r], processed.data_ptr<float>()[r], raw.data_ptr<float>()[r]);
+                   f ? f[r] : -1, tokens.data_ptr<int64_t>()[r], processed.data_ptr<float>()[r],
+                   raw.data_ptr<float>()[r]);
     });
   });
   return {tokens, processed, raw};
@@ -143,7 +155,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& log
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
-  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor uniform, bool need_raw) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "sample_rows(Tensor logits, Tensor temperature, Tensor uniform, bool need_raw, Tensor? forced=None) -> "
+      "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fp8engine, CPU, m) { m.impl("sample_rows", &sample_rows); }

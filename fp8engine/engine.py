@@ -1,5 +1,6 @@
 """LLMEngine: requests in, rollouts with logprobs and preemption counts out, weights updated in place."""
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -11,13 +12,13 @@ from transformers import AutoTokenizer
 from fp8engine.config import EngineConfig
 from fp8engine.detokenizer import Detokenizer
 from fp8engine.kvcache.block_manager import BlockManager
-from fp8engine.kvcache.kv_scales import KVScaleManager
+from fp8engine.kvcache.kv_scales import CALIBRATION_TEXT, KVScaleManager
 from fp8engine.model_executor.layers.sampler import SampleRow, sample
 from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.outputs import CompletionOutput, EngineStats, RequestOutput, WeightUpdateReport
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.scheduler.scheduler import ScheduledSeq, Scheduler
-from fp8engine.scheduler.sequence import Request, Sequence, SeqStatus
+from fp8engine.scheduler.sequence import Request, Scoring, Sequence, SeqStatus
 from fp8engine.weights import updater
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.loader import resolve
@@ -47,6 +48,9 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.kv_scales = KVScaleManager(config, self.runner.attn_layers, self.model_dir)
+        if config.batch_invariant:
+            calibration = self._calibration_tokens()
+            self.kv_scales.fixed_calibration = lambda: self.runner.forward_detached(calibration)
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, Request] = {}
         self.weight_version = 0
@@ -71,8 +75,8 @@ class LLMEngine:
         token_ids = self._tokenize(prompt)
         self._check_fits(token_ids, params)
         request = Request(request_id, token_ids, params, self.weight_version,
-                          prompt if isinstance(prompt, str) else None)
-        seq = Sequence(request, 0, list(token_ids), self._generator(params, 0))
+                          prompt if isinstance(prompt, str) else None, self._request_seed(params))
+        seq = Sequence(request, 0, list(token_ids))
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
@@ -131,6 +135,40 @@ class LLMEngine:
             raise
         return self._run_until_done(ids, use_tqdm)
 
+    def score(self, prompts: list[list[int]], responses: list[list[int]],
+              params: SamplingParams) -> list[list[float]]:
+        """Per-token logprobs of each response given its prompt (token ids), from one teacher-forced
+        forward of prompt + response, each computed as the sampler reports a sampled token's logprob
+        under `params` (logprobs_mode, temperature, top-k/p, min-p, min_tokens bans; logprobs=None
+        counts as 0, as in a rollout, and a k > 0 takes the sampler's path for top-k alternatives).
+
+        With batch_invariant=True and the same weights they equal, bit for bit, the logprobs the engine
+        reported when it sampled these responses with `params`: the forward, the LM head and the
+        sampler's arithmetic are the same per row whatever the batch, chunking or cache.
+        """
+        if len(prompts) != len(responses):
+            raise ValueError(f"got {len(prompts)} prompts for {len(responses)} responses")
+        params.validate()
+        if params.logprobs is None:  # what a rollout asks for (the sampled token's logprob only)
+            params = dataclasses.replace(params, logprobs=0)
+        forward = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+        requests, ids = [], []
+        try:
+            for prompt, response in zip(prompts, responses):
+                if not response:
+                    requests.append(None)
+                    continue
+                ids.append(self.add_request(list(prompt) + list(response[:-1]), forward))
+                request = self.requests[ids[-1]]
+                request.scoring = Scoring(params, len(prompt), response)
+                requests.append(request)
+        except ValueError:
+            for request_id in ids:
+                self.abort_request(request_id)
+            raise
+        self._run_until_done(ids, False)
+        return [[] if r is None else r.scoring.logprobs for r in requests]
+
     def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         progress = _progress(len(ids), use_tqdm)
@@ -171,7 +209,7 @@ class LLMEngine:
             return [seq]
         children, queued = [], []
         for i in range(1, request.params.n):
-            child = seq.fork(i, self._generator(request.params, i))
+            child = seq.fork(i)
             if self.block_manager.can_fork(seq):
                 self.block_manager.fork(seq, child)
                 children.append(child)
@@ -184,7 +222,8 @@ class LLMEngine:
         return [seq] + children + queued
 
     def _sample(self, sampling: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
-        rows = [SampleRow(s.params, s.generator, self._banned_tokens(s)) for s, _ in sampling]
+        rows = [SampleRow(s.params, s.request.seed, s.index, s.num_tokens, self._banned_tokens(s))
+                for s, _ in sampling]
         index = [r for _, r in sampling]
         if index != list(range(logits.shape[0])):  # forks share their parent's row
             logits = logits[torch.tensor(index, device=logits.device)]
@@ -240,14 +279,19 @@ class LLMEngine:
         return True
 
     def _banned_tokens(self, seq: Sequence) -> tuple[int, ...]:
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        return self._bans(seq.params, seq.num_output_tokens)
+
+    def _bans(self, p: SamplingParams, num_output_tokens: int) -> tuple[int, ...]:
+        if num_output_tokens >= p.min_tokens:
             return ()
         eos = () if p.ignore_eos else tuple(self.eos_token_ids)
         return eos + tuple(p.stop_token_ids)
 
     def _record_prompt_logprobs(self, seq: Sequence, n: int, logits: torch.Tensor) -> None:
         request, start = seq.request, seq.num_computed_tokens
+        if request.scoring is not None:
+            self._record_scores(request, start, n, logits)
+            return
         if start == 0:
             request.partial_prompt_logprobs = [None]
         logp = torch.log_softmax(logits, dim=-1)
@@ -255,6 +299,21 @@ class LLMEngine:
         request.partial_prompt_logprobs += logp[torch.arange(len(targets)), targets].tolist()
         if len(request.partial_prompt_logprobs) == seq.num_prompt_tokens:
             request.prompt_logprobs = request.partial_prompt_logprobs
+
+    def _record_scores(self, request: Request, start: int, n: int, logits: torch.Tensor) -> None:
+        """Rows start..start+n-1 of a scoring request: row j scores response token j + 1 - prompt_len."""
+        scoring = request.scoring
+        if start == 0:  # a preempted request recomputes from the start
+            scoring.logprobs = []
+        first = max(0, scoring.prompt_len - 1 - start)
+        targets = list(range(start + first + 1 - scoring.prompt_len, min(start + n + 1 - scoring.prompt_len,
+                                                                         len(scoring.response))))
+        if targets:
+            rows = [SampleRow(scoring.params, 0, 0, 0, self._bans(scoring.params, i)) for i in targets]
+            got = sample(logits[first:first + len(targets)], rows, forced=[scoring.response[i] for i in targets])
+            scoring.logprobs += got.logprobs
+        if start + n == len(request.prompt_token_ids):
+            request.prompt_logprobs = scoring.logprobs  # done: nothing to recompute after a preemption
 
     def _emit(self, request: Request) -> RequestOutput:
         out = self._request_output(request)
@@ -280,7 +339,7 @@ class LLMEngine:
             top_logprobs=list(seq.top_logprobs) if wants and seq.params.logprobs else None,
             log_kept_mass=list(seq.log_kept_mass) if wants and seq.params.logprobs_mode == "processed" else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            num_preemptions=seq.num_preemptions)
+            num_preemptions=seq.num_preemptions, seed=seq.request.seed)
 
     # ------------------------------------------------------------------ inputs
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -321,10 +380,20 @@ class LLMEngine:
                              f"({params.max_tokens}) needs {longest} KV slots, the whole cache holds "
                              f"{capacity}; raise kv_cache_memory_bytes or lower max_tokens")
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
-        seed = params.seed + index if params.seed is not None else int(
-            torch.randint(0, 2**62, (1,), generator=self._seed_source))
-        return torch.Generator().manual_seed(seed)
+    def _request_seed(self, params: SamplingParams) -> int:
+        if params.seed is not None:
+            if isinstance(params.seed, bool) or not isinstance(params.seed, int):
+                raise TypeError(f"seed must be an int or None, got {params.seed!r}")
+            return params.seed
+        return int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+
+    def _calibration_tokens(self) -> list[int]:
+        """CALIBRATION_TEXT as a user turn (chat-rendered when the model has a template), cut to fit."""
+        if self.tokenizer.chat_template:
+            ids = self.render_chat([{"role": "user", "content": CALIBRATION_TEXT}])
+        else:
+            ids = self.tokenizer(CALIBRATION_TEXT, add_special_tokens=True)["input_ids"]
+        return ids[:self.max_model_len]
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()

@@ -13,6 +13,9 @@ class CompletionOutput:
         truncation (0 when nothing is truncated); add it to a processed logprob to get the
         logprob under the temperature-only distribution.
     num_preemptions: times this sample was preempted (and recomputed).
+    seed: the request's sampling seed (SamplingParams.seed, or the one the engine drew when it had
+        none); SamplingParams(seed=seed) with the same other params (and n > index) reproduces this
+        sample, whose noise at each position is a function of (seed, index, position) alone.
     """
 
     index: int
@@ -24,6 +27,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    seed: int | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:

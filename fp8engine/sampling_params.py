@@ -11,7 +11,9 @@ class SamplingParams:
     temperature: 0 means greedy. top_k: -1 = off. top_p in (0, 1]. min_p in [0, 1].
     max_tokens / min_tokens: bounds on generated tokens (min_tokens suppresses EOS and stops).
     stop / stop_token_ids / ignore_eos: extra stop conditions; a stop string is cut from the text.
-    seed: per-request seed; sample i of the request uses seed + i.
+    seed: per-request seed; the noise of sample i at position p is a stateless hash of (seed, i, p),
+        so a seeded sample reproduces whatever it is batched with. None: the engine draws one and
+        reports it (CompletionOutput.seed).
     logprobs: None = none; k >= 0 = the sampled token's logprob plus the top-k alternatives.
     logprobs_mode: "raw" = log-softmax of the logits; "processed" = log-probability under the
         distribution actually sampled from (after temperature, top-k, top-p, min-p). Greedy

@@ -16,12 +16,15 @@ from fp8engine.config import EngineConfig
 from fp8engine.engine import LLMEngine
 from fp8engine.sampling_params import SamplingParams
 
-MODES = {
+_BASE_MODES = {
     "bf16": dict(),
     "fp8-linear": dict(quantization="fp8"),
     "fp8-kv": dict(kv_cache_dtype="fp8_e4m3"),
     "full-fp8": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", fp8_attention=True),
 }
+# Each mode also batch invariant ("-bi") and with the float32 LM head ("-fp32head"), to measure what they cost.
+MODES = {**_BASE_MODES, **{f"{name}-bi": dict(options, batch_invariant=True) for name, options in _BASE_MODES.items()},
+         "bf16-fp32head": dict(lm_head_fp32=True), "bf16-bi-fp32head": dict(batch_invariant=True, lm_head_fp32=True)}
 
 
 @dataclass(frozen=True)

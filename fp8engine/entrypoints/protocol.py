@@ -3,7 +3,9 @@
 Request extensions (both endpoints): top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
 return_token_ids, logprobs_mode ("raw" | "processed", default "processed"). Choice extensions:
 logprobs_mode, num_preemptions, weight_version; token_ids and prompt_token_ids with
-return_token_ids; log_kept_mass (per token, processed logprobs only) when logprobs are requested.
+return_token_ids; log_kept_mass (per token, processed logprobs only) when logprobs are requested;
+seed (the request's sampling seed, drawn by the engine when none was given: with the same
+request it reproduces the choice), in a stream's first chunk of each choice.
 In streams, token_ids / log_kept_mass hold the chunk's new tokens only.
 """
 
@@ -342,6 +344,8 @@ class ResponseBuilder:
             ext["token_ids"] = piece.token_ids
             if first:
                 ext["prompt_token_ids"] = out.prompt_token_ids
+        if first:
+            ext["seed"] = out.outputs[0].seed
         if piece.log_kept_mass is not None:
             ext["log_kept_mass"] = piece.log_kept_mass
         return ext

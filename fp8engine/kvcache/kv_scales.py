@@ -8,11 +8,16 @@ external:  scales come from the trainer, via update_weights(kv_scales=...) or na
            model.layers.{i}.self_attn.{k,v}_scale, and are used exactly as given.
 static:    scales from the checkpoint (or 1.0), never changed.
 With a non-FP8 KV cache every scale is 1.0 and nothing is measured.
+
+With batch_invariant the recompute forward is not the first batch of requests (whose amax depends on
+what happened to be in it) but one forward of CALIBRATION_TEXT against a private cache, so the scales
+are a function of the weights alone, the same for every batch and reproducible by a trainer.
 """
 
 import contextlib
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -20,6 +25,12 @@ from fp8engine.config import EngineConfig
 from fp8engine.model_executor.layers.attention import Attention
 from fp8engine.weights.loader import KV_SCALE_NAME, is_kv_scale, iter_safetensors
 from fp8engine.weights.quant import FP8_MAX
+
+CALIBRATION_TEXT = (
+    "Calibrate the key and value scales on ordinary text: prose, numbers such as 3.14159 and 2026, code like "
+    "`for i in range(10): print(i ** 2)`, a list (apples, pears, plums), a question? An answer! And a long "
+    "sentence that runs on for a while, so that attention sees more than a handful of positions before it ends."
+)
 
 
 class KVScaleManager:
@@ -31,6 +42,8 @@ class KVScaleManager:
         self.layers = layers
         self.seconds_total = 0.0
         self.num_calibrations = 0
+        # batch_invariant: runs the fixed calibration forward (set by the engine); None measures the live batch
+        self.fixed_calibration: Callable[[], None] | None = None
         if self.enabled:
             for layer in layers:
                 layer.q_scale = 1.0 if self.fp8_attention else 0.0
@@ -50,12 +63,17 @@ class KVScaleManager:
         for layer in self.layers:
             layer.observer = self._observe
         try:
-            yield
+            if self.fixed_calibration is None:
+                yield
+            else:
+                self.fixed_calibration()
         finally:
             for layer in self.layers:
                 layer.observer = None
             self.pending = False
             self.num_calibrations += 1
+        if self.fixed_calibration is not None:
+            yield
 
     def _observe(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Runs inside the forward pass; seconds_total counts only this extra work."""

@@ -3,6 +3,7 @@
 Triton and the optional GPU libraries are imported only here, only when the device is CUDA.
 """
 
+import functools
 import logging
 from types import SimpleNamespace
 
@@ -11,17 +12,34 @@ from fp8engine.weights import quant
 
 logger = logging.getLogger(__name__)
 
+# Keys per split-KV partition under batch_invariant: fixed, so a context splits the same way whatever
+# else is in the batch (the adaptive split follows the batch's total keys).
+BATCH_INVARIANT_KV_PARTITION = 512
+
 
 def fp8_linear(config: EngineConfig):
-    """(backend name, block-FP8 linear fn) or ("none", None) when quantization is off."""
+    """(backend name, block-FP8 linear fn); with quantization off, the name of the model-dtype GEMM and None."""
     if config.quantization != "fp8":
-        return "none", None
+        return _dense_linear_backend(config), None
+    if config.device == "cpu" and config.batch_invariant:
+        from fp8engine.model_executor.kernels import fp8_linear_cpu
+        return (fp8_linear_cpu.cpu_fp8_backend(),
+                functools.partial(fp8_linear_cpu.fp8_block_linear_cpu, batch_invariant=True))
     if config.device == "cuda":
         from fp8engine.model_executor.kernels import fp8_triton
         return ("deepgemm" if fp8_triton.deepgemm_available() else "triton"), _linear_with_scale_fmt(
             fp8_triton.fp8_block_linear_triton)
     from fp8engine.model_executor.kernels import fp8_linear_cpu
     return fp8_linear_cpu.cpu_fp8_backend(), fp8_linear_cpu.fp8_block_linear_cpu
+
+
+def _dense_linear_backend(config: EngineConfig) -> str:
+    """BF16 on CPU: the C++ GEMV for decode-sized batches (M <= 4) and torch's GEMM above, or the C++ GEMM
+    for every M when batch invariant; torch otherwise."""
+    from fp8engine.model_executor.kernels import bf16_linear_cpu
+    if config.device == "cpu" and config.dtype == "bfloat16" and bf16_linear_cpu.kernel_ops() is not None:
+        return "cpp-bf16" if config.batch_invariant else "cpp-bf16-gemv+torch"
+    return "torch"
 
 
 def _linear_with_scale_fmt(fn):
@@ -64,7 +82,9 @@ def attention(config: EngineConfig) -> SimpleNamespace:
             logger.warning("fp8engine: Triton paged attention unavailable (%s); using the torch reference", exc)
     from fp8engine.model_executor.kernels import attention_cpu, attention_ref
     if config.device == "cpu" and attention_cpu.kernel_ops() is not None:
-        return SimpleNamespace(name="cpp", write_kv_cache=attention_cpu.write_kv_cache_cpu,
-                               paged_attention=attention_cpu.paged_attention_cpu)
+        attend = attention_cpu.paged_attention_cpu
+        if config.batch_invariant:
+            attend = functools.partial(attend, fixed_partition=BATCH_INVARIANT_KV_PARTITION)
+        return SimpleNamespace(name="cpp", write_kv_cache=attention_cpu.write_kv_cache_cpu, paged_attention=attend)
     return SimpleNamespace(name="torch", write_kv_cache=attention_ref.write_kv_cache_ref,
                            paged_attention=attention_ref.paged_attention_ref)

@@ -42,6 +42,10 @@ class ModelRunner:
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
         load_checkpoint(self.model, model_dir, self.quantize_into, self.block_scales)
         self.model.eval()
+        for module in self.model.modules():
+            if hasattr(module, "batch_invariant"):
+                module.batch_invariant = config.batch_invariant
+        self.model.lm_head.fp32 = config.lm_head_fp32
         self.attn_layers = self.model.attention_layers()
         for layer in self.attn_layers:
             layer.backend = self.attention
@@ -87,6 +91,29 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    @torch.inference_mode()
+    def forward_detached(self, token_ids: list[int]) -> None:
+        """One forward of token_ids as a lone sequence against a private KV cache, for calibration: the
+        engine's cache and the scheduler's blocks are untouched."""
+        n, bs, first = len(token_ids), self.block_size, self.attn_layers[0]
+        num_blocks = -(-n // bs)
+        scratch = torch.zeros(2, num_blocks, bs, first.num_kv_heads, first.head_dim, dtype=self.kv_dtype,
+                              device=self.device)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None])
+        try:
+            for layer in self.attn_layers:
+                layer.k_cache, layer.v_cache = scratch[0], scratch[1]
+            self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
+                       torch.arange(n, dtype=torch.int64, device=dev), meta)
+        finally:
+            for i, layer in enumerate(self.attn_layers):
+                layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:

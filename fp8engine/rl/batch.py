@@ -1,6 +1,6 @@
 """RolloutBatch: rollouts as padded tensors ready for a policy-gradient loss."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +38,8 @@ class RolloutBatch:
     num_preemptions: [B] int64. weight_version: the weights every token came from.
     finish_reasons / response_texts: per sequence. n: samples per prompt.
     stats: rollout statistics of this call (see `rollout_stats`).
+    scorer: (prompts, responses, params) -> per-token logprobs from the engine that made the batch, with
+        its weights and numerics (`response_logprobs(..., exact=True)`); None where there is none (HTTP).
     """
 
     prompt_ids: Tensor
@@ -53,6 +55,7 @@ class RolloutBatch:
     n: int
     pad_token_id: int
     stats: dict = field(default_factory=dict)
+    scorer: Callable | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -67,6 +70,12 @@ class RolloutBatch:
     def position_ids(self) -> Tensor:
         """[B, P + R] positions that skip the left padding (what the engine used)."""
         return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def prompts_and_responses(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Each row's prompt and response token ids, without padding."""
+        prompt_mask, response_mask = self.attention_mask[:, :self.prompt_ids.shape[1]].bool(), self.response_mask.bool()
+        return ([row[m].tolist() for row, m in zip(self.prompt_ids, prompt_mask)],
+                [row[m].tolist() for row, m in zip(self.response_ids, response_mask)])
 
     @property
     def response_lengths(self) -> Tensor:
@@ -85,8 +94,8 @@ def collate(samples: Sequence[Sample], n: int, pad_token_id: int) -> RolloutBatc
     return RolloutBatch(
         prompt_ids=prompt_ids, response_ids=response_ids,
         attention_mask=torch.cat([prompt_mask, response_mask], dim=1), response_mask=response_mask,
-        rollout_logprobs=_pad_float([s.logprobs for s in samples], response_ids.shape[1]),
-        log_kept_mass=None if None in kept else _pad_float(kept, response_ids.shape[1]),
+        rollout_logprobs=pad_float([s.logprobs for s in samples], response_ids.shape[1]),
+        log_kept_mass=None if None in kept else pad_float(kept, response_ids.shape[1]),
         num_preemptions=torch.tensor([s.num_preemptions for s in samples], dtype=torch.int64),
         weight_version=versions.pop(), finish_reasons=[s.finish_reason for s in samples],
         response_texts=[s.text for s in samples], n=n, pad_token_id=pad_token_id)
@@ -129,7 +138,7 @@ def _pad(rows: list[list[int]], pad: int, left: bool) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
-def _pad_float(rows: list[list[float]], width: int) -> Tensor:
+def pad_float(rows: list[list[float]], width: int) -> Tensor:
     out = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, row in enumerate(rows):
         out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)

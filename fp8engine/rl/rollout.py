@@ -1,6 +1,7 @@
 """RolloutEngine: the trainer adapter over an in-process LLMEngine."""
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal
@@ -62,19 +63,24 @@ class RolloutEngine:
         seconds = time.perf_counter() - start
         batch = collate([s for out in outputs for s in _samples(out)], n, self.pad_token_id)
         batch.stats = rollout_stats(batch, seconds, self.engine.get_stats())
+        batch.scorer = functools.partial(self._score, batch.weight_version)
         return batch
+
+    def _score(self, weight_version: int, prompts: list[list[int]], responses: list[list[int]],
+               params: SamplingParams) -> list[list[float]]:
+        if self.engine.weight_version != weight_version:
+            raise ValueError(f"the batch came from weight version {weight_version} but the engine now holds "
+                             f"{self.engine.weight_version}; exact logprobs need the weights that sampled it")
+        return self.engine.score(prompts, responses, params)
 
     def pause(self, mode: PauseMode = "abort") -> None:
         """Stop generating. In-flight requests (added to `.engine` directly) are aborted
-        ("abort"), run to completion ("wait") or kept queued, un-stepped, until resume()
+        ("abort") or run to completion ("wait"), their final outputs coming back from the next
+        `engine.step()` as after a weight update; or kept queued, un-stepped, until resume()
         ("keep"; a sync meanwhile finishes them on the old weights: no rollout spans two
         versions). rollout() raises while paused."""
-        if check_pause_mode(mode) == "abort":
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
-        elif mode == "wait":
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
+        if check_pause_mode(mode) != "keep":
+            self.engine._drain(mode)
         self.paused = mode
 
     def resume(self) -> None:

@@ -3,8 +3,6 @@
 import itertools
 from enum import Enum, auto
 
-import torch
-
 from fp8engine.detokenizer import DetokState
 from fp8engine.kvcache.hashing import chain_hash
 from fp8engine.sampling_params import SamplingParams
@@ -17,11 +15,16 @@ class SeqStatus(Enum):
 
 
 class Request:
-    """A prompt with its sampling params; its n samples start as one sequence and fork after prefill."""
+    """A prompt with its sampling params; its n samples start as one sequence and fork after prefill.
+
+    seed: params.seed, or the one the engine drew for it; sample i's noise at position p is
+    a function of (seed, i, p) alone.
+    """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 weight_version: int, prompt: str | None = None):
+                 weight_version: int, prompt: str | None = None, seed: int = 0):
         self.request_id = request_id
+        self.seed = seed
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -31,6 +34,7 @@ class Request:
         self.partial_prompt_logprobs: list[float | None] = []
         self.num_cached_tokens = 0
         self.aborted = False
+        self.scoring: Scoring | None = None
 
     @property
     def finished(self) -> bool:
@@ -38,10 +42,21 @@ class Request:
         return done and (self.aborted or len(self.seqs) == self.params.n)
 
 
+class Scoring:
+    """A teacher-forced request (LLMEngine.score): its prompt is prompt + response[:-1], and the row at
+    position j scores response[j + 1 - prompt_len] as the sampler would have reported it under `params`."""
+
+    def __init__(self, params: SamplingParams, prompt_len: int, response: list[int]):
+        self.params = params
+        self.prompt_len = prompt_len
+        self.response = list(response)
+        self.logprobs: list[float] = []
+
+
 class Sequence:
     _ids = itertools.count()
 
-    def __init__(self, request: Request, index: int, token_ids: list[int], generator: torch.Generator):
+    def __init__(self, request: Request, index: int, token_ids: list[int]):
         self.seq_id = next(Sequence._ids)
         self.request = request
         self.index = index
@@ -53,7 +68,6 @@ class Sequence:
         self._block_hashes: list[int] = []
         self.status = SeqStatus.WAITING
         self.num_preemptions = 0
-        self.generator = generator
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.log_kept_mass: list[float] = []
@@ -97,8 +111,8 @@ class Sequence:
             self._block_hashes.append(chain_hash(prev, self.block_tokens(j, block_size)))
         return self._block_hashes[i]
 
-    def fork(self, index: int, generator: torch.Generator) -> "Sequence":
-        child = Sequence(self.request, index, list(self.token_ids), generator)
+    def fork(self, index: int) -> "Sequence":
+        child = Sequence(self.request, index, list(self.token_ids))
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child._block_hashes = list(self._block_hashes)

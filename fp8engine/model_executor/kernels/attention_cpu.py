@@ -15,14 +15,18 @@ def kernel_ops():
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
-                        v_scale: float = 1.0, fp8_q_scale: float | None = None) -> torch.Tensor:
+                        v_scale: float = 1.0, fp8_q_scale: float | None = None,
+                        fixed_partition: int = 0) -> torch.Tensor:
+    """fixed_partition: 0 lets the kernel split long contexts by the batch's total keys; a multiple of 16
+    splits every context at that many keys, so a query row's result does not depend on the batch (the
+    torch reference fallback makes no such promise)."""
     ops = kernel_ops()
     if ops is None:
         return paged_attention_ref(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                                    k_scale, v_scale, fp8_q_scale)
     check_full_fp8(k_cache, fp8_q_scale)
     return ops.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
-                               v_scale, 0.0 if fp8_q_scale is None else fp8_q_scale)
+                               v_scale, 0.0 if fp8_q_scale is None else fp8_q_scale, fixed_partition)
 
 
 def write_kv_cache_cpu(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

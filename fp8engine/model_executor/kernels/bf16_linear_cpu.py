@@ -25,11 +25,15 @@ def use_kernel(m: int) -> bool:
     return m <= _STREAM_MAX_M
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight^T + bias; x: [..., K], weight: [N, K] (read in place), y: [..., N] in x's dtype."""
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                batch_invariant: bool = False) -> torch.Tensor:
+    """y = x @ weight^T + bias; x: [..., K], weight: [N, K] (read in place), y: [..., N] in x's dtype.
+
+    batch_invariant: the kernel for every M, on the one path whose row results do not depend on the
+    batch (torch's GEMM picks its blocking by shape); needs bf16 on a CPU with the kernel."""
     n, k = weight.shape
     if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or weight.stride(-1) != 1 or x.numel() == 0 or not use_kernel(x.numel() // k)):
+            or weight.stride(-1) != 1 or x.numel() == 0 or not (batch_invariant or use_kernel(x.numel() // k))):
         return F.linear(x, weight, bias)
     kernel = cpu_kernel("bf16_linear")
     if kernel is None:
@@ -37,4 +41,4 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return kernel(x2, weight, bias).reshape(*x.shape[:-1], n)
+    return kernel(x2, weight, bias, batch_invariant).reshape(*x.shape[:-1], n)

@@ -30,10 +30,12 @@ def _ue8m0(scale_fmt: str | None) -> bool:
 
 def fp8_block_linear_cpu(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
                          bias: torch.Tensor | None = None, scale_fmt: str | None = None,
-                         scale_rows: torch.Tensor | None = None) -> torch.Tensor:
+                         scale_rows: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """y = x @ dequant(w_q)^T + bias with per-token 1x128 activation quantization; x: [..., K].
 
-    scale_rows (int32 [N]): the w_scale_inv row of each output row, for stacked per-shard grids."""
+    scale_rows (int32 [N]): the w_scale_inv row of each output row, for stacked per-shard grids.
+    batch_invariant: the kernel takes one path for every M, so a row's result does not depend on the other
+    rows (the torch reference fallback makes no such promise: its matmuls are torch's)."""
     kernel = cpu_kernel("fp8_block_linear")
     if kernel is None:
         return quant.fp8_block_linear_ref(x, w_q, w_scale_inv, bias, scale_fmt=scale_fmt, scale_rows=scale_rows)
@@ -42,12 +44,13 @@ def fp8_block_linear_cpu(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.
             and w_scale_inv.dtype == torch.float32 and w_scale_inv.is_contiguous()):
         # The engine's case, without the conversions below: at decode, 120 calls a token make the
         # Python around the kernel count (3.5 us a call, 0.4 ms a token, for no-op reshapes and copies).
-        return kernel(x, w_q, w_scale_inv, bias, ue8m0, scale_rows)
+        return kernel(x, w_q, w_scale_inv, bias, ue8m0, scale_rows, batch_invariant)
     n, k = w_q.shape
     x2 = x.reshape(-1, k)
     if x.dtype not in _KERNEL_DTYPES:  # the reference computes in float32 and rounds once at the end
         x2 = x2.float()
-    y = kernel(x2.contiguous(), w_q.contiguous(), w_scale_inv.float().contiguous(), bias, ue8m0, scale_rows)
+    y = kernel(x2.contiguous(), w_q.contiguous(), w_scale_inv.float().contiguous(), bias, ue8m0, scale_rows,
+               batch_invariant)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

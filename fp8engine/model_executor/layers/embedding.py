@@ -5,6 +5,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fp8engine.model_executor.kernels.bf16_linear_cpu import bf16_linear
+from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
 
 
 class VocabEmbedding(nn.Module):
@@ -17,7 +18,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Logits in the model dtype; shares its weight with the embedding when the model ties them."""
+    """Logits in the model dtype, or float32 (`fp32`); shares its weight with the embedding when the model
+    ties them. `batch_invariant`: a row's logits do not depend on the other rows."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  tied_to: VocabEmbedding | None = None):
@@ -27,6 +29,20 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype),
                                        requires_grad=False)
+        self.fp32 = False
+        self.batch_invariant = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return bf16_linear(hidden, self.weight)
+        if self.fp32:
+            return lm_head_fp32(hidden, self.weight)
+        return bf16_linear(hidden, self.weight, None, self.batch_invariant)
+
+
+def lm_head_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 logits of hidden [M, K] against weight [V, K] in the model dtype, every product and sum in
+    float32: the C++ kernel on CPU (batch invariant), torch elsewhere."""
+    kernel = cpu_kernel("lm_head_f32") if hidden.device.type == "cpu" else None
+    x = hidden.float()
+    if kernel is None or hidden.dim() != 2:
+        return F.linear(x, weight.float())
+    return kernel(x.contiguous(), weight if weight.is_contiguous() else weight.contiguous())

@@ -28,6 +28,7 @@ class Linear(nn.Module):
         self.out_features = sum(self.shard_sizes)
         self.fp8_fn = fp8_fn
         self.scale_fmt = scale_fmt
+        self.batch_invariant = False  # model-dtype layers: one kernel path for every M (the FP8 fn is bound)
         weight_dtype = FP8_DTYPE if fp8_fn is not None else dtype
         self.weight = _param(torch.empty(self.out_features, in_features, dtype=weight_dtype))
         self.bias = _param(torch.zeros(self.out_features, dtype=dtype)) if bias else None
@@ -56,7 +57,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_fp8:
-            return bf16_linear(x, self.weight, self.bias)
+            return bf16_linear(x, self.weight, self.bias, self.batch_invariant)
         if self.fused_scales:
             return self.fp8_fn(x, self.weight, self.weight_scale_inv, self.bias, self.scale_fmt)
         if x.device.type == "cpu":

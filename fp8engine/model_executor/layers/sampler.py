@@ -9,9 +9,13 @@ The processed distribution (what tokens are actually drawn from), for temperatur
     processed logprob = log p - log(kept mass), -inf outside the kept set.
 `log_kept_mass` = log(sum of p over the kept set) is returned per token so a trainer that does not
 truncate can remove the renormalisation. Greedy (T = 0) is a point mass: processed logprob 0.
-Sampling inverts the CDF of p_kept with one uniform number from each sequence's own generator.
-On CPU, batches without truncation, banned tokens or top-k alternatives take a fused C++ kernel
-(csrc/sampler.cpp) with the same definition; this module is its reference.
+Sampling inverts the CDF of p_kept at 1 - u, where u = `sampling_uniforms(seed, index, position)`
+is a counter-based hash of the request's seed, the sample's index and the position of the token
+being drawn: the noise of a token depends on nothing else (batch, preemption, earlier draws).
+On CPU, rows without truncation, banned tokens or top-k alternatives take a fused C++ kernel
+(csrc/sampler.cpp) with the same definition and the same uniforms; this module is its reference.
+The two sum the CDF in different orders, so at a float32 near-tie (1 - u within rounding of a CDF
+step) they may pick neighbouring tokens; which path a row takes depends on that row alone.
 """
 
 from dataclasses import dataclass
@@ -23,10 +27,18 @@ from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
 from fp8engine.sampling_params import SamplingParams
 
 
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
+
+
 @dataclass(slots=True)
 class SampleRow:
+    """One row to sample: its params and the (seed, sample index, position) that fix its noise."""
+
     params: SamplingParams
-    generator: torch.Generator
+    seed: int
+    index: int = 0
+    position: int = 0
     banned_token_ids: tuple[int, ...] = ()
 
 
@@ -36,6 +48,36 @@ class SampleResult:
     logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]
     log_kept_mass: list[float | None]
+
+
+def sampling_uniforms(seeds: list[int], indices: list[int], positions: list[int]) -> torch.Tensor:
+    """Sampling noise [R] (float32 in [0, 1), 24 random bits) for each (seed, sample index, position).
+
+    A stateless hash, splitmix64's finaliser chained over seed, index and position (seeds are
+    taken mod 2**64), so a token's noise is the same whatever else is drawn before or beside it.
+    """
+    seed = torch.tensor([_as_int64(s) for s in seeds], dtype=torch.int64)
+    gamma = _as_int64(_GAMMA)
+    h = _mix64(seed + gamma)
+    h = _mix64(h ^ (torch.tensor(indices, dtype=torch.int64) + gamma))
+    h = _mix64(h ^ (torch.tensor(positions, dtype=torch.int64) + gamma))
+    return _shift_right(h, 40).to(torch.float32) * 2.0**-24
+
+
+def _as_int64(value: int) -> int:
+    """The int64 with the bits of value mod 2**64 (torch int64 arithmetic wraps like uint64)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    return (x >> k) & ((1 << (64 - k)) - 1)  # logical: int64 >> sign-extends
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    z = (z ^ _shift_right(z, 30)) * _as_int64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shift_right(z, 27)) * _as_int64(0x94D049BB133111EB)
+    return z ^ _shift_right(z, 31)
 
 
 def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -51,7 +93,7 @@ def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
         keep = probs >= sorted_p.gather(1, (top_k - 1).clamp(0, vocab - 1)[:, None])
     if bool((top_p < 1.0).any()):
         q = probs * keep
-        keep &= _top_p_set(q / q.sum(dim=-1, keepdim=True), top_p)
+        keep &= _top_p_set(q / _row_sums(q), top_p) | (top_p >= 1.0)[:, None]
     return keep & (probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True))
 
 
@@ -62,54 +104,92 @@ def _top_p_set(q: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return q >= sorted_q.gather(1, num_kept - 1)
 
 
+def _row_sums(x: torch.Tensor) -> torch.Tensor:
+    """[R, 1] sums of the rows of x, each added left to right: torch's sum and logsumexp split a row across
+    threads when there are few rows, so their bits would depend on how many rows are in the batch."""
+    return x.cumsum(dim=-1)[:, -1:]
+
+
 def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                        top_p: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(processed logprobs [R, V], log kept mass [R]) for float32 logits and per-row params (T > 0)."""
     tempered = logits if bool((temperature == 1.0).all()) else logits / temperature[:, None]
     logp = torch.log_softmax(tempered, dim=-1)
-    if not (bool((top_k < logits.shape[-1]).any()) or bool((top_p < 1.0).any()) or bool((min_p > 0).any())):
+    truncates = (top_k < logits.shape[-1]) | (top_p < 1.0) | (min_p > 0)
+    if not bool(truncates.any()):
         return logp, torch.zeros(logits.shape[0])
-    mask = truncation_mask(logp.exp(), top_k, top_p, min_p)
-    log_kept = torch.logsumexp(logp.masked_fill(~mask, float("-inf")), dim=-1)
+    # Rows that do not truncate keep logp exactly, whatever the other rows ask for.
+    mask = truncation_mask(logp.exp(), top_k, top_p, min_p) | ~truncates[:, None]
+    log_kept = _row_sums(logp.exp().masked_fill(~mask, 0.0))[:, 0].log().masked_fill(~truncates, 0.0)
     return (logp - log_kept[:, None]).masked_fill(~mask, float("-inf")), log_kept
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-    """Sample one token per row of logits [R, V] (any float dtype)."""
-    kernel = _fused_kernel(logits, rows)
-    if kernel is not None:
-        return _sample_fused(kernel, logits, rows)
+def sample(logits: torch.Tensor, rows: list[SampleRow], forced: list[int] | None = None) -> SampleResult:
+    """Sample one token per row of logits [R, V] (any float dtype).
+
+    A row's path (fused kernel or reference) and its noise depend on that row alone, so its token
+    and logprobs do not depend on the other rows of the batch.
+    forced: one token per row to report instead of drawing (scoring a given sequence): its logprobs are
+    computed by the same path and arithmetic as when that row drew it.
+    """
+    uniform = sampling_uniforms([r.seed for r in rows], [r.index for r in rows], [r.position for r in rows])
+    forced_t = None if forced is None else torch.tensor(forced, dtype=torch.int64)
+    fused = [i for i, r in enumerate(rows) if _fusable(r)]
+    kernel = _fused_kernel(logits, [rows[i] for i in fused]) if fused else None
+    if kernel is None:
+        return _sample_reference(logits, rows, uniform, forced_t)
+    if len(fused) == len(rows):
+        return _sample_fused(kernel, logits, rows, uniform, forced_t)
+    rest = [i for i, r in enumerate(rows) if not _fusable(r)]
+    part_of = (lambda idx: None) if forced_t is None else (lambda idx: forced_t[idx])  # noqa: E731
+    result = SampleResult([0] * len(rows), [None] * len(rows), [None] * len(rows), [None] * len(rows))
+    for part, got in ((fused, _sample_fused(kernel, logits[fused], [rows[i] for i in fused], uniform[fused],
+                                            part_of(fused))),
+                      (rest, _sample_reference(logits[rest], [rows[i] for i in rest], uniform[rest],
+                                               part_of(rest)))):
+        for j, i in enumerate(part):
+            result.token_ids[i], result.logprobs[i] = got.token_ids[j], got.logprobs[j]
+            result.top_logprobs[i], result.log_kept_mass[i] = got.top_logprobs[j], got.log_kept_mass[j]
+    return result
+
+
+def _sample_reference(logits: torch.Tensor, rows: list[SampleRow], uniform: torch.Tensor,
+                      forced: torch.Tensor | None = None) -> SampleResult:
     logits = logits.to(torch.float32, copy=True)  # banned tokens are masked in place
     raw = torch.log_softmax(logits, dim=-1) if any(_wants(r, "raw") for r in rows) else None
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    tokens = torch.zeros(len(rows), dtype=torch.int64)
-    if len(sampled) < len(rows):
+    tokens = torch.zeros(len(rows), dtype=torch.int64) if forced is None else forced
+    if len(sampled) < len(rows) and forced is None:
         tokens = logits.argmax(dim=-1)
     proc, log_kept = None, None
     if sampled:
         subset = logits if len(sampled) == len(rows) else logits[sampled]
         proc, log_kept = _processed_rows(subset, [rows[i] for i in sampled])
-        tokens[sampled] = _draw(proc.exp(), [rows[i].generator for i in sampled])
+        if forced is None:
+            tokens[sampled] = _draw(proc.exp(), uniform[sampled])
     return _collect(tokens, rows, raw, proc, log_kept, sampled)
 
 
+def _fusable(row: SampleRow) -> bool:
+    return not (row.params.truncates or row.params.logprobs or row.banned_token_ids)
+
+
 def _fused_kernel(logits: torch.Tensor, rows: list[SampleRow]):
-    """The fused C++ sampler when it covers this batch, else None."""
+    """The fused C++ sampler when it covers these rows, else None."""
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if any(r.params.truncates or r.params.logprobs or r.banned_token_ids for r in rows):
+    if not all(map(_fusable, rows)):
         return None
     return cpu_kernel("sample_rows")
 
 
-def _sample_fused(kernel, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+def _sample_fused(kernel, logits: torch.Tensor, rows: list[SampleRow], uniform: torch.Tensor,
+                  forced: torch.Tensor | None = None) -> SampleResult:
     temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
-    uniform = torch.cat([torch.rand(1, generator=r.generator) if not r.params.greedy else torch.zeros(1)
-                         for r in rows])
-    tokens, processed, raw = kernel(logits, temperature, uniform, any(_wants(r, "raw") for r in rows))
+    tokens, processed, raw = kernel(logits, temperature, uniform, any(_wants(r, "raw") for r in rows), forced)
     result = SampleResult(tokens.tolist(), [None] * len(rows), [None] * len(rows), [None] * len(rows))
     processed, raw = processed.tolist(), raw.tolist()
     for i, row in enumerate(rows):
@@ -122,10 +202,11 @@ def _sample_fused(kernel, logits: torch.Tensor, rows: list[SampleRow]) -> Sample
     return result
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of probs [R, V] by inverse CDF; zero-probability tokens are never drawn."""
+def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [R, V] by inverse CDF at 1 - uniform [R]; zero-probability tokens
+    are never drawn."""
     cdf = probs.cumsum(dim=-1)
-    uniform = torch.cat([torch.rand(1, generator=g) for g in generators])
+    uniform = uniform.to(probs.device)
     target = (1.0 - uniform) * cdf[:, -1]  # in (0, total]
     return torch.searchsorted(cdf, target[:, None]).squeeze(1).clamp(max=probs.shape[1] - 1)
 

@@ -1,0 +1,87 @@
+"""EngineConfig(batch_invariant=True): a request's tokens and logprobs are the same bits alone, inside a batch
+of 64, with its prefill chunked, after a prefix-cache hit and after preemption, in BF16, FP8 linear and full
+FP8 (the C++ kernels; greedy and seeded T = 1)."""
+
+import pytest
+import torch
+
+from fp8engine import SamplingParams
+from tests.conftest import make_engine
+from tests.prompts import CHATS, QUESTIONS, RAW
+
+MODES = {
+    "bf16": dict(),
+    "fp8-linear": dict(quantization="fp8"),
+    "full-fp8": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", fp8_attention=True),
+}
+TARGETS = [CHATS[0], CHATS[3], RAW[1], RAW[6]]  # chat prompts span two KV blocks: a cache hit is possible
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0, logprobs_mode="raw"),
+          SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3, logprobs=0),
+          SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=4, logprobs=0),
+          SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)]
+FILLERS = [[{"role": "user", "content": f"{q} Answer in {w} words."}] for w in range(4) for q in QUESTIONS]
+
+
+def results(outs) -> list[tuple[list[int], list[float]]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_request_does_not_depend_on_its_batch(mode):
+    options = MODES[mode]
+    engine = make_engine(batch_invariant=True, **options)
+    alone = [results(engine.generate([p], q))[0] for p, q in zip(TARGETS, PARAMS)]
+    assert all(len(tokens) == 12 for tokens, _ in alone)
+
+    filler = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=9)
+    outs = engine.generate(TARGETS + FILLERS + RAW[:12], PARAMS + [filler] * 60)
+    assert len(outs) == 64 and results(outs[:4]) == alone
+
+    hit = engine.generate(TARGETS, PARAMS)  # every target's prompt is cached by now
+    assert min(o.num_cached_tokens for o in hit[:2]) >= 16 and results(hit) == alone
+
+    chunked = make_engine(batch_invariant=True, max_num_batched_tokens=32, **options)
+    assert results(chunked.generate(TARGETS, PARAMS)) == alone
+
+    # admitted last, the targets are the ones preempted when the fillers' decodes need blocks
+    tight = make_engine(batch_invariant=True, num_kv_blocks=9, **options)
+    long_filler = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=9)
+    outs = tight.generate(RAW[4:8] + TARGETS, [long_filler] * 4 + PARAMS)[4:]
+    assert sum(o.outputs[0].num_preemptions for o in outs) > 0
+    assert results(outs) == alone
+
+
+def test_batch_invariant_needs_the_cpu_bf16_kernels():
+    with pytest.raises(ValueError, match="batch_invariant=True needs device='cpu' and dtype='bfloat16'"):
+        make_engine(batch_invariant=True, dtype="float32")
+
+
+def test_fixed_calibration_makes_kv_scales_a_function_of_the_weights():
+    """With an FP8 KV cache, recompute mode calibrates on a fixed text, not on the first batch."""
+    a = make_engine(batch_invariant=True, kv_cache_dtype="fp8_e4m3", num_kv_blocks=64)
+    b = make_engine(batch_invariant=True, kv_cache_dtype="fp8_e4m3", num_kv_blocks=64)
+    a.generate([RAW[0]], PARAMS[0])
+    b.generate(FILLERS[:5], PARAMS[0])
+    assert a.get_stats().kv_scales == b.get_stats().kv_scales
+    assert a.runner.attn_layers[0].k_scale != 1.0
+    norm = "model.norm.weight"  # a new weight version recalibrates: same weights, same scales
+    a.update_weights({norm: a.get_weights_by_name(norm)})
+    a.generate([RAW[2]], PARAMS[0])
+    assert a.kv_scales.num_calibrations == 2 and a.get_stats().kv_scales == b.get_stats().kv_scales
+
+
+def test_kernels_take_one_path_for_every_batch_size():
+    from fp8engine.model_executor.kernels import bf16_linear_cpu, fp8_linear_cpu
+    from fp8engine.weights.quant import quantize_weight_blockwise
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(200, 576, generator=gen) * 0.05
+    w_q, w_s = quantize_weight_blockwise(w)
+    x = torch.randn(40, 576, generator=gen).bfloat16()
+    for linear in (lambda x, bi: fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s, batch_invariant=bi),
+                   lambda x, bi: bf16_linear_cpu.bf16_linear(x, w.bfloat16(), None, bi)):
+        full = linear(x, True)
+        assert all(torch.equal(linear(x[i:i + m], True), full[i:i + m]) for m in (1, 3, 4, 8) for i in (0, 9, 32))
+    # the default small-batch FP8 path sums in another order: not the same float32 bits (what the flag is for)
+    xf = x.float()
+    assert not torch.equal(fp8_linear_cpu.fp8_block_linear_cpu(xf[:1], w_q, w_s),
+                           fp8_linear_cpu.fp8_block_linear_cpu(xf, w_q, w_s, batch_invariant=True)[:1])
