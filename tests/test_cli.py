@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from fp8engine.benchmarks.serve_load import _flags
+from fp8engine.benchmarks.throughput import MODES
 from fp8engine.config import EngineConfig
 from fp8engine.entrypoints import cli, options
 from fp8engine.entrypoints.cli import build_parser, main
@@ -61,7 +62,7 @@ def test_every_option_in_help_has_help_text_a_default_and_its_choices(command):
             assert "{%s}" % ",".join("none" if c is None else c for c in choices) in text
     if command == "bench":
         assert by_dest["workload"].choices == ("quick", "decode", "rl-short", "rl-long", "sync", "serve")
-        assert "{bf16,fp8-linear,fp8-kv,full-fp8}[,...]" in text
+        assert "{%s}[,...]" % ",".join(MODES) in text
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -89,7 +90,7 @@ def test_every_engine_config_field_is_a_flag_with_its_default():
     (["serve", "--kv-scale-mode", "dynamic"], "(choose from recompute, external, static)"),
     (["bench", "--device", "tpu"], "(choose from auto, cpu, cuda)"),
     (["bench", "--workload", "huge"], "(choose from quick, decode, rl-short, rl-long, sync, serve)"),
-    (["bench", "--modes", "bf16,fp4"], "from bf16, fp8-linear, fp8-kv, full-fp8)"),
+    (["bench", "--modes", "bf16,fp4"], "from bf16, fp8-linear, fp8-kv, full-fp8, bf16-bi, "),
 ])
 def test_a_bad_choice_exits_2_naming_the_allowed_values(argv, allowed, capsys):
     code, err = parse_exit(argv, capsys)

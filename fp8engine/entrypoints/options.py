@@ -29,7 +29,7 @@ ENGINE_GROUPS = {"model": "model", "dtype": "model", "device": "model", "seed": 
                  "kv_scale_margin": "kv", "fp8_attention": "kv", "block_size": "kv",
                  "kv_cache_memory_bytes": "kv", "num_kv_blocks": "kv", "max_num_seqs": "scheduling",
                  "max_num_batched_tokens": "scheduling", "max_model_len": "scheduling",
-                 "enable_prefix_caching": "scheduling", "batch_invariant": "rl", "lm_head_fp32": "rl"}
+                 "enable_prefix_caching": "scheduling", "batch_invariant": "kv", "lm_head_fp32": "kv"}
 BENCH_ENGINE_OPTIONS = ("model", "dtype", "device")  # --modes sets the rest per mode
 COMMANDS = ("serve", "generate", "bench")
 

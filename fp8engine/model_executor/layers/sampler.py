@@ -120,7 +120,9 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
         return logp, torch.zeros(logits.shape[0])
     # Rows that do not truncate keep logp exactly, whatever the other rows ask for.
     mask = truncation_mask(logp.exp(), top_k, top_p, min_p) | ~truncates[:, None]
-    log_kept = _row_sums(logp.exp().masked_fill(~mask, 0.0))[:, 0].log().masked_fill(~truncates, 0.0)
+    kept = logp.masked_fill(~mask, float("-inf"))
+    top = kept.amax(dim=-1, keepdim=True)  # a max is exact in any order; a lone kept token gives exactly top
+    log_kept = (top + _row_sums((kept - top).exp()).log())[:, 0].masked_fill(~truncates, 0.0)
     return (logp - log_kept[:, None]).masked_fill(~mask, float("-inf")), log_kept
 
 
