@@ -56,6 +56,13 @@ def test_batch_invariant_needs_the_cpu_bf16_kernels():
         make_engine(batch_invariant=True, dtype="float32")
 
 
+def test_batch_invariant_refuses_the_torch_fallback(monkeypatch):
+    from fp8engine.model_executor.kernels import attention_cpu
+    monkeypatch.setattr(attention_cpu, "kernel_ops", lambda: None)  # as without a C++ compiler
+    with pytest.raises(ValueError, match="batch_invariant=True needs the C\\+\\+ CPU kernels.*attention on 'torch'"):
+        make_engine(batch_invariant=True)
+
+
 def test_fixed_calibration_makes_kv_scales_a_function_of_the_weights():
     """With an FP8 KV cache, recompute mode calibrates on a fixed text, not on the first batch."""
     a = make_engine(batch_invariant=True, kv_cache_dtype="fp8_e4m3", num_kv_blocks=64)

@@ -21,16 +21,15 @@ def fp8_linear(config: EngineConfig):
     """(backend name, block-FP8 linear fn); with quantization off, the name of the model-dtype GEMM and None."""
     if config.quantization != "fp8":
         return _dense_linear_backend(config), None
-    if config.device == "cpu" and config.batch_invariant:
-        from fp8engine.model_executor.kernels import fp8_linear_cpu
-        return (fp8_linear_cpu.cpu_fp8_backend(),
-                functools.partial(fp8_linear_cpu.fp8_block_linear_cpu, batch_invariant=True))
     if config.device == "cuda":
         from fp8engine.model_executor.kernels import fp8_triton
         return ("deepgemm" if fp8_triton.deepgemm_available() else "triton"), _linear_with_scale_fmt(
             fp8_triton.fp8_block_linear_triton)
     from fp8engine.model_executor.kernels import fp8_linear_cpu
-    return fp8_linear_cpu.cpu_fp8_backend(), fp8_linear_cpu.fp8_block_linear_cpu
+    linear = fp8_linear_cpu.fp8_block_linear_cpu
+    if config.batch_invariant:
+        linear = functools.partial(linear, batch_invariant=True)
+    return fp8_linear_cpu.cpu_fp8_backend(), linear
 
 
 def _dense_linear_backend(config: EngineConfig) -> str:

@@ -37,6 +37,11 @@ class ModelRunner:
         self.quantize_into = backends.quantize_into(config)
         self.block_scales = backends.block_scales(config)
         self.attention = backends.attention(config)
+        if config.batch_invariant and (self.attention.name != "cpp"
+                                       or self.linear_backend in ("torch", "torch-reference")):
+            raise ValueError(f"batch_invariant=True needs the C++ CPU kernels, but linear runs on "
+                             f"{self.linear_backend!r} and attention on {self.attention.name!r} (is a C++ "
+                             f"compiler installed?)")
         make_linear = LinearFactory(self.dtype, fp8_fn, config.fp8_scale_fmt)
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
@@ -82,9 +87,13 @@ class ModelRunner:
         first = self.attn_layers[0]
         cache = torch.zeros(len(self.attn_layers), 2, self.num_blocks, self.block_size,
                             first.num_kv_heads, first.head_dim, dtype=self.kv_dtype, device=self.device)
+        self._attach_cache(cache)
+        return cache
+
+    def _attach_cache(self, cache: torch.Tensor) -> None:
+        """Points every attention layer at its [2, blocks, block_size, heads, dim] slice of cache."""
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
-        return cache
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -99,7 +108,7 @@ class ModelRunner:
         n, bs, first = len(token_ids), self.block_size, self.attn_layers[0]
         num_blocks = -(-n // bs)
         scratch = torch.zeros(2, num_blocks, bs, first.num_kv_heads, first.head_dim, dtype=self.kv_dtype,
-                              device=self.device)
+                              device=self.device).expand(len(self.attn_layers), -1, -1, -1, -1, -1)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
@@ -107,13 +116,11 @@ class ModelRunner:
             seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None])
         try:
-            for layer in self.attn_layers:
-                layer.k_cache, layer.v_cache = scratch[0], scratch[1]
+            self._attach_cache(scratch)  # one scratch cache shared by every layer, one after the other
             self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
                        torch.arange(n, dtype=torch.int64, device=dev), meta)
         finally:
-            for i, layer in enumerate(self.attn_layers):
-                layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            self._attach_cache(self.kv_cache)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:
