@@ -89,9 +89,9 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
-        if self.batch_invariant and (self.device != "cpu" or self.dtype != "bfloat16"):
-            raise ValueError(f"batch_invariant=True needs device='cpu' and dtype='bfloat16' (the C++ kernels); "
-                             f"got device={self.device!r}, dtype={self.dtype!r}")
+        if self.batch_invariant and (self.device not in ("cpu", "cuda") or self.dtype != "bfloat16"):
+            raise ValueError(f"batch_invariant=True needs device 'cpu' (the C++ kernels) or 'cuda' (the Triton "
+                             f"ones) and dtype='bfloat16'; got device={self.device!r}, dtype={self.dtype!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,12 +1,12 @@
-import functools
 import os
 import random
 import shutil
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
+
+from fp8engine.model_executor.kernels.cpu_ops import cpu_flags  # noqa: F401 (tests import it from here)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -29,16 +29,6 @@ def _seed_each_test(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(seed)
     random.seed(seed)
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux); empty where /proc/cpuinfo does not list them."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
-                           if line.startswith("flags")), []))
 
 
 def cpu_can_build(op: str) -> bool:

@@ -5,7 +5,7 @@ FP8 (the C++ kernels; greedy and seeded T = 1)."""
 import pytest
 import torch
 
-from fp8engine import SamplingParams
+from fp8engine import EngineConfig, SamplingParams
 from tests.conftest import make_engine
 from tests.prompts import CHATS, QUESTIONS, RAW
 
@@ -51,15 +51,16 @@ def test_a_request_does_not_depend_on_its_batch(mode):
     assert results(outs) == alone
 
 
-def test_batch_invariant_needs_the_cpu_bf16_kernels():
-    with pytest.raises(ValueError, match="batch_invariant=True needs device='cpu' and dtype='bfloat16'"):
+def test_batch_invariant_needs_bf16_kernels():
+    with pytest.raises(ValueError, match="batch_invariant=True needs device 'cpu'.*or 'cuda'.*dtype='bfloat16'; "
+                                         "got device='cpu', dtype='float32'"):
         make_engine(batch_invariant=True, dtype="float32")
 
 
 def test_batch_invariant_refuses_the_torch_fallback(monkeypatch):
     from fp8engine.model_executor.kernels import attention_cpu
     monkeypatch.setattr(attention_cpu, "kernel_ops", lambda: None)  # as without a C++ compiler
-    with pytest.raises(ValueError, match="batch_invariant=True needs the C\\+\\+ CPU kernels.*attention on 'torch'"):
+    with pytest.raises(ValueError, match="batch_invariant=True needs the C\\+\\+ CPU kernels or the Triton ones.*attention on 'torch'"):
         make_engine(batch_invariant=True)
 
 
@@ -92,3 +93,38 @@ def test_kernels_take_one_path_for_every_batch_size():
     xf = x.float()
     assert not torch.equal(fp8_linear_cpu.fp8_block_linear_cpu(xf[:1], w_q, w_s),
                            fp8_linear_cpu.fp8_block_linear_cpu(xf, w_q, w_s, batch_invariant=True)[:1])
+
+
+@pytest.mark.parametrize("gemm", ["cpp", "chunked"])
+def test_bf16_linear_rows_do_not_depend_on_the_batch(gemm, monkeypatch):
+    """Both batch-invariant BF16 GEMMs: the C++ kernel (AVX-512 BF16) and, the default on AMX machines, torch's
+    GEMM fed fixed 64-row chunks. A plain torch GEMM is not invariant: its blocking follows M."""
+    from fp8engine.model_executor.kernels import bf16_linear_cpu
+    from tests.conftest import require_cpu_op
+    if gemm == "cpp":
+        require_cpu_op("bf16_linear")
+    monkeypatch.setenv("FP8ENGINE_BI_GEMM", gemm)
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(1536, 576, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(130, 576, generator=gen).bfloat16()
+    full = bf16_linear_cpu.bf16_linear(x, w, None, batch_invariant=True)
+    torch.testing.assert_close(full.float(), (x.float() @ w.float().T).bfloat16().float(), rtol=2 ** -7, atol=1e-3)
+    for row in (0, 63, 64, 129):
+        for size in (1, 2, 5, 17, 64, 65, 100):
+            others = torch.randn(size - 1, 576, generator=gen).bfloat16()
+            got = bf16_linear_cpu.bf16_linear(torch.cat([others, x[row:row + 1]]), w, None, batch_invariant=True)
+            assert torch.equal(got[-1], full[row]), (gemm, row, size)
+
+
+def test_the_backend_name_says_which_gemm_runs(monkeypatch):
+    from fp8engine.model_executor import backends
+    from fp8engine.model_executor.kernels import bf16_linear_cpu
+    from tests.conftest import require_cpu_op
+    require_cpu_op("bf16_linear")
+    for choice, name in (("cpp", "cpp-bf16"), ("chunked", "torch-bf16-fixed-chunks")):
+        monkeypatch.setenv("FP8ENGINE_BI_GEMM", choice)
+        assert bf16_linear_cpu.tile_gemm() is (choice == "chunked")
+        assert backends.fp8_linear(EngineConfig(batch_invariant=True))[0] == name
+    monkeypatch.delenv("FP8ENGINE_BI_GEMM")
+    amx = {"amx_bf16", "amx_tile"} <= bf16_linear_cpu.cpu_flags()
+    assert backends.fp8_linear(EngineConfig(batch_invariant=True))[0] == ("torch-bf16-fixed-chunks" if amx else "cpp-bf16")

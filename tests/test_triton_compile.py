@@ -35,6 +35,14 @@ ARCHS = tl_launch.TARGETS
 
 GEMM = "_w8a8_block_matmul_kernel"
 ATTENTION = "_paged_attention_kernel"
+DENSE = "_linear_kernel"
+RMS_NORM = "_rms_norm_kernel"
+
+
+def _base(name: str) -> str:
+    """A batch-invariant twin (`*_kernel_bi`) compiles its function's code: the same expectations."""
+    return name.removesuffix("_bi")
+
 
 SM89_PREFILL_GEMM_SPILLS = (
     "sm_89: the 64x128 FP8 GEMM tile (BLOCK_M=64, the prefill config) with num_warps=4 needs 255 registers "
@@ -118,13 +126,16 @@ def test_native_copies_leave_the_imported_modules_alone(clean_pool):
 def expected_mma(compiled) -> tuple[str, str] | None:
     """(instruction, operand type) of the kernel's dots, or None where no dot may use tensor cores."""
     arch, block_m = compiled.arch, compiled.constexprs.get("BLOCK_M", 0)
-    if compiled.name == GEMM:
+    name = _base(compiled.name)
+    if name == DENSE:  # bf16 operands, BLOCK_M 64
+        return ("wgmma" if arch == 90 else "mma"), "bf16"
+    if name == GEMM:
         if arch == 90:
             # wgmma takes 64-row tiles; Triton lowers a 16-row fp8 dot on sm_90 to mma.sync on f16
             # operands converted from e4m3 (exact). test_decode_gemm_fp8_mma_on_sm90 tracks this.
             return ("wgmma", "e4m3") if block_m >= 64 else ("mma", "f16")
         return "mma", "e4m3"
-    if compiled.name == ATTENTION:
+    if name == ATTENTION:
         if compiled.constexprs["MMA_DTYPE"] == "fp32":
             return None  # float32 operands multiply in IEEE precision: FMA, by design
         # FP8 caches and full FP8 too: E4M3 values go to the tensor cores as bf16 (exact), by design.
@@ -139,10 +150,11 @@ def expected_cvt(compiled, case_name: str) -> list[str]:
     kv_mode = case_name.split("/")[2] if "/attention/" in case_name or "/write_kv/" in case_name else None
     if compiled.name == "_write_kv_kernel":
         return ["f32->e4m3"] if kv_mode == "fp8" else []
-    out_bf16 = not case_name.startswith("smollm2-135m-fp32")
-    if compiled.name == GEMM:
+    out_bf16 = not case_name.startswith("smollm2-135m-fp32") and "/lm_head_fp32/" not in case_name
+    name = _base(compiled.name)
+    if name in (GEMM, DENSE, RMS_NORM):
         return ["f32->bf16"] if out_bf16 else []
-    if compiled.name == ATTENTION:
+    if name == ATTENTION:
         return (["e4m3->f16"] if kv_mode in ("fp8", "full-fp8") else []) \
             + (["f32->e4m3"] if kv_mode == "full-fp8" else []) + (["f32->bf16"] if out_bf16 else [])
     raise AssertionError(f"no expectations for {compiled.name}")
@@ -160,8 +172,9 @@ def test_instructions(compiled, case_name, arch):
 
 
 def _resources_xfail(arch, case):
-    if arch == 89 and case.kind == "linear" and case.name.endswith("/prefill"):
-        return pytest.mark.xfail(strict=True, reason=SM89_PREFILL_GEMM_SPILLS)
+    if arch == 89 and case.kind == "linear" and (case.name.endswith("/prefill") or "-bi/" in case.name):
+        return pytest.mark.xfail(strict=True, reason=SM89_PREFILL_GEMM_SPILLS + " Batch invariant: the same "
+                                 "64-row tile at every M.")
     if case.name.startswith("smollm2-135m-fp32/attention/") and case.name.endswith("/prefill"):
         return pytest.mark.xfail(strict=True, reason=FP32_PREFILL_ATTENTION_SPILLS)
     return ()
@@ -184,6 +197,51 @@ def test_decode_gemm_fp8_mma_on_sm90(compiled):
     assert gemm and gemm[0].constexprs["BLOCK_M"] == 16
     mma = gemm[0].mma
     assert "e4m3" in mma["wgmma"] | mma["mma"], mma
+
+
+# ------------------------------------------------------------------------------------------ batch invariance
+
+
+def _launch_keys(case_names: list[str], arch: int) -> dict[str, set[str]]:
+    """{kernel: the launch keys (one key, one binary) of its i-th launch in each case, over the cases}; a
+    case may launch a kernel more than once (a fused layer's shards, with other pointer alignments)."""
+    cases = {c.name: c for label in CASE_SETS for c in CASE_SETS[label]}
+    keys: dict[str, set[str]] = {}
+    for name in case_names:
+        counts: dict[str, int] = {}
+        for launch in tl_launch.case_launches(cases[name]):
+            i = counts[launch.name] = counts.get(launch.name, -1) + 1
+            keys.setdefault(launch.name if i == 0 else f"{launch.name}#{i}", set()).add(
+                tl_launch.launch_key(launch, arch))
+    return keys
+
+
+def _one_binary_per_kernel_when_batch_invariant():
+    """EngineConfig(batch_invariant=True) on CUDA: each kernel launches with one configuration, one tile
+    shape, never specialised on the batch size, so a single decoding sequence, a decode batch and a 512-token
+    prefill chunk run the very same binary, and a row's arithmetic cannot depend on its batch. The default
+    launches pick other tiles (and Triton specialises M == 1) for decode: the check tells them apart."""
+    steps = list(tl_launch.LINEAR_TOKENS)
+    shape = "smollm2-135m-bi"
+    groups = [[f"{shape}/linear/{layer}/{step}" for step in steps] for layer in ("qkv_proj", "down_proj")]
+    groups += [[f"{shape}/dense/{layer}/{step}" for step in steps] for layer in ("o_proj", "lm_head_fp32")]
+    groups += [[f"{shape}/rms_norm/{step}" for step in steps]]
+    groups += [[f"{shape}/attention/{kv}/{step}" for step in tl_launch.ATTENTION_BATCHES] for kv in tl_launch.KV_MODES]
+    seen = set()
+    for group in groups:
+        for kernel, keys in _launch_keys(group, 90).items():
+            assert len(keys) == 1, f"{group[0]}: {kernel} compiles {len(keys)} ways over the steps"
+            seen.add(kernel.split("#")[0])
+    assert seen == {"_w8a8_block_matmul_kernel_bi", "_group_quant_kernel", "_linear_kernel", "_rms_norm_kernel",
+                    "_paged_attention_kernel_bi"}, seen
+    default = _launch_keys([f"smollm2-135m/linear/o_proj/{step}" for step in steps], 90)
+    assert len(default[GEMM]) == 3
+    default = _launch_keys([f"smollm2-135m/attention/model/{step}" for step in tl_launch.ATTENTION_BATCHES], 90)
+    assert len(default[ATTENTION]) == 3
+
+
+def test_batch_invariant_launches_are_one_binary(clean_pool):
+    clean_pool.submit(_one_binary_per_kernel_when_batch_invariant).result()
 
 
 # ------------------------------------------------------------------------------------------ the checks bite

@@ -23,6 +23,9 @@ def fp8_linear(config: EngineConfig):
         return _dense_linear_backend(config), None
     if config.device == "cuda":
         from fp8engine.model_executor.kernels import fp8_triton
+        if config.batch_invariant:  # DeepGEMM picks its kernel by shape
+            return "triton", _linear_with_scale_fmt(
+                functools.partial(fp8_triton.fp8_block_linear_triton, batch_invariant=True))
         return ("deepgemm" if fp8_triton.deepgemm_available() else "triton"), _linear_with_scale_fmt(
             fp8_triton.fp8_block_linear_triton)
     from fp8engine.model_executor.kernels import fp8_linear_cpu
@@ -33,11 +36,16 @@ def fp8_linear(config: EngineConfig):
 
 
 def _dense_linear_backend(config: EngineConfig) -> str:
-    """BF16 on CPU: the C++ GEMV for decode-sized batches (M <= 4) and torch's GEMM above, or the C++ GEMM
-    for every M when batch invariant; torch otherwise."""
+    """BF16 on CPU: the C++ GEMV for decode-sized batches (M <= 4) and torch's GEMM above; when batch
+    invariant, the C++ GEMM for every M, or on AMX machines torch's GEMM in fixed-shape chunks
+    (bf16_linear_cpu.tile_gemm); on CUDA when batch invariant the Triton GEMM; torch otherwise."""
+    if config.device == "cuda" and config.batch_invariant:
+        return "triton-bf16"
     from fp8engine.model_executor.kernels import bf16_linear_cpu
     if config.device == "cpu" and config.dtype == "bfloat16" and bf16_linear_cpu.kernel_ops() is not None:
-        return "cpp-bf16" if config.batch_invariant else "cpp-bf16-gemv+torch"
+        if config.batch_invariant:
+            return "torch-bf16-fixed-chunks" if bf16_linear_cpu.tile_gemm() else "cpp-bf16"
+        return "cpp-bf16-gemv+torch"
     return "torch"
 
 
@@ -75,8 +83,11 @@ def attention(config: EngineConfig) -> SimpleNamespace:
     if config.device == "cuda":
         try:
             from fp8engine.model_executor.kernels import attention_triton
+            attend = attention_triton.paged_attention_triton
+            if config.batch_invariant:
+                attend = functools.partial(attend, batch_invariant=True)
             return SimpleNamespace(name="triton", write_kv_cache=attention_triton.write_kv_cache_triton,
-                                   paged_attention=attention_triton.paged_attention_triton)
+                                   paged_attention=attend)
         except ImportError as exc:
             logger.warning("fp8engine: Triton paged attention unavailable (%s); using the torch reference", exc)
     from fp8engine.model_executor.kernels import attention_cpu, attention_ref

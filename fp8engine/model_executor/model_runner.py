@@ -37,11 +37,11 @@ class ModelRunner:
         self.quantize_into = backends.quantize_into(config)
         self.block_scales = backends.block_scales(config)
         self.attention = backends.attention(config)
-        if config.batch_invariant and (self.attention.name != "cpp"
+        if config.batch_invariant and (self.attention.name not in ("cpp", "triton")
                                        or self.linear_backend in ("torch", "torch-reference")):
-            raise ValueError(f"batch_invariant=True needs the C++ CPU kernels, but linear runs on "
-                             f"{self.linear_backend!r} and attention on {self.attention.name!r} (is a C++ "
-                             f"compiler installed?)")
+            raise ValueError(f"batch_invariant=True needs the C++ CPU kernels or the Triton ones, but linear "
+                             f"runs on {self.linear_backend!r} and attention on {self.attention.name!r} (is a "
+                             f"C++ compiler installed?)")
         make_linear = LinearFactory(self.dtype, fp8_fn, config.fp8_scale_fmt)
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)

@@ -261,6 +261,14 @@ def _paged_attention_kernel(
              + dims[None, :], out, mask=tile_ok)
 
 
+# Batch invariant: never specialised on num_seqs or the block-table width (Triton folds a 1 into the code and
+# specialises multiples of 16), one query tile for decode
+# and prefill alike. A row's keys are walked from key 0 in BLOCK_N steps whatever else is in the tile or
+# the batch; keys past a row's causal limit add exact zeros, so its sums keep one order.
+_paged_attention_kernel_bi = triton.jit(do_not_specialize=["num_seqs", "stride_bt"])(_paged_attention_kernel.fn)
+BATCH_INVARIANT_BLOCK_M = 64
+
+
 def _mma_dtype(q: torch.Tensor, k_cache: torch.Tensor, full_fp8: bool) -> tl.dtype:
     """bf16 where q and the cache values are exact in it (E4M3 codes are), float32 otherwise."""
     exact = full_fp8 or (q.dtype == torch.bfloat16 and k_cache.dtype in (torch.bfloat16, FP8_DTYPE))
@@ -269,7 +277,7 @@ def _mma_dtype(q: torch.Tensor, k_cache: torch.Tensor, full_fp8: bool) -> tl.dty
 
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float,
-                      v_scale: float, fp8_q_scale: float | None) -> torch.Tensor:
+                      v_scale: float, fp8_q_scale: float | None, batch_invariant: bool = False) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -281,7 +289,10 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     q = _last_dim_contiguous(q)
     group = num_heads // num_kv_heads
     # Pure decode needs few rows per tile; prefill tiles share each K/V load among more queries.
-    block_m = max(16 if num_tokens == num_seqs else 64, triton.next_power_of_2(group))
+    if batch_invariant:
+        block_m = max(BATCH_INVARIANT_BLOCK_M, triton.next_power_of_2(group))
+    else:
+        block_m = max(16 if num_tokens == num_seqs else 64, triton.next_power_of_2(group))
     block_q = block_m // group
     full_fp8 = fp8_q_scale is not None
     if full_fp8:
@@ -289,7 +300,8 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     else:
         qk_scale, out_scale = k_scale * scale, v_scale
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _paged_attention_kernel[grid](
+    kernel = _paged_attention_kernel_bi if batch_invariant else _paged_attention_kernel
+    kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, num_seqs, qk_scale, out_scale,
         fp8_q_scale or 1.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
         block_tables.stride(0), HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
@@ -357,14 +369,16 @@ def _flashinfer_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
-                           v_scale: float = 1.0, fp8_q_scale: float | None = None) -> torch.Tensor:
-    """Varlen causal attention over a paged KV cache: the semantics of attention_ref.paged_attention_ref."""
+                           v_scale: float = 1.0, fp8_q_scale: float | None = None,
+                           batch_invariant: bool = False) -> torch.Tensor:
+    """Varlen causal attention over a paged KV cache: the semantics of attention_ref.paged_attention_ref.
+    batch_invariant: the Triton kernel on its one batch-invariant launch (FlashInfer plans by batch)."""
     check_full_fp8(k_cache, fp8_q_scale)
     if k_cache.dtype != FP8_DTYPE:
         k_scale = v_scale = 1.0
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale)
-    if _flashinfer_fits(q, k_cache, fp8_q_scale):
+    if not batch_invariant and _flashinfer_fits(q, k_cache, fp8_q_scale):
         out = _flashinfer_attention(*args)
         if out is not None:
             return out
-    return _triton_attention(*args, fp8_q_scale)
+    return _triton_attention(*args, fp8_q_scale, batch_invariant)

@@ -33,6 +33,16 @@ def require_cpp() -> bool:
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux); empty where /proc/cpuinfo does not list them."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                           if line.startswith("flags")), []))
+
+
+@functools.cache
 def load_cpu_ops():
     """torch.ops.fp8engine after building csrc/, or None when it cannot be built."""
     if os.environ.get("FP8ENGINE_DISABLE_CPP") == "1":
@@ -40,7 +50,8 @@ def load_cpu_ops():
     sources = _sources()
     if not sources:
         return None
-    digest = hashlib.sha256(torch.__version__.encode())
+    # -march=native: a build is for this CPU's instruction sets (a home directory may move between machines).
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())
     for src in sources + sorted(CSRC_DIR.glob("*.h")):
         digest.update(src.name.encode() + src.read_bytes())
     build_dir = cache_root() / "cpu_ops" / digest.hexdigest()[:16]

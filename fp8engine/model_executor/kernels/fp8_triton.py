@@ -126,6 +126,12 @@ def _w8a8_block_matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, 
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+# Batch invariant: the same kernel, never specialised on M (Triton would fold M == 1 into the code), launched
+# with one tile shape for every M. No split-K at all, so a row's sum runs over its K blocks in one order.
+_w8a8_block_matmul_kernel_bi = triton.jit(do_not_specialize=["M"])(_w8a8_block_matmul_kernel.fn)
+BATCH_INVARIANT_BLOCK_M = 64
+
+
 def _ue8m0(scale_fmt: str | None) -> bool:
     if scale_fmt not in (None, "ue8m0"):
         raise ValueError(f"fp8 scale_fmt must be None or 'ue8m0', got {scale_fmt!r}")
@@ -177,8 +183,11 @@ def quantize_weight_blockwise_triton(w: torch.Tensor, out_q: torch.Tensor | None
 
 def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
                           w_scale_inv: torch.Tensor, out_dtype: torch.dtype,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """C[M, N] = sum_b (x_q . w_q^T)_b * x_scale[m, b] * w_scale_inv[n // 128, b], float32 accumulation."""
+                          bias: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
+    """C[M, N] = sum_b (x_q . w_q^T)_b * x_scale[m, b] * w_scale_inv[n // 128, b], float32 accumulation.
+
+    batch_invariant: one compiled kernel and tile shape for every M, so a row's result does not depend on
+    the other rows (the default picks a 16-row tile for decode-sized M, another MMA shape on the GPU)."""
     m, k = x_q.shape
     n, k_w = w_q.shape
     nkb = cdiv(k, BLOCK)
@@ -186,10 +195,11 @@ def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.T
         raise ValueError(f"shape mismatch: x_q {tuple(x_q.shape)}, x_scale {tuple(x_scale.shape)}, "
                          f"w_q {tuple(w_q.shape)}, w_scale_inv {tuple(w_scale_inv.shape)}")
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
-    block_m = 16 if m <= 16 else 64
+    block_m = BATCH_INVARIANT_BLOCK_M if batch_invariant else 16 if m <= 16 else 64
+    kernel = _w8a8_block_matmul_kernel_bi if batch_invariant else _w8a8_block_matmul_kernel
     grid = (cdiv(m, block_m), cdiv(n, 128))
     if m and n:
-        _w8a8_block_matmul_kernel[grid](
+        kernel[grid](
             x_q, w_q, out, x_scale, w_scale_inv, bias, m, n, k,
             *x_q.stride(), *w_q.stride(), *out.stride(), *x_scale.stride(), *w_scale_inv.stride(),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=BLOCK,
@@ -234,16 +244,18 @@ def _deepgemm_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor
 
 
 def fp8_block_linear_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
-                            bias: torch.Tensor | None = None, scale_fmt: str | None = None) -> torch.Tensor:
-    """W8A8 block linear, the semantics of quant.fp8_block_linear_ref: x [..., K] -> [..., N] in x's dtype."""
+                            bias: torch.Tensor | None = None, scale_fmt: str | None = None,
+                            batch_invariant: bool = False) -> torch.Tensor:
+    """W8A8 block linear, the semantics of quant.fp8_block_linear_ref: x [..., K] -> [..., N] in x's dtype.
+    batch_invariant: the Triton GEMM on its one batch-invariant launch (DeepGEMM picks kernels by shape)."""
     shape = x.shape
     n = w_q.shape[0]
     x_q, x_scale = per_token_group_quant_fp8(x.reshape(-1, shape[-1]), BLOCK, scale_fmt)
     out = None
-    if _deepgemm_fits(x_q, w_q, x.dtype):
+    if not batch_invariant and _deepgemm_fits(x_q, w_q, x.dtype):
         out = _deepgemm_matmul(x_q, x_scale, w_q, w_scale_inv)
         if out is not None and bias is not None:
             out += bias
     if out is None:
-        out = w8a8_block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, x.dtype, bias)
+        out = w8a8_block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, x.dtype, bias, batch_invariant)
     return out.reshape(*shape[:-1], n)

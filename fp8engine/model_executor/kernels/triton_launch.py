@@ -109,38 +109,57 @@ def _load_copy(name: str):
     return module
 
 
+@contextlib.contextmanager
+def _as_imported(name: str, module) -> Iterator[None]:
+    """sys.modules[name] is `module` within the block (what an `import` of it in a loading copy gets)."""
+    canonical = f"{_PACKAGE}.{name}"
+    saved = sys.modules.get(canonical)
+    sys.modules[canonical] = module
+    try:
+        yield
+    finally:
+        if saved is None:
+            del sys.modules[canonical]
+        else:
+            sys.modules[canonical] = saved
+
+
 @functools.cache
 def native_kernels() -> SimpleNamespace:
-    """Copies of fp8_triton and attention_triton loaded with the Triton interpreter off: JITFunctions,
-    module flags _E4M3_BY_BITS / _INTERPRET False. sys.modules keeps the real modules."""
+    """Copies of fp8_triton, attention_triton and dense_triton loaded with the Triton interpreter off:
+    JITFunctions, module flags _E4M3_BY_BITS / _INTERPRET False. sys.modules keeps the real modules."""
     import triton
-    canonical = f"{_PACKAGE}.fp8_triton"
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = False
         fp8 = _load_copy("fp8_triton")
-        # attention_triton imports a helper from fp8_triton: give it the native copy's.
-        saved = sys.modules.get(canonical)
-        sys.modules[canonical] = fp8
-        try:
+        # attention_triton imports a helper from fp8_triton, dense_triton from attention_triton: give
+        # them the native copies'.
+        with _as_imported("fp8_triton", fp8):
             attention = _load_copy("attention_triton")
-        finally:
-            if saved is None:
-                del sys.modules[canonical]
-            else:
-                sys.modules[canonical] = saved
-    return SimpleNamespace(fp8=fp8, attention=attention)
+        with _as_imported("attention_triton", attention):
+            dense = _load_copy("dense_triton")
+    return SimpleNamespace(fp8=fp8, attention=attention, dense=dense)
 
 
 def canonical_kernels() -> SimpleNamespace:
     """The modules the engine imports (on CUDA, without the interpreter)."""
-    from fp8engine.model_executor.kernels import attention_triton, fp8_triton
-    return SimpleNamespace(fp8=fp8_triton, attention=attention_triton)
+    from fp8engine.model_executor.kernels import attention_triton, dense_triton, fp8_triton
+    return SimpleNamespace(fp8=fp8_triton, attention=attention_triton, dense=dense_triton)
+
+
+def _modules(mods: SimpleNamespace) -> tuple:
+    return tuple(getattr(mods, name) for name in ("fp8", "attention", "dense") if hasattr(mods, name))
 
 
 def kernel_names(mods: SimpleNamespace) -> dict[str, object]:
-    """Every @triton.jit kernel (a function with a program grid) of the two modules, by name."""
-    return {name: getattr(mod, name) for mod in (mods.fp8, mods.attention) for name in dir(mod)
-            if name.endswith("_kernel") and hasattr(getattr(mod, name), "arg_names")}
+    """Every @triton.jit kernel (a function with a program grid) of the kernel modules, by name."""
+    return {name: getattr(mod, name) for mod in _modules(mods) for name in dir(mod) if _is_kernel(mod, name)}
+
+
+def _is_kernel(mod, name: str) -> bool:
+    """A launchable kernel: `*_kernel`, or its batch-invariant twin `*_kernel_bi` (the same function jitted
+    without specialising on the batch size)."""
+    return name.endswith(("_kernel", "_kernel_bi")) and hasattr(getattr(mod, name), "arg_names")
 
 
 @contextlib.contextmanager
@@ -174,11 +193,13 @@ def _randn(shape, dtype, device, scale=1.0):
     return (torch.randn(shape, device=device) * scale).to(dtype)
 
 
-def _linear_layer(mods, in_features: int, shards: list[int], shape: ModelShape, device, scale_fmt):
+def _linear_layer(mods, in_features: int, shards: list[int], shape: ModelShape, device, scale_fmt,
+                  batch_invariant: bool = False):
     from fp8engine.model_executor.layers.linear import Linear
 
     def fp8_fn(x, w_q, w_scale_inv, bias=None, scale_fmt=None):  # backends._linear_with_scale_fmt
-        return mods.fp8.fp8_block_linear_triton(x, w_q, w_scale_inv, bias, scale_fmt=scale_fmt)
+        return mods.fp8.fp8_block_linear_triton(x, w_q, w_scale_inv, bias, scale_fmt=scale_fmt,
+                                                batch_invariant=batch_invariant)
     with torch.device(device):
         return Linear(in_features, shards, shape.dtype, False, fp8_fn, scale_fmt)
 
@@ -207,7 +228,7 @@ def _weight_quant_case(shape: ModelShape, layer: str, in_features: int, shards: 
 
 
 def _linear_case(shape: ModelShape, layer: str, in_features: int, shards: list[int], tokens: str,
-                 scale_fmt: str | None) -> Case:
+                 scale_fmt: str | None, batch_invariant: bool = False) -> Case:
     m = LINEAR_TOKENS[tokens]
 
     def make(device):
@@ -217,7 +238,7 @@ def _linear_case(shape: ModelShape, layer: str, in_features: int, shards: list[i
 
     def _layer(mods, inputs):
         from fp8engine.weights import quant
-        lin = _linear_layer(mods, in_features, shards, shape, inputs["device"], scale_fmt)
+        lin = _linear_layer(mods, in_features, shards, shape, inputs["device"], scale_fmt, batch_invariant)
         if torch.device(inputs["device"]).type != "meta":
             with torch.no_grad():
                 for i, n in enumerate(shards):
@@ -242,6 +263,43 @@ def _linear_case(shape: ModelShape, layer: str, in_features: int, shards: list[i
         return quant.fp8_block_linear_ref(inputs["x"], lin.weight, lin.weight_scale_inv, None,
                                           scale_fmt=scale_fmt, scale_rows=lin.scale_rows)
     return Case(f"{shape.name}/linear/{layer}/{tokens}", "linear", make, run, ref)
+
+
+def _dense_case(shape: ModelShape, layer: str, in_features: int, out_features: int, tokens: str,
+                out_dtype: torch.dtype | None = None) -> Case:
+    """A model-dtype linear layer (or, with out_dtype float32, the float32-logit LM head) on the
+    batch-invariant Triton GEMM."""
+    m = LINEAR_TOKENS[tokens]
+
+    def make(device):
+        return {"x": _randn((m, in_features), shape.dtype, device),
+                "w": _randn((out_features, in_features), shape.dtype, device, 0.02)}
+
+    def run(mods, inputs):
+        return mods.dense.linear_triton(inputs["x"], inputs["w"], out_dtype=out_dtype)
+
+    def ref(inputs):
+        out = inputs["x"].float() @ inputs["w"].float().T
+        return out.to(out_dtype or inputs["x"].dtype)
+    return Case(f"{shape.name}/dense/{layer}/{tokens}", "dense", make, run, ref)
+
+
+def _rms_norm_case(shape: ModelShape, tokens: str) -> Case:
+    m = LINEAR_TOKENS[tokens]
+
+    def make(device):
+        return {"x": _randn((m, shape.hidden), shape.dtype, device), "r": _randn((m, shape.hidden), shape.dtype, device),
+                "w": _randn((shape.hidden,), shape.dtype, device)}
+
+    def run(mods, inputs):
+        return mods.dense.rms_norm_triton(inputs["x"], inputs["r"], inputs["w"], 1e-5)
+
+    def ref(inputs):
+        summed = inputs["x"] + inputs["r"]
+        xf = summed.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(summed.dtype)
+        return inputs["w"] * normed, summed
+    return Case(f"{shape.name}/rms_norm/{tokens}", "rms_norm", make, run, ref)
 
 
 def _act_quant_case(shape: ModelShape, in_features: int, tokens: str, scale_fmt: str | None) -> Case:
@@ -339,9 +397,9 @@ def _write_kv_case(shape: ModelShape, batch: str, kv_mode: str) -> Case:
                 functools.partial(attention_inputs, shape, batch, kv_mode), run, ref)
 
 
-def _attention_case(shape: ModelShape, batch: str, kv_mode: str) -> Case:
+def _attention_case(shape: ModelShape, batch: str, kv_mode: str, batch_invariant: bool = False) -> Case:
     def run(mods, inputs):
-        return mods.attention.paged_attention_triton(*_attention_args(inputs))
+        return mods.attention.paged_attention_triton(*_attention_args(inputs), batch_invariant=batch_invariant)
 
     def ref(inputs):
         from fp8engine.model_executor.kernels.attention_ref import paged_attention_ref
@@ -378,16 +436,33 @@ def engine_cases(shape: ModelShape, scale_fmts=(None,), kinds=KINDS, steps=tuple
     return cases
 
 
+def batch_invariant_cases(shape: ModelShape, vocab: int = 49152) -> list[Case]:
+    """The launches of EngineConfig(batch_invariant=True) on CUDA, at every step: FP8 and model-dtype linear
+    layers, the float32 LM head, RMSNorm and attention in each KV mode. Their shape name ends in "-bi"."""
+    bi = dataclasses.replace(shape, name=f"{shape.name}-bi")
+    cases = []
+    for step in LINEAR_TOKENS:
+        for layer, k, shards in linear_layers(shape):
+            cases.append(_linear_case(bi, layer, k, shards, step, None, batch_invariant=True))
+            cases.append(_dense_case(bi, layer, k, sum(shards), step))
+        cases.append(_dense_case(bi, "lm_head_fp32", shape.hidden, vocab, step, torch.float32))
+        cases.append(_rms_norm_case(bi, step))
+    cases += [_attention_case(bi, step, kv_mode, batch_invariant=True)
+              for kv_mode in KV_MODES for step in ATTENTION_BATCHES]
+    return cases
+
+
 def case_sets() -> dict[str, list[Case]]:
     """The cases the compile test and the GPU check cover: the default model in bf16 (both scale formats, all
-    steps), a 7B-class Llama in bf16 (decode batch and prefill), and the default model's attention in float32
-    (dtype="float32"; its fp32 dots run on FMA units)."""
+    steps), a 7B-class Llama in bf16 (decode batch and prefill), the default model's attention in float32
+    (dtype="float32"; its fp32 dots run on FMA units), and the default model's batch-invariant launches."""
     fp32 = dataclasses.replace(MODELS["smollm2-135m"], name="smollm2-135m-fp32", dtype=torch.float32)
     return {
         "smollm2-135m": engine_cases(MODELS["smollm2-135m"], scale_fmts=(None, "ue8m0")),
         "llama-7b": engine_cases(MODELS["llama-7b"], steps=("decode", "prefill")),
         "smollm2-135m-fp32": engine_cases(fp32, kinds=("write_kv", "attention"), steps=("decode", "prefill"),
                                           kv_modes=("model", "fp8")),
+        "smollm2-135m-bi": batch_invariant_cases(MODELS["smollm2-135m"]),
     }
 
 
@@ -401,19 +476,20 @@ class Launch:
     args: tuple
     kwargs: dict
     case: str = ""
+    attr: str = ""  # the module attribute launched (a batch-invariant twin shares its function's name)
 
     @property
     def name(self) -> str:
-        return self.kernel.__name__
+        return self.attr or self.kernel.__name__
 
 
 class _Recorder:
-    def __init__(self, kernel, launches: list):
-        self.kernel, self.launches = kernel, launches
+    def __init__(self, kernel, launches: list, name: str):
+        self.kernel, self.launches, self.name = kernel, launches, name
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.launches.append(Launch(self.kernel, tuple(grid), args, kwargs))
+            self.launches.append(Launch(self.kernel, tuple(grid), args, kwargs, attr=self.name))
         return launch
 
 
@@ -422,12 +498,12 @@ def record_launches(mods: SimpleNamespace) -> Iterator[list[Launch]]:
     """Within the block, the modules' kernels record their launches instead of running."""
     launches: list[Launch] = []
     saved = []
-    for mod in (mods.fp8, mods.attention):
+    for mod in _modules(mods):
         for name in dir(mod):
             kernel = getattr(mod, name)
-            if name.endswith("_kernel") and hasattr(kernel, "arg_names"):
+            if _is_kernel(mod, name):
                 saved.append((mod, name, kernel))
-                setattr(mod, name, _Recorder(kernel, launches))
+                setattr(mod, name, _Recorder(kernel, launches, name))
     try:
         yield launches
     finally:

@@ -34,13 +34,17 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.fp32:
-            return lm_head_fp32(hidden, self.weight)
+            return lm_head_fp32(hidden, self.weight, self.batch_invariant)
         return bf16_linear(hidden, self.weight, None, self.batch_invariant)
 
 
-def lm_head_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def lm_head_fp32(hidden: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """float32 logits of hidden [M, K] against weight [V, K] in the model dtype, every product and sum in
-    float32: the C++ kernel on CPU (batch invariant), torch elsewhere."""
+    float32: the C++ kernel on CPU (batch invariant), the Triton GEMM on CUDA when batch_invariant, torch
+    elsewhere."""
+    if batch_invariant and hidden.is_cuda:
+        from fp8engine.model_executor.kernels.dense_triton import linear_triton
+        return linear_triton(hidden, weight, out_dtype=torch.float32)
     kernel = cpu_kernel("lm_head_f32") if hidden.device.type == "cpu" else None
     x = hidden.float()
     if kernel is None or hidden.dim() != 2:

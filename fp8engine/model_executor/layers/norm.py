@@ -1,7 +1,8 @@
 """RMSNorm, with the residual add fused in, computed like Hugging Face (float32 statistics).
 
 On CPU the C++ kernel (csrc/layer_ops.cpp) does the add and the norm in one pass; `_norm` is its
-reference.
+reference. On CUDA with `batch_invariant` a Triton kernel does, one program per row (torch's reduction
+picks its strategy by the number of rows).
 """
 
 import torch
@@ -15,6 +16,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.batch_invariant = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -23,6 +25,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """(normed, new residual): the residual is x + residual, or x itself when there is none."""
+        if self.batch_invariant and x.is_cuda:
+            from fp8engine.model_executor.kernels.dense_triton import rms_norm_triton
+            return rms_norm_triton(x, residual, self.weight, self.eps)
         op = fused_kernel("rms_norm", x)
         if op is not None and x.dtype == self.weight.dtype:
             out, summed = op(x, residual, self.weight, self.eps)

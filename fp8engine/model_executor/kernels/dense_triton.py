@@ -1,0 +1,111 @@
+"""Triton kernels for batch-invariant model-dtype layers on CUDA: the linear GEMM (also the LM head, with
+float32 logits) and RMSNorm with the residual add fused in.
+
+torch's own kernels pick their blocking, split-K and reduction strategy by shape (cuBLAS heuristics, the
+reduction launcher's per-output thread counts), so a row's result there can change with the number of
+rows. These kernels have one launch for every M:
+  * linear: one compiled kernel (never specialised on M) with one tile shape; each output element sums its
+    K in BLOCK_K steps into one float32 accumulator, in order; no split-K. bf16 products are exact in
+    float32, so the float32-logit LM head is "every product and sum in float32" as on CPU.
+  * RMSNorm: one program per row, the whole row in registers: Hugging Face's order (add in the model
+    dtype, float32 statistics, normalise, round, times the weight).
+
+Under TRITON_INTERPRET=1 (CPU tensors; the tests) they use attention_triton's interpreter-safe conversions
+and matmul (its docstring says why).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8engine.model_executor.kernels.attention_triton import _INTERPRET, _mma, _round, _upcast
+
+LINEAR_BLOCK_M = 64
+LINEAR_BLOCK_N = 64
+LINEAR_BLOCK_K = 64
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptr + offs_n[None, :] * stride_bn + (k0 + offs_k)[:, None],
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = _mma(a, b, acc, INTERPRET)
+    if HAS_BIAS:
+        acc += _upcast(tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0), tl.float32, INTERPRET)[None, :]
+    out = _round(acc, c_ptr.dtype.element_ty, INTERPRET)
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) in float32, rounded to out_dtype (x's dtype by default); a row's
+    result does not depend on the other rows."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m and n:
+        grid = (triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, LINEAR_BLOCK_N))
+        _linear_kernel[grid](x2, weight, out, bias, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
+                             HAS_BIAS=bias is not None, BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N,
+                             BLOCK_K=LINEAR_BLOCK_K, INTERPRET=_INTERPRET, num_warps=4, num_stages=2)
+    return out.reshape(*x.shape[:-1], n)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, H, eps, stride_x, stride_r, stride_o, stride_s,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    ok = cols < H
+    dtype = out_ptr.dtype.element_ty
+    x = _upcast(tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0), tl.float32, INTERPRET)
+    if HAS_RESIDUAL:
+        r = _upcast(tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0), tl.float32, INTERPRET)
+        x = _upcast(_round(x + r, dtype, INTERPRET), tl.float32, INTERPRET)  # the add in the model dtype
+        tl.store(sum_ptr + row * stride_s + cols, _round(x, dtype, INTERPRET), mask=ok)
+    inv = 1.0 / tl.sqrt_rn(tl.sum(x * x, 0) / H + eps)
+    normed = _upcast(_round(x * inv, dtype, INTERPRET), tl.float32, INTERPRET)
+    w = _upcast(tl.load(w_ptr + cols, mask=ok, other=0.0), tl.float32, INTERPRET)
+    tl.store(out_ptr + row * stride_o + cols, _round(w * normed, dtype, INTERPRET), mask=ok)
+
+
+def rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * norm(s), s) with s = x + residual (or x): RMSNorm's forward, one program per row."""
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = None
+    if residual is not None:
+        r2 = residual.reshape(-1, h)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    out = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    summed = torch.empty_like(out) if residual is not None else x2
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, summed, h, eps, x2.stride(0), r2.stride(0) if r2 is not None else 0,
+            out.stride(0), summed.stride(0), HAS_RESIDUAL=residual is not None,
+            BLOCK_H=triton.next_power_of_2(h), INTERPRET=_INTERPRET, num_warps=4)
+    shape = x.shape
+    return out.reshape(shape), (x if residual is None else summed.reshape(shape))

@@ -1,0 +1,141 @@
+"""The Triton kernels of EngineConfig(batch_invariant=True) on the interpreter: a row's result is bitwise the
+same alone, at any position of any batch, and (attention) whether its query comes in a prefill chunk or as a
+decode step. test_triton_compile.py checks the native side: one binary per kernel for every batch size.
+"""
+
+import os
+
+# The interpreter is chosen when the kernels are decorated, so this must precede importing triton.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from attention_batches import Q_SCALE, make_batch  # noqa: E402
+from fp8engine.model_executor.kernels import attention_triton as at  # noqa: E402
+from fp8engine.model_executor.kernels import dense_triton as dt  # noqa: E402
+from fp8engine.model_executor.kernels import fp8_triton as ft  # noqa: E402
+from fp8engine.model_executor.kernels.attention_ref import FP8_DTYPE  # noqa: E402
+from fp8engine.model_executor.layers.norm import RMSNorm  # noqa: E402
+from fp8engine.weights import quant  # noqa: E402
+
+# Rows: alone, a few, more than one 64-row tile; the probe rows land at other tile positions in each.
+BATCHES = (1, 5, 70)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.int32)
+
+
+def _assert_rows_invariant(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn's rows for the first rows of x, computed in batches of each size in BATCHES with the probe rows
+    placed last: bitwise equal to fn over all of x. Returns fn(x)."""
+    full = fn(x)
+    for size in BATCHES:
+        for row in range(min(3, x.shape[0])):
+            others = torch.cat([x[:row], x[row + 1:]])[:size - 1]
+            got = fn(torch.cat([others, x[row:row + 1]]))[-1]
+            assert torch.equal(_bits(got), _bits(full[row])), f"row {row} in a batch of {size}"
+    return full
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["bf16", "fp32-logits"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_linear(out_dtype, bias):
+    x, w = _x(80, 200, 1), (_x(150, 200, 2) * 0.05).to(torch.bfloat16)
+    b = _x(1, 150, 3)[0] if bias else None
+    got = _assert_rows_invariant(lambda rows: dt.linear_triton(rows, w, b, out_dtype=out_dtype), x)
+    want = x.float() @ w.float().T + (b.float() if bias else 0)
+    assert got.dtype == (out_dtype or torch.bfloat16)
+    if out_dtype is None:  # one bf16 rounding apart at most
+        torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-6)
+    else:  # float32 sums in another order
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_linear():
+    x, w = _x(80, 576, 4), (_x(200, 576, 5) * 0.05).to(torch.bfloat16)
+    w_q, w_s = quant.quantize_weight_blockwise(w)
+
+    def fp8(rows):
+        return ft.fp8_block_linear_triton(rows, w_q, w_s, batch_invariant=True)
+    got = _assert_rows_invariant(fp8, x)
+    want = quant.fp8_block_linear_ref(x, w_q, w_s, None)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-3)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(residual):
+    x, r = _x(80, 576, 6), _x(80, 576, 7)
+    norm = RMSNorm(576, 1e-5, torch.bfloat16)
+    norm.weight.data = (1 + 0.1 * _x(1, 576, 8)[0].float()).to(torch.bfloat16)
+    r = r if residual else None
+
+    def run(rows):
+        extra = None if r is None else torch.cat([r[:0], r])[:rows.shape[0]]
+        return dt.rms_norm_triton(rows, extra, norm.weight, norm.eps)[0]
+    if r is None:
+        got = _assert_rows_invariant(run, x)
+        want, _ = norm(x)
+    else:  # the residual rows travel with their x rows
+        both = torch.cat([x, r], dim=1)
+        got = _assert_rows_invariant(lambda rows: dt.rms_norm_triton(rows[:, :576], rows[:, 576:], norm.weight,
+                                                                     norm.eps)[0], both)
+        want, summed = norm(x, r)
+        _, got_sum = dt.rms_norm_triton(x, r, norm.weight, norm.eps)
+        assert torch.equal(_bits(got_sum), _bits(summed))  # x + residual rounded to bf16, as torch adds
+    # 1 / sqrt against torch's rsqrt: a bf16 ulp apart where the product sits on a rounding boundary.
+    assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
+SEQS = [(40, 1), (57, 20), (33, 1), (90, 30)]  # (context incl. new tokens, new tokens): decodes and chunks
+PROBE = 1  # the sequence whose rows are recomputed alone, as a decode step and as another chunk
+
+
+def _sub_batch(batch: dict, picks: list[tuple[int, int, int]]) -> dict:
+    """The same cache, other query rows: (sequence, its context length, new tokens) per picked sequence."""
+    starts = batch["query_start_loc"].tolist()
+    qs, tables, lens, qsl = [], [], [], [0]
+    for seq, seq_len, new in picks:
+        end = starts[seq + 1] - (SEQS[seq][0] - seq_len)
+        qs.append(batch["q"][end - new:end])
+        tables.append(batch["block_tables"][seq])
+        lens.append(seq_len)
+        qsl.append(qsl[-1] + new)
+    return dict(batch, q=torch.cat(qs), block_tables=torch.stack(tables),
+                seq_lens=torch.tensor(lens, dtype=torch.int32), query_start_loc=torch.tensor(qsl, dtype=torch.int32))
+
+
+def _attend(batch: dict, full_fp8: bool) -> torch.Tensor:
+    return at.paged_attention_triton(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"],
+                                     batch["query_start_loc"], batch["seq_lens"], batch["scale"],
+                                     batch["k_scale"], batch["v_scale"], Q_SCALE if full_fp8 else None,
+                                     batch_invariant=True)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "full-fp8"])
+def test_attention_rows_do_not_depend_on_the_batch_or_the_chunking(kv):
+    cache_dtype = torch.bfloat16 if kv == "bf16" else FP8_DTYPE
+    batch = make_batch(SEQS, 9, 3, 64, 16, cache_dtype, q_dtype=torch.bfloat16, seed=11)
+    full_fp8 = kv == "full-fp8"
+    everything = _attend(batch, full_fp8)
+    start = batch["query_start_loc"][PROBE].item()
+    seq_len, new = SEQS[PROBE]
+    probe = everything[start:start + new]
+    # Alone, the whole chunk.
+    alone = _attend(_sub_batch(batch, [(PROBE, seq_len, new)]), full_fp8)
+    assert torch.equal(_bits(alone), _bits(probe))
+    # Its last 7 tokens as their own chunk, next to another sequence's decode.
+    chunk = _attend(_sub_batch(batch, [(2, 33, 1), (PROBE, seq_len, 7)]), full_fp8)[1:]
+    assert torch.equal(_bits(chunk), _bits(probe[-7:]))
+    # Its 5th token as a decode step (the context up to it), alone and among decodes.
+    decode = _attend(_sub_batch(batch, [(0, 40, 1), (PROBE, seq_len - new + 5, 1), (2, 33, 1)]), full_fp8)[1]
+    assert torch.equal(_bits(decode), _bits(probe[4]))
+    alone_decode = _attend(_sub_batch(batch, [(PROBE, seq_len - new + 5, 1)]), full_fp8)[0]
+    assert torch.equal(_bits(alone_decode), _bits(probe[4]))
