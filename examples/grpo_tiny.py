@@ -5,6 +5,14 @@ the new weights) -> rollout n samples per prompt at T=1 -> trainer logprobs with
 semantics -> GRPO loss (group-normalised advantages, token-level policy gradient, token TIS
 weights C=2 as detached multipliers) -> AdamW step.
 
+Exact mode (the default): the engine runs batch invariant and the trainer's logprobs are the engine's
+own replay of the batch (response_logprobs(..., exact=True)), so they equal the rollout's bit for bit
+(k3 = 0) while the gradient is still the float32 policy's. The trainer then optimises the policy the
+engine holds (BF16-rounded or FP8-quantized weights), not a float32 master the engine cannot represent.
+--no-exact trains on the float32 policy's own logprobs, corrected by TIS. --stochastic-rounding rounds
+the float32 master to BF16 stochastically at each sync (unbiased: the engine tracks the master in
+expectation, where round-to-nearest ignores Adam's sub-ulp steps).
+
 The task is a verifiable reward: the prompt is a few-shot addition table ending in "a+b=", the
 answer is the first integer of the response, reward 1 if it equals a+b.
 
@@ -12,22 +20,22 @@ answer is the first integer of the response, reward 1 if it equals a+b.
     python examples/grpo_tiny.py --steps 30 --json examples/results/fp8_tis.json
     python examples/grpo_tiny.py --steps 30 --no-tis --json examples/results/fp8_no_tis.json
     python examples/grpo_tiny.py --steps 30 --rollout bf16 --json examples/results/bf16_tis.json
+    python examples/grpo_tiny.py --steps 30 --no-exact --json examples/results/fp8_tis.json   # the float32 trainer
     python examples/plot_grpo.py examples/results/*.json --out examples/results/grpo_tiny.png
 """
 
 import argparse
 import json
 import random
-import re
 import time
 
 import torch
+from addition import answer_reward, engine_config, make_problems
 from transformers import AutoModelForCausalLM
 
-from fp8engine import EngineConfig, SamplingParams, default_model_path
+from fp8engine import SamplingParams, default_model_path
 from fp8engine.rl import RolloutBatch, RolloutEngine, correction, response_logprobs
 
-FEW_SHOT = "3+4=7\n12+5=17\n"
 TIS_CLIP = 2.0
 
 
@@ -41,6 +49,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-operand", type=int, default=20)
     p.add_argument("--no-tis", action="store_true", help="plain policy gradient, no TIS weights")
+    p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
+                   help="trainer logprobs replayed by the batch-invariant engine (equal to the rollout's); "
+                        "--no-exact: the float32 policy's own logprobs")
+    p.add_argument("--stochastic-rounding", action="store_true",
+                   help="sync the float32 master as BF16 rounded stochastically (seeded per step)")
     p.add_argument("--rollout", choices=("fp8", "bf16"), default="fp8",
                    help="fp8: FP8 linear + FP8 KV (recomputed scales); bf16: plain engine")
     p.add_argument("--eval-every", type=int, default=5,
@@ -55,24 +68,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def engine_config(rollout: str) -> EngineConfig:
-    fp8 = dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", kv_scale_mode="recompute")
-    return EngineConfig(dtype="bfloat16", kv_cache_memory_bytes=256 << 20,
-                        **(fp8 if rollout == "fp8" else {}))
-
-
-def make_problems(rng: random.Random, count: int, max_operand: int) -> tuple[list[str], list[int]]:
-    pairs = [(rng.randint(1, max_operand), rng.randint(1, max_operand)) for _ in range(count)]
-    return [f"{FEW_SHOT}{a}+{b}=" for a, b in pairs], [a + b for a, b in pairs]
-
-
 def rewards(batch: RolloutBatch, answers: list[int]) -> torch.Tensor:
     """[B] float32: 1 where the response's first integer is the answer of its prompt."""
-    out = torch.zeros(batch.batch_size)
-    for i, text in enumerate(batch.response_texts):
-        found = re.search(r"-?\d+", text)
-        out[i] = float(found is not None and int(found.group()) == answers[i // batch.n])
-    return out
+    return torch.tensor([answer_reward(text, answers[i // batch.n]) for i, text in enumerate(batch.response_texts)])
 
 
 def evaluate(engine: RolloutEngine, prompts: list[str], answers: list[int], max_tokens: int) -> float:
@@ -88,11 +86,22 @@ def group_advantages(reward: torch.Tensor, n: int) -> torch.Tensor:
     return adv.view(-1)
 
 
+def stochastic_bf16(model: torch.nn.Module, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The model's float32 parameters as BF16, each rounded up with probability equal to the dropped
+    fraction of an ulp (unbiased), from random 16-bit noise added to the dropped bits."""
+    out = {}
+    for name, param in model.state_dict().items():
+        bits = param.detach().float().contiguous().view(torch.int32)
+        noise = torch.randint(0, 1 << 16, bits.shape, generator=generator, dtype=torch.int32)
+        out[name] = (((bits + noise) >> 16) << 16).view(torch.float32).to(torch.bfloat16)
+    return out
+
+
 def train_step(policy, optimizer, batch: RolloutBatch, params: SamplingParams, reward: torch.Tensor,
-               use_tis: bool) -> dict[str, float]:
+               use_tis: bool, exact: bool) -> dict[str, float]:
     """One GRPO update; returns the loss and the train/rollout mismatch metrics."""
     mask = batch.response_mask
-    train_lp = response_logprobs(policy, batch, params)
+    train_lp = response_logprobs(policy, batch, params, exact=exact)
     weights = (correction.token_tis_weights(train_lp, batch.rollout_logprobs, mask, clip=TIS_CLIP)
                if use_tis else mask.float())
     adv = group_advantages(reward, batch.n)[:, None]
@@ -140,10 +149,12 @@ def main() -> None:
     held_out = make_problems(random.Random(args.seed + 1), args.eval_prompts, args.max_operand)
     policy = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    engine = RolloutEngine(engine_config(args.rollout))
+    engine = RolloutEngine(engine_config(args.rollout, exact=args.exact))
+    rounding = torch.Generator().manual_seed(args.seed)
     records, evals = [], []
     for step in range(args.steps + 1):
-        sync = engine.sync_weights(policy, weight_version=step)
+        weights = stochastic_bf16(policy, rounding) if args.stochastic_rounding else policy
+        sync = engine.sync_weights(weights, weight_version=step)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             evals.append({"step": step, "accuracy": evaluate(engine, *held_out, args.max_tokens)})
             print(f"eval  step {step:3d}  greedy accuracy {evals[-1]['accuracy']:.3f}", flush=True)
@@ -157,7 +168,7 @@ def main() -> None:
         rollout_seconds = time.perf_counter() - start
         reward = rewards(batch, answers)
         start = time.perf_counter()
-        train = train_step(policy, optimizer, batch, params, reward, not args.no_tis)
+        train = train_step(policy, optimizer, batch, params, reward, not args.no_tis, args.exact)
         seconds = {"sync": sync.seconds, "rollout": rollout_seconds, "train": time.perf_counter() - start}
         records.append(step_record(step, reward, batch, train, seconds))
         print_record(records[-1])
@@ -174,7 +185,10 @@ def write_json(args: argparse.Namespace, records: list[dict], evals: list[dict])
 
 
 def label(args: argparse.Namespace) -> str:
-    return f"{args.rollout.upper()} rollout" + (", no TIS" if args.no_tis else " + TIS")
+    if args.exact:
+        return f"{args.rollout.upper()} rollout, exact" + (" + SR" if args.stochastic_rounding else "")
+    return f"{args.rollout.upper()} rollout" + (", no TIS" if args.no_tis else " + TIS") \
+        + (" + SR" if args.stochastic_rounding else "")
 
 
 if __name__ == "__main__":
