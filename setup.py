@@ -20,7 +20,10 @@ setup(
     extras_require={
         "gpu": ["triton", "flashinfer-python", "deep-gemm", "xformers"],
         "server": ["fastapi", "uvicorn[standard]", "uvloop", "prometheus-client", "httpx"],
-        "dev": ["pytest", "pytest-randomly", "gguf", "accelerate", "matplotlib", "openai", "triton"],
+        "ray": ["ray[default]>=2.10"],
+        "dev": ["pytest", "pytest-randomly", "gguf", "accelerate", "matplotlib", "openai", "triton",
+                "hypothesis", "schemathesis", "lm-eval[api]==0.4.13", "trl==1.16.*", "datasets", "peft",
+                "ray[default]>=2.10"],
     },
     entry_points={"console_scripts": ["fp8engine=fp8engine.entrypoints.cli:main"]},
 )
