@@ -18,9 +18,14 @@ from fp8engine.rl.sync import (DEFAULT_BUCKET_BYTES, SyncDtype, SyncReport, buck
                                buckets, check_bucket_bytes, check_version, named_tensors)
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights.default_model import default_model_path
+from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, dtype_name
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
-                   "stop_token_ids", "ignore_eos", "seed", "logprobs", "logprobs_mode")
+                   "stop_token_ids", "ignore_eos", "seed", "logprobs", "logprobs_mode", "return_routed_experts",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+# GET calls that change nothing: retried after a connection error or a 502/503/504, with backoff.
+IDEMPOTENT = frozenset({"/health", "/stats", "/weight_version", "/version", "/kv_scales"})
+RETRY_STATUSES = frozenset({502, 503, 504})
 
 
 class RolloutClient:
@@ -34,12 +39,18 @@ class RolloutClient:
     bytes of float32; an FP8 server then quantizes the BF16 values), None = keep the trainer's
     dtype. tokenizer: a tokenizer or a path for AutoTokenizer, used to turn text and chat prompts
     into token ids and to pad; default: the bundled default model's. timeout: seconds per HTTP
-    call. A -inf logprob (a token outside the kept set) arrives as the server's -9999.
+    call. retries / backoff: the idempotent calls (get_stats, weight_version, health) are retried that
+    many times after a connection error or a 502/503/504, waiting backoff * 2^attempt seconds; other
+    calls (rollouts, syncs, pause) are never retried, and their error says so. A -inf logprob (a token
+    outside the kept set) arrives as the server's -9999.
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, sync_dtype: SyncDtype = "auto",
-                 tokenizer=None, timeout: float = 600.0):
+                 tokenizer=None, timeout: float = 600.0, retries: int = 3, backoff: float = 0.5):
+        if retries < 0 or backoff < 0:
+            raise ValueError(f"retries and backoff must be >= 0; got {retries}, {backoff}")
+        self.retries, self.backoff = retries, backoff
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
@@ -71,7 +82,7 @@ class RolloutClient:
                 sampling_params: SamplingParams | None = None) -> RolloutBatch:
         """Generate `n` samples per prompt via /v1/completions; the same RolloutBatch as in-process."""
         params = rollout_params(prompts, n, sampling_params)
-        token_prompts = [self._token_ids(p) for p in prompts]
+        token_prompts = [prompt_token_ids(self.tokenizer, p) for p in prompts]
         body = {name: getattr(params, name) for name in SAMPLING_FIELDS}
         start = time.perf_counter()
         answer = self._request("POST", "/v1/completions",
@@ -93,6 +104,17 @@ class RolloutClient:
     def resume(self) -> None:
         self._request("POST", "/resume")
 
+    def health(self) -> bool:
+        """Whether the server answers /health (after the retries)."""
+        try:
+            self._request("GET", "/health")
+        except RuntimeError:
+            return False
+        return True
+
+    def weight_version(self) -> int:
+        return int(self._request("GET", "/weight_version")["weight_version"])
+
     def get_stats(self) -> EngineStats:
         body = self._request("GET", "/stats")
         known = {f.name for f in dataclasses.fields(EngineStats)}
@@ -100,29 +122,64 @@ class RolloutClient:
         stats["kv_scales"] = {layer: tuple(kv) for layer, kv in stats["kv_scales"].items()}
         return EngineStats(**stats)
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weights", backend: str = "gloo",
+                                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """The server joins the trainer's weight-update group (LLMEngine.init_weights_update_group);
+        returns once every rank joined, so the trainer joins (rank 0) from another thread or process."""
+        self._request("POST", "/init_weights_update_group", json={
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend, "timeout_s": timeout_s})
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str | torch.dtype],
+                                        shapes: list[list[int]], weight_version: int | None = None) -> dict:
+        """The server receives the tensors rank 0 broadcasts meanwhile (in `names` order) and applies
+        them as update_weights does; returns its WeightUpdateReport as a dict."""
+        return self._request("POST", "/update_weights_from_distributed", json={
+            "names": list(names), "dtypes": [d if isinstance(d, str) else dtype_name(d) for d in dtypes],
+            "shapes": [list(s) for s in shapes], "weight_version": weight_version})
+
+    def destroy_weights_update_group(self) -> None:
+        self._request("POST", "/destroy_weights_update_group")
+
     def _update(self, bucket: str, content: bytes = b"", **params) -> None:
         self._request("POST", "/update_weights", params={"bucket": bucket, **params}, content=content,
                       headers={"Content-Type": "application/octet-stream"})
 
     def _request(self, method: str, path: str, **kwargs) -> dict:
-        response = self.http.request(method, path, **kwargs)
-        if response.is_error:
-            raise RuntimeError(f"{method} {path} failed with HTTP {response.status_code}: "
-                               f"{response.text[:500]}")
-        return response.json()
+        attempts = 1 + (self.retries if method == "GET" and path in IDEMPOTENT else 0)
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                response = self.http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt + 1 < attempts:
+                    continue
+                again = f"after {attempts} attempts" if attempts > 1 else "(not retried: it is not idempotent)"
+                raise RuntimeError(f"{method} {path} failed {again}: {type(exc).__name__}: {exc}") from exc
+            if response.status_code in RETRY_STATUSES and attempt + 1 < attempts:
+                continue
+            if response.is_error:
+                raise RuntimeError(f"{method} {path} failed with HTTP {response.status_code}: "
+                                   f"{response.text[:500]}")
+            return response.json()
+        raise AssertionError("unreachable")
 
-    def _token_ids(self, prompt: Prompt) -> list[int]:
-        """What LLMEngine tokenizes a prompt to: text as is, chat messages with the template."""
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"]
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return prompt
+
+def prompt_token_ids(tokenizer, prompt: Prompt) -> list[int]:
+    """What LLMEngine tokenizes a prompt to: text as is, chat messages with the template."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"]
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return prompt
 
 
 def _sample(choice: dict) -> Sample:
+    routed = choice.get("routed_experts")
     return Sample(choice["prompt_token_ids"], choice["token_ids"],
                   choice["logprobs"]["token_logprobs"], choice.get("log_kept_mass"),
                   choice["finish_reason"], choice["num_preemptions"], choice["weight_version"],
-                  choice["text"])
+                  choice["text"], None if routed is None else torch.tensor(routed, dtype=torch.int32))

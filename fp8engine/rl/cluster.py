@@ -1,0 +1,551 @@
+"""RolloutCluster: engine replicas as Ray actors, behind RolloutEngine's methods.
+
+Ray places the replicas (a share of a node's CPU threads, or one GPU, each), runs them and says
+which died; the weights travel through Ray's object store (each bucket put once, read in place by
+every replica on a node) or over one torch.distributed broadcast from the trainer. Ray is imported
+when a cluster is built, never by `import fp8engine.rl`.
+
+    cluster = RolloutCluster(EngineConfig(), num_replicas=4)         # a local Ray, or address="auto"
+    cluster.sync_weights(policy, weight_version=step)                # all replicas or none
+    batch = cluster.rollout(prompts, n=8, sampling_params=params)    # prompt order kept
+"""
+
+import contextlib
+import dataclasses
+import itertools
+import socket
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+from transformers import AutoTokenizer
+
+from fp8engine.config import EngineConfig
+from fp8engine.engine import Prompt
+from fp8engine.outputs import EngineStats, WeightUpdateReport
+from fp8engine.rl.batch import RolloutBatch, Sample, collate, pad_token_id, rollout_stats
+from fp8engine.rl.client import prompt_token_ids
+from fp8engine.rl.rollout import PauseMode, RolloutEngine, check_pause_mode, request_samples, rollout_params
+from fp8engine.rl.sync import (DEFAULT_BUCKET_BYTES, Bucket, SyncDtype, SyncReport, bucket_bytes_of, buckets,
+                               check_bucket_bytes, check_version, named_tensors)
+from fp8engine.sampling_params import SamplingParams
+from fp8engine.weights import dist_update
+from fp8engine.weights.default_model import default_model_path
+
+SyncMethod = Literal["object_store", "distributed"]
+SYNC_METHODS = ("object_store", "distributed")
+Packed = list[tuple[str, str, tuple[int, ...], object]]  # (name, dtype name, shape, numpy bytes)
+
+
+@dataclass(slots=True)
+class PromptGroup:
+    """One prompt's n samples, which run on one replica (they share the prompt's KV blocks)."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+    @property
+    def cost(self) -> int:
+        """Tokens it keeps its replica busy with: the prompt once, then up to max_tokens per sample."""
+        return len(self.prompt_ids) + self.params.n * self.params.max_tokens
+
+
+@dataclass(slots=True)
+class ClusterStats(EngineStats):
+    """EngineStats of the whole cluster: counters summed over the live replicas (`*_total` floats
+    summed, prefix_cache_hit_rate averaged, other floats the largest, weight_version the cluster's,
+    the rest replica 0's), plus
+
+    replicas: each live replica's own EngineStats; replica_ids: their ids (as errors and
+        RolloutBatch.stats["replica_of_prompt"] name them). num_replicas: how many are live.
+    replicas_lost: one line per replica that died ("replica 1 (ActorDiedError)").
+    num_prompt_groups_rerun: prompt groups rerun on survivors because their replica died.
+    """
+
+    replicas: list[EngineStats] = field(default_factory=list)
+    replica_ids: list[int] = field(default_factory=list)
+    num_replicas: int = 0
+    replicas_lost: list[str] = field(default_factory=list)
+    num_prompt_groups_rerun: int = 0
+
+
+class Replica:
+    """One engine in its own Ray actor process (RolloutCluster builds it with ray.remote).
+
+    It streams each prompt group's samples as the group finishes (`generate`), and takes a weight
+    sync in two phases: `stage` (receive and validate, nothing written), then `commit` or `discard`.
+    """
+
+    def __init__(self, config: EngineConfig, num_threads: int | None = None):
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.rollouts = RolloutEngine(config)
+        self.engine = self.rollouts.engine
+        self.staged: list[tuple[str, torch.Tensor]] = []
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def generate(self, groups: list[PromptGroup]) -> Iterator[tuple[int, list[Sample]]]:
+        """(group index, its samples) for each group, as it finishes."""
+        if self.rollouts.paused:
+            raise RuntimeError(f"the replica is paused (mode {self.rollouts.paused!r})")
+        ids: dict[str, int] = {}
+        try:
+            for group in groups:
+                ids[self.engine.add_request(group.prompt_ids, group.params)] = group.index
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        while ids:
+            for out in self.engine._step(finished_only=True):
+                if out.finished and out.request_id in ids:
+                    yield ids.pop(out.request_id), request_samples(out)
+
+    def stage(self, packed: Packed) -> int:
+        """Validate one bucket (read in place from the object store) and keep it for `commit`."""
+        tensors = unpack(packed)
+        self.engine.check_weights(tensors)
+        self.staged += tensors
+        return len(tensors)
+
+    def stage_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
+        """Receive one broadcast update over the weight-update group, validate it, keep it for `commit`."""
+        tensors = self.engine.receive_weights(names, dtypes, shapes)
+        self.engine.check_weights(tensors)
+        self.staged += tensors
+        return len(tensors)
+
+    def commit(self, weight_version: int) -> WeightUpdateReport:
+        staged, self.staged = self.staged, []
+        return self.engine.update_weights(staged, weight_version=weight_version)
+
+    def discard(self) -> None:
+        self.staged = []
+
+    def init_weights_update_group(self, *args) -> None:
+        self.engine.init_weights_update_group(*args)
+
+    def destroy_weights_update_group(self) -> None:
+        self.engine.destroy_weights_update_group()
+
+    def pause(self, mode: PauseMode) -> None:
+        self.rollouts.pause(mode)
+
+    def resume(self) -> None:
+        self.rollouts.resume()
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    def call(self, fn):
+        """fn(engine) in the replica's process, for inspection (e.g. a weight checksum)."""
+        return fn(self.engine)
+
+
+@dataclass(eq=False, slots=True)
+class _Member:
+    id: int
+    actor: object
+
+
+class RolloutCluster:
+    """`num_replicas` engines as Ray actors, with RolloutEngine's methods and RolloutBatch.
+
+    address: None starts a local Ray (or uses the one this process already joined); "auto" or
+        "host:port" joins a running cluster (`ray start --head` on one node, `--address` on the rest).
+    num_cpus_per_replica: CPU threads (and Ray CPUs) of one replica on the CPU; default: the Ray
+        cluster's CPUs / num_replicas, at least 1. On CUDA each replica takes one GPU.
+    sync_method: "object_store" (each bucket put into Ray's object store once; the replicas on a
+        node read it in place; the last sync's buckets stay there for add_replica) or
+        "distributed" (one torch.distributed broadcast from this process, rank 0, to every
+        replica: gloo on the CPU, NCCL on CUDA; master_address: this process's address as the
+        replicas reach it, default Ray's node IP).
+    bucket_bytes / sync_dtype: as RolloutEngine's ("auto" = bfloat16 here: the bytes travel).
+    timeout_s: how long a weight broadcast may stall before the replicas drop it.
+
+    Dispatch: a prompt's n samples run on one replica; prompt groups go, in prompt order, to the
+    replica with the fewest outstanding tokens (prompt + n * max_tokens). Requests without a seed
+    get one per prompt here, so that a group rerun after its replica died samples the same tokens.
+    """
+
+    def __init__(self, config: EngineConfig, num_replicas: int = 1, *, address: str | None = None,
+                 num_cpus_per_replica: int | None = None, sync_method: SyncMethod = "object_store",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, sync_dtype: SyncDtype = "auto",
+                 master_address: str | None = None, timeout_s: float = dist_update.DEFAULT_TIMEOUT_S):
+        ray = _ray()
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
+        if sync_method not in SYNC_METHODS:
+            raise ValueError(f"sync_method must be one of {list(SYNC_METHODS)}, got {sync_method!r}")
+        if not ray.is_initialized():
+            ray.init(address=address)
+        self.config = config
+        self.sync_method = sync_method
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
+        self.sync_dtype = torch.bfloat16 if sync_dtype == "auto" else sync_dtype
+        self.master_address = master_address
+        self.timeout_s = timeout_s
+        self.tokenizer = AutoTokenizer.from_pretrained(default_model_path() if config.model == "default"
+                                                       else config.model)
+        self.pad_token_id = pad_token_id(self.tokenizer)
+        self.weight_version = 0
+        self.paused: PauseMode | None = None
+        self.replicas_lost: list[str] = []
+        self.num_prompt_groups_rerun = 0
+        self._seeds = torch.Generator().manual_seed(config.seed)
+        self._ids = itertools.count()
+        self._group_ids = itertools.count()
+        self._group = None
+        self._dead: set[int] = set()
+        self._weights: list = []  # object refs of the last object-store sync's buckets
+        self._synced = False
+        gpu = config.device == "cuda"
+        cpus = num_cpus_per_replica or max(1, int(ray.cluster_resources().get("CPU", 1)) // num_replicas)
+        self._threads = None if gpu else cpus
+        self._actor_class = ray.remote(Replica).options(num_cpus=1 if gpu else cpus, num_gpus=1 if gpu else 0)
+        self._members = self._start(num_replicas)
+
+    @property
+    def replicas(self) -> list:
+        """The live replicas' Ray actor handles."""
+        return [m.actor for m in self._members]
+
+    # ------------------------------------------------------------------ rollouts
+    def rollout(self, prompts: Sequence[Prompt], n: int = 1,
+                sampling_params: SamplingParams | None = None) -> RolloutBatch:
+        """RolloutEngine.rollout over the replicas. A replica that dies meanwhile has its unfinished
+        prompt groups rerun on the others (same seeds): the batch still comes back complete.
+        batch.stats adds replica_of_prompt (the replica id that made each prompt's samples) and
+        num_prompt_groups_rerun."""
+        if self.paused:
+            raise RuntimeError(f"the cluster is paused (mode {self.paused!r}); call resume() first")
+        params = rollout_params(prompts, n, sampling_params)
+        groups = [PromptGroup(i, prompt_token_ids(self.tokenizer, p), self._seeded(params))
+                  for i, p in enumerate(prompts)]
+        start = time.perf_counter()
+        samples, placement, num_rerun = self._run(groups)
+        seconds = time.perf_counter() - start
+        batch = collate([s for group in groups for s in samples[group.index]], n, self.pad_token_id)
+        batch.stats = rollout_stats(batch, seconds, self.get_stats()) | {
+            "replica_of_prompt": placement, "num_prompt_groups_rerun": num_rerun}
+        return batch
+
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        if params.seed is not None:
+            return params
+        return dataclasses.replace(params, seed=int(torch.randint(0, 2**62, (1,), generator=self._seeds)))
+
+    def _run(self, groups: list[PromptGroup]) -> tuple[dict[int, list[Sample]], list[int], int]:
+        done: dict[int, list[Sample]] = {}
+        placement = [-1] * len(groups)
+        todo, num_rerun = groups, 0
+        while todo:
+            self._check_live()
+            todo = self._collect(self._dispatch(todo), done, placement)
+            num_rerun += len(todo)
+        self.num_prompt_groups_rerun += num_rerun
+        return done, placement, num_rerun
+
+    def _dispatch(self, groups: list[PromptGroup]) -> dict:
+        """One streaming `generate` call per replica that gets groups: {stream: (member, its groups)}."""
+        plan = assign([g.cost for g in groups], len(self._members))
+        streams = {}
+        for i, member in enumerate(self._members):
+            mine = [g for g, r in zip(groups, plan) if r == i]
+            if mine:
+                stream = member.actor.generate.options(num_returns="streaming").remote(mine)
+                streams[stream] = (member, {g.index: g for g in mine})
+        return streams
+
+    def _collect(self, streams: dict, done: dict[int, list[Sample]], placement: list[int]) -> list[PromptGroup]:
+        """Gather every stream's groups; returns the unfinished groups of replicas that died."""
+        ray = _ray()
+        lost: list[PromptGroup] = []
+        while streams:
+            [stream], _ = ray.wait(list(streams), num_returns=1)
+            member, unfinished = streams[stream]
+            try:
+                index, samples = ray.get(next(stream))
+            except ray.exceptions.RayActorError as exc:
+                self._lose(member, exc)
+                lost += unfinished.values()
+                unfinished.clear()
+            else:
+                del unfinished[index]
+                done[index], placement[index] = samples, member.id
+            if not unfinished:
+                del streams[stream]
+        return sorted(lost, key=lambda g: g.index)
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+                     weight_version: int) -> SyncReport:
+        """All replicas or none: every replica stages (receives and validates) the whole update, and
+        commits only once all have staged it. A bad tensor raises ValueError naming the replica and
+        the tensor, every replica keeping its weights and version. A replica that dies meanwhile is
+        dropped (get_stats reports it) and the others go on."""
+        version = check_version(weight_version)
+        self._check_live()
+        start = time.perf_counter()
+        stage = self._stage_distributed if self.sync_method == "distributed" else self._stage_object_store
+        refs, num_bytes, num_tensors, num_buckets = stage(named_tensors(model_or_state_dict), list(self._members))
+        self._commit(version, list(self._members))
+        self.weight_version, self._weights, self._synced = version, refs, True
+        return SyncReport(time.perf_counter() - start, num_bytes, num_tensors, num_buckets, version)
+
+    def _stage_object_store(self, items: Iterable[tuple[str, torch.Tensor]], members: list[_Member]
+                            ) -> tuple[list, int, int, int]:
+        ray = _ray()
+        refs, calls, num_bytes, num_tensors = [], [], 0, 0
+        try:
+            for bucket in buckets(items, self.bucket_bytes, self.sync_dtype):
+                refs.append(ray.put(pack(bucket)))
+                calls += [(m, m.actor.stage.remote(refs[-1])) for m in members]
+                num_bytes += bucket_bytes_of(bucket)
+                num_tensors += len(bucket)
+        except BaseException:
+            self._discard(calls, members)
+            raise
+        self._settle(calls, members)
+        return refs, num_bytes, num_tensors, len(refs)
+
+    def _stage_distributed(self, items: Iterable[tuple[str, torch.Tensor]], members: list[_Member]
+                           ) -> tuple[list, int, int, int]:
+        items = list(items)
+        names, dtypes, shapes = dist_update.tensor_specs((name, self._sync_spec(t)) for name, t in items)
+        group = self._open_group(members)
+        calls = [(m, m.actor.stage_distributed.remote(names, dtypes, shapes)) for m in members]
+        num_bytes, num_buckets = 0, 0
+        try:
+            for bucket in buckets(items, self.bucket_bytes, self.sync_dtype):
+                num_bytes += dist_update.broadcast_weights(group, bucket, self.config.device)
+                num_buckets += 1
+        except BaseException:
+            self._close_group()  # closing our end unblocks the replicas still waiting on it
+            self._discard(calls, members)
+            raise
+        self._settle(calls, members)
+        return [], num_bytes, len(items), num_buckets
+
+    def _sync_spec(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A meta tensor with the dtype and shape `tensor` travels with."""
+        dtype = self.sync_dtype if self.sync_dtype is not None and tensor.is_floating_point() else tensor.dtype
+        return torch.empty(tensor.shape, dtype=dtype, device="meta")
+
+    def _settle(self, calls: list, members: list[_Member]) -> None:
+        """Wait for staging calls. A replica that died is dropped; any refusal discards what every
+        replica staged and raises, naming the first replica that refused and its reason."""
+        refusals = [(m, r) for m, r in self._wait(calls) if isinstance(r, BaseException)]
+        live = self._live(members)
+        if refusals:
+            self._discard([], live)
+            member, error = refusals[0]
+            cause = getattr(error, "cause", error)
+            kind = ValueError if isinstance(cause, ValueError) else RuntimeError
+            raise kind(f"replica {member.id} refused the weight update ({len({m.id for m, _ in refusals})} of "
+                       f"{len(live)} did): {cause}; no replica changed, all hold weight version "
+                       f"{self.weight_version}") from None
+        if not live:
+            raise RuntimeError(f"every replica died during the weight sync ({'; '.join(self.replicas_lost)})")
+
+    def _discard(self, calls: list, members: list[_Member]) -> None:
+        """Let `calls` end, then drop what the live ones of `members` staged."""
+        self._wait(calls)
+        self._wait([(m, m.actor.discard.remote()) for m in self._live(members)])
+
+    def _commit(self, version: int, members: list[_Member]) -> None:
+        for member, result in self._wait([(m, m.actor.commit.remote(version)) for m in members]):
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"replica {member.id} failed to commit a staged update: {result}")
+
+    def _wait(self, calls: list) -> list[tuple[_Member, object]]:
+        """(member, result or the task's exception) per call of a live member; a member whose actor
+        died is dropped."""
+        ray = _ray()
+        results = []
+        for member, ref in calls:
+            try:
+                results.append((member, ray.get(ref)))
+            except ray.exceptions.RayActorError as exc:
+                self._lose(member, exc)
+            except ray.exceptions.RayTaskError as exc:
+                results.append((member, exc))
+        return [(m, r) for m, r in results if m.id not in self._dead]
+
+    def _live(self, members: list[_Member]) -> list[_Member]:
+        return [m for m in members if m.id not in self._dead]
+
+    # ------------------------------------------------------------------ the weight-update group
+    def _open_group(self, members: list[_Member]):
+        if self._group is not None:
+            return self._group
+        ray = _ray()
+        address = self.master_address or ray.util.get_node_ip_address()
+        port, world_size = _free_port(), len(members) + 1
+        name = f"fp8engine-cluster-{id(self):x}-{next(self._group_ids)}"
+        backend = "nccl" if self.config.device == "cuda" else "gloo"
+        calls = [(m, m.actor.init_weights_update_group.remote(address, port, rank, world_size, name, backend,
+                                                              self.timeout_s))
+                 for rank, m in enumerate(members, start=1)]
+        self._group = dist_update.init_process_group(address, port, 0, world_size, name, backend, self.timeout_s)
+        for member, result in self._wait(calls):
+            if isinstance(result, BaseException):
+                self._close_group()
+                raise RuntimeError(f"replica {member.id} could not join the weight-update group: {result}")
+        return self._group
+
+    def _close_group(self) -> None:
+        """Leave the group, and have the replicas leave theirs: a group's members are fixed, so it
+        is formed again at the next distributed sync after any replica came or went."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        for member in self._members:
+            member.actor.destroy_weights_update_group.remote()
+        with contextlib.suppress(RuntimeError):
+            torch.distributed.destroy_process_group(group)
+
+    # ------------------------------------------------------------------ membership
+    def add_replica(self, model_or_state_dict: nn.Module | Mapping[str, torch.Tensor] | None = None):
+        """Start one more replica; it takes work only once it holds the cluster's weights and
+        version: the last sync's buckets, kept in the object store, or `model_or_state_dict` when
+        given (needed after a distributed sync). Returns its actor handle."""
+        if self._synced and not self._weights and model_or_state_dict is None:
+            raise ValueError("the last sync was distributed (nothing kept in the object store): pass "
+                             "add_replica(model_or_state_dict) to bring the new replica to the current weights")
+        [member] = self._start(1)
+        try:
+            if model_or_state_dict is not None:
+                self._stage_object_store(named_tensors(model_or_state_dict), [member])
+            else:
+                self._settle([(member, member.actor.stage.remote(ref)) for ref in self._weights], [member])
+            if self._synced or model_or_state_dict is not None:
+                self._commit(self.weight_version, [member])
+            if self.paused:
+                _ray().get(member.actor.pause.remote(self.paused))
+        except BaseException:
+            _ray().kill(member.actor)
+            raise
+        self._close_group()
+        self._members.append(member)
+        return member.actor
+
+    def remove_replica(self, index: int) -> None:
+        """Stop replica `index` (of `replicas`)."""
+        member = self._members.pop(index)
+        self._close_group()
+        _ray().kill(member.actor)
+
+    def shutdown(self) -> None:
+        """Stop every replica (Ray itself keeps running)."""
+        self._close_group()
+        for member in self._members:
+            _ray().kill(member.actor)
+        self._members = []
+
+    def _start(self, count: int) -> list[_Member]:
+        members = [_Member(next(self._ids), self._actor_class.remote(self.config, self._threads))
+                   for _ in range(count)]
+        _ray().get([m.actor.weight_version.remote() for m in members])  # the engines are up
+        return members
+
+    def _check_live(self) -> None:
+        if not self._members:
+            raise RuntimeError(f"no replica is live ({'; '.join(self.replicas_lost) or 'all removed'}); "
+                               f"add_replica() to go on")
+
+    def _lose(self, member: _Member, exc: BaseException) -> None:
+        if member.id in self._dead:
+            return
+        self._dead.add(member.id)
+        if member in self._members:
+            self._members.remove(member)
+            self._close_group()
+        self.replicas_lost.append(f"replica {member.id} ({type(exc).__name__})")
+        _ray().kill(member.actor)  # an unreachable replica must not come back on old weights
+
+    # ------------------------------------------------------------------ control
+    def pause(self, mode: PauseMode = "abort") -> None:
+        """Pause every replica (see RolloutEngine.pause); rollout() raises until resume()."""
+        check_pause_mode(mode)
+        self._wait([(m, m.actor.pause.remote(mode)) for m in self._members])
+        self.paused = mode
+
+    def resume(self) -> None:
+        self._wait([(m, m.actor.resume.remote()) for m in self._members])
+        self.paused = None
+
+    def get_stats(self) -> ClusterStats:
+        results = self._wait([(m, m.actor.get_stats.remote()) for m in self._members])
+        self._check_live()
+        return _cluster_stats(results, self.weight_version, self.replicas_lost, self.num_prompt_groups_rerun)
+
+
+def assign(costs: Sequence[int], num_replicas: int) -> list[int]:
+    """The replica of each prompt group: in order, each goes to the replica with the fewest
+    outstanding tokens (the lowest index among equals)."""
+    load = [0] * num_replicas
+    plan = []
+    for cost in costs:
+        replica = min(range(num_replicas), key=load.__getitem__)
+        load[replica] += cost
+        plan.append(replica)
+    return plan
+
+
+def _cluster_stats(results: list[tuple[_Member, EngineStats]], weight_version: int, lost: list[str],
+                  num_rerun: int) -> ClusterStats:
+    """Totals of live replicas' stats (at least one), as ClusterStats describes them."""
+    per_replica = [s for _, s in results]
+    totals = {}
+    for f in dataclasses.fields(EngineStats):
+        values = [getattr(s, f.name) for s in per_replica]
+        if f.name == "weight_version":
+            totals[f.name] = weight_version
+        elif f.name == "prefix_cache_hit_rate":
+            totals[f.name] = sum(values) / len(values)
+        elif isinstance(values[0], int) and not isinstance(values[0], bool) or f.name.endswith("_total"):
+            totals[f.name] = sum(values)
+        elif isinstance(values[0], float):
+            totals[f.name] = max(values)
+        else:
+            totals[f.name] = values[0]
+    return ClusterStats(**totals, replicas=per_replica, replica_ids=[m.id for m, _ in results],
+                        num_replicas=len(per_replica),
+                        replicas_lost=list(lost), num_prompt_groups_rerun=num_rerun)
+
+
+def pack(bucket: Bucket) -> Packed:
+    """A bucket as numpy byte arrays: Ray's object store shares those with every reader on a node
+    (a torch tensor it would copy into each)."""
+    return [(name, dist_update.dtype_name(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy())
+            for name, t in bucket]
+
+
+def unpack(packed: Packed) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors, as views of the object store's read-only memory (nothing writes them)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return [(name, torch.from_numpy(data).view(dist_update.parse_dtype(dtype)).reshape(shape))
+                for name, dtype, shape, data in packed]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError("RolloutCluster needs Ray: pip install 'fp8engine[ray]'") from exc
+    return ray
