@@ -36,6 +36,7 @@ class Workload:
     temperature: float = 1.0
     kv_cache_tokens: int | None = None  # KV budget in tokens of a BF16 cache (memory pressure)
     max_num_seqs: int = 256
+    model: str | None = None  # the workload's own model (MODELS) when --model is the default
 
 
 WORKLOADS = {
@@ -45,7 +46,23 @@ WORKLOADS = {
     # 128 sequences of ~430 tokens need ~55k KV slots: a BF16 cache of 30k tokens must preempt,
     # an FP8 cache of the same bytes (60k tokens) holds them all.
     "rl-long": Workload("rl-long", 16, 8, 384, kv_cache_tokens=30_000),
+    # a small random Qwen3-MoE, 64 experts and top-8: the expert path (router, grouping, FP8 expert GEMMs)
+    "moe": Workload("moe", 16, 4, 64, model="tiny-qwen3-moe"),
 }
+
+
+def workload_model(spec: Workload, model: str) -> str:
+    """The directory a workload runs on: --model, or the workload's own model when that is the default."""
+    if model != "default" or spec.model is None:
+        return model
+    from fp8engine.benchmarks.moe_model import tiny_moe_path
+    return {"tiny-qwen3-moe": tiny_moe_path}[spec.model]()
+
+
+def prompts_for(tokenizer, count: int) -> list:
+    """rl_prompts as chat messages, or as their plain text for a model whose tokenizer has no chat template."""
+    prompts = rl_prompts(count)
+    return prompts if tokenizer.chat_template else [p[0]["content"] for p in prompts]
 
 
 def rl_prompts(count: int) -> list[list[dict]]:
@@ -84,7 +101,7 @@ def _bf16_kv_bytes(model: str, tokens: int) -> int:
 
 def run_engine(mode: str, workload: Workload, model: str, dtype: str, device: str, progress: bool) -> dict:
     engine = LLMEngine(engine_config(mode, workload, model, dtype, device))
-    prompts = rl_prompts(workload.num_prompts)
+    prompts = prompts_for(engine.tokenizer, workload.num_prompts)
     params = SamplingParams(n=workload.n, temperature=workload.temperature, max_tokens=workload.max_tokens,
                             ignore_eos=True, seed=0, logprobs=0)
     engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up: kernels built, caches touched
@@ -113,8 +130,9 @@ def run_hf(workload: Workload, model: str, dtype: str, progress: bool) -> dict:
     path = default_model_path() if model == "default" else model
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-             for p in rl_prompts(workload.num_prompts)]
+    texts = [p if isinstance(p, str) else
+             tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+             for p in prompts_for(tokenizer, workload.num_prompts)]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     sample = workload.temperature > 0
     kwargs = dict(do_sample=sample, temperature=workload.temperature if sample else None, top_p=None, top_k=None,
@@ -141,6 +159,7 @@ def run(workload: str, modes: list[str], baseline: str | None = None, model: str
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     spec = WORKLOADS[workload]
+    model = workload_model(spec, model)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for i in range(rounds):
         for m in modes if i % 2 == 0 else modes[::-1]:

@@ -54,9 +54,12 @@ class ModelRunner:
         self.attn_layers = self.model.attention_layers()
         for layer in self.attn_layers:
             layer.backend = self.attention
+        self.moe_blocks = self.model.moe_blocks()
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache()
+        self.routed_experts = self._allocate_routed_experts()
+        self._attach_cache(self.kv_cache, self.routed_experts)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -85,21 +88,42 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         first = self.attn_layers[0]
-        cache = torch.zeros(len(self.attn_layers), 2, self.num_blocks, self.block_size,
-                            first.num_kv_heads, first.head_dim, dtype=self.kv_dtype, device=self.device)
-        self._attach_cache(cache)
-        return cache
+        return torch.zeros(len(self.attn_layers), 2, self.num_blocks, self.block_size,
+                           first.num_kv_heads, first.head_dim, dtype=self.kv_dtype, device=self.device)
 
-    def _attach_cache(self, cache: torch.Tensor) -> None:
-        """Points every attention layer at its [2, blocks, block_size, heads, dim] slice of cache."""
+    def _allocate_routed_experts(self) -> torch.Tensor | None:
+        """[KV slots, MoE layers, top_k]: the experts each cached token was routed to (None if dense). Kept
+        per slot, like the KV, so prefix-cache hits, forks and recomputes carry their tokens' routing."""
+        if not self.moe_blocks:
+            return None
+        top_k, num_experts = self.moe_blocks[0].top_k, self.moe_blocks[0].experts.num_experts
+        dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+        return torch.zeros(self.num_blocks * self.block_size, len(self.moe_blocks), top_k, dtype=dtype,
+                           device=self.device)
+
+    def _attach_cache(self, cache: torch.Tensor, routed: torch.Tensor | None) -> None:
+        """Points every attention layer at its [2, blocks, block_size, heads, dim] slice of cache, and every MoE
+        block at its [slots, top_k] slice of routed (None: the forward records no routing)."""
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+        for i, block in enumerate(self.moe_blocks):
+            block.routed = None if routed is None else routed[:, i]
+
+    def routed_experts_of(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """int32 [num_tokens, MoE layers, top_k]: the experts of a sequence's first num_tokens positions."""
+        bs = self.block_size
+        slots = torch.tensor([block_table[p // bs] * bs + p % bs for p in range(num_tokens)], dtype=torch.int64,
+                             device=self.device)
+        return self.routed_experts[slots].to(device="cpu", dtype=torch.int32)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            if self.routed_experts is not None:
+                routed = self.routed_experts.view(self.num_blocks, self.block_size, *self.routed_experts.shape[1:])
+                routed[dst] = routed[src]
 
     @torch.inference_mode()
     def forward_detached(self, token_ids: list[int]) -> None:
@@ -116,11 +140,11 @@ class ModelRunner:
             seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None])
         try:
-            self._attach_cache(scratch)  # one scratch cache shared by every layer, one after the other
+            self._attach_cache(scratch, None)  # one scratch cache shared by every layer, one after the other
             self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
                        torch.arange(n, dtype=torch.int64, device=dev), meta)
         finally:
-            self._attach_cache(self.kv_cache)
+            self._attach_cache(self.kv_cache, self.routed_experts)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:

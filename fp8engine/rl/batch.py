@@ -21,6 +21,7 @@ class Sample:
     num_preemptions: int
     weight_version: int
     text: str = ""
+    routed_experts: Tensor | None = None  # [positions fed, MoE layers, top_k] (return_routed_experts)
 
 
 @dataclass(slots=True)
@@ -37,6 +38,10 @@ class RolloutBatch:
         top-k/top-p/min-p per token, 0 on padding; None in raw mode.
     num_preemptions: [B] int64. weight_version: the weights every token came from.
     finish_reasons / response_texts: per sequence. n: samples per prompt.
+    routed_experts: with SamplingParams(return_routed_experts=True) on a MoE model, int32
+        [B, P + R, num_moe_layers, top_k] aligned with `input_ids`: column j holds the experts the engine
+        routed the token at input_ids[:, j] to, for routing replay in the trainer; 0 on padding and on
+        each response's last token (the engine never fed it). None otherwise.
     stats: rollout statistics of this call (see `rollout_stats`).
     scorer: (prompts, responses, params) -> per-token logprobs from the engine that made the batch, with
         its weights and numerics (`response_logprobs(..., exact=True)`); None where there is none (HTTP).
@@ -54,6 +59,7 @@ class RolloutBatch:
     response_texts: list[str]
     n: int
     pad_token_id: int
+    routed_experts: Tensor | None = None
     stats: dict = field(default_factory=dict)
     scorer: Callable | None = field(default=None, repr=False, compare=False)
 
@@ -98,7 +104,8 @@ def collate(samples: Sequence[Sample], n: int, pad_token_id: int) -> RolloutBatc
         log_kept_mass=None if None in kept else pad_float(kept, response_ids.shape[1]),
         num_preemptions=torch.tensor([s.num_preemptions for s in samples], dtype=torch.int64),
         weight_version=versions.pop(), finish_reasons=[s.finish_reason for s in samples],
-        response_texts=[s.text for s in samples], n=n, pad_token_id=pad_token_id)
+        response_texts=[s.text for s in samples], n=n, pad_token_id=pad_token_id,
+        routed_experts=_pad_routed(samples, prompt_ids.shape[1], response_ids.shape[1]))
 
 
 def pad_token_id(tokenizer) -> int:
@@ -136,6 +143,18 @@ def _pad(rows: list[list[int]], pad: int, left: bool) -> tuple[Tensor, Tensor]:
         ids[i, cols] = torch.tensor(row, dtype=torch.int64)
         mask[i, cols] = 1
     return ids, mask
+
+
+def _pad_routed(samples: Sequence[Sample], prompt_width: int, response_width: int) -> Tensor | None:
+    """Each sample's routed experts placed under its tokens in the [P + R] input layout, 0 elsewhere."""
+    routed = [s.routed_experts for s in samples]
+    if not routed or any(r is None for r in routed):
+        return None
+    out = torch.zeros((len(samples), prompt_width + response_width, *routed[0].shape[1:]), dtype=torch.int32)
+    for i, (sample, r) in enumerate(zip(samples, routed)):
+        start = prompt_width - len(sample.prompt_ids)
+        out[i, start:start + len(r)] = r
+    return out
 
 
 def pad_float(rows: list[list[float]], width: int) -> Tensor:

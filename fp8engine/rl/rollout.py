@@ -61,7 +61,7 @@ class RolloutEngine:
         start = time.perf_counter()
         outputs = self.engine.generate(list(prompts), params)
         seconds = time.perf_counter() - start
-        batch = collate([s for out in outputs for s in _samples(out)], n, self.pad_token_id)
+        batch = collate([s for out in outputs for s in request_samples(out)], n, self.pad_token_id)
         batch.stats = rollout_stats(batch, seconds, self.engine.get_stats())
         batch.scorer = functools.partial(self._score, batch.weight_version)
         return batch
@@ -118,6 +118,7 @@ def _flatten(stream: Iterator[Bucket], sizes: list[int]) -> Iterator[tuple[str, 
         yield from bucket
 
 
-def _samples(out: RequestOutput) -> list[Sample]:
+def request_samples(out: RequestOutput) -> list[Sample]:
+    """A finished request's samples, as a RolloutBatch takes them."""
     return [Sample(out.prompt_token_ids, c.token_ids, c.logprobs, c.log_kept_mass, c.finish_reason,
-                   c.num_preemptions, out.weight_version, c.text) for c in out.outputs]
+                   c.num_preemptions, out.weight_version, c.text, c.routed_experts) for c in out.outputs]

@@ -2,10 +2,13 @@
 
 The same path serves the initial load and `update_weights`: `resolve` finds where a tensor lands
 (a fused shard, an FP8 weight or its scales, or a plain parameter), `check` validates it without
-writing, `write` quantizes or copies it into the existing storage.
+writing, `write` quantizes or copies it into the existing storage. A module that maps HF names itself
+(the MoE experts) has `hf_target(name, rest)` and `hf_names()`; its tensors may land in several places
+at once (a stacked [E, ...] tensor quantized per expert: a 'split' target).
 """
 
 import glob
+import json
 import math
 import os
 import re
@@ -17,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from fp8engine.model_executor.layers.linear import Linear
-from fp8engine.weights.quant import FP8_DTYPE, quantize_weight_into
+from fp8engine.weights.quant import FP8_DTYPE, dequantize_weight_blockwise, quantize_weight_into
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -28,13 +31,15 @@ BlockScales = Callable[[torch.Tensor, str | None], tuple[torch.Tensor, bool] | N
 
 @dataclass(slots=True)
 class Target:
-    """Where one HF tensor lands. kind: 'dense', 'fp8_weight' or 'fp8_scale'."""
+    """Where one HF tensor lands. kind: 'dense', 'fp8_weight', 'fp8_scale', or 'split': parts holds
+    (index into the incoming tensor, the target of that piece) and view the whole storage."""
 
     name: str
     kind: str
     view: torch.Tensor
     scale_view: torch.Tensor | None = None
     scale_fmt: str | None = None
+    parts: list[tuple[tuple, "Target"]] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -79,6 +84,9 @@ def resolve(model: torch.nn.Module, name: str) -> Target:
 def _resolve(model: torch.nn.Module, name: str) -> Target:
     if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
         name = "model.embed_tokens.weight"
+    for path, owner in _name_owners(model).items():
+        if name.startswith(path + "."):
+            return owner.hf_target(name, name[len(path) + 1:])
     module_path, _, attr = name.rpartition(".")
     shard = 0
     head, _, leaf = module_path.rpartition(".")
@@ -97,6 +105,17 @@ def _resolve(model: torch.nn.Module, name: str) -> Target:
     return Target(name, "dense", param.data)
 
 
+_OWNERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]]" = weakref.WeakKeyDictionary()
+
+
+def _name_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Modules that map the HF names under their path themselves (`hf_target`), by path."""
+    owners = _OWNERS.get(model)
+    if owners is None:
+        owners = _OWNERS[model] = {path: m for path, m in model.named_modules() if hasattr(m, "hf_target")}
+    return owners
+
+
 def _linear_target(name: str, layer: Linear, shard: int, attr: str) -> Target:
     weight, scale = layer.shard_views(shard)
     if attr == "bias" and layer.bias is not None:
@@ -112,16 +131,23 @@ def _linear_target(name: str, layer: Linear, shard: int, attr: str) -> Target:
                      + ("" if layer.is_fp8 else " (the engine runs it unquantized)"))
 
 
-def check(target: Target, tensor: torch.Tensor, block_scales: BlockScales | None = None) -> torch.Tensor | None:
+def check(target: Target, tensor: torch.Tensor, block_scales: BlockScales | None = None):
     """Validate a tensor for its target without writing anything.
 
     With `block_scales` (the quantizer's scale pass), a float tensor bound for an FP8 weight is checked
-    through its block scales, which are returned for `write` to reuse; otherwise returns None."""
+    through its block scales, which are returned for `write` to reuse (a list of them, one per part, for
+    a split target); otherwise returns None."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"weight {target.name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tuple(tensor.shape) != target.shape:
         raise ValueError(f"weight {target.name!r}: shape {tuple(tensor.shape)} does not match the "
                          f"model's {target.shape}")
+    if target.kind == "split":
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"weight {target.name!r}: dtype {tensor.dtype} not accepted here (expected one of "
+                             f"{[str(d) for d in FLOAT_DTYPES]}; pre-quantized experts come per expert, as "
+                             f"experts.{{e}}.<proj>.weight with its weight_scale_inv)")
+        return [check(part, tensor[index], block_scales) for index, part in target.parts]
     allowed = _allowed_dtypes(target)
     if tensor.dtype == FP8_DTYPE and target.kind == "dense":
         raise ValueError(f"weight {target.name!r} is pre-quantized (float8_e4m3fn) but the engine runs "
@@ -165,6 +191,10 @@ def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = qu
     """Write into the target's storage in place; True when the tensor was quantized. scales: what
     `check` returned (block scales computed while validating), passed on to the quantizer."""
     tensor = tensor.to(target.view.device)
+    if target.kind == "split":
+        for (index, part), part_scales in zip(target.parts, scales or [None] * len(target.parts)):
+            write(part, tensor[index], quantize_into, part_scales)
+        return True
     if target.kind == "fp8_weight" and tensor.dtype != FP8_DTYPE:
         extra = {} if scales is None else {"scales": scales}
         quantize_into(tensor, target.view, target.scale_view, scale_fmt=target.scale_fmt, **extra)
@@ -175,15 +205,42 @@ def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = qu
 
 def load_checkpoint(model: torch.nn.Module, model_dir: str, quantize_into: QuantizeInto = quantize_weight_into,
                     block_scales: BlockScales | None = None) -> None:
-    """Load every tensor of a Hugging Face directory; each model tensor must be covered."""
+    """Load every tensor of a Hugging Face directory; each model tensor must be covered. Pre-quantized FP8
+    tensors (`weight` E4M3 + `weight_scale_inv`) are copied as they are."""
+    check_quantization_config(model, model_dir)
     seen = set()
     for name, tensor in iter_safetensors(model_dir, lambda n: not (is_skipped(n) or is_kv_scale(n))):
         target = resolve(model, name)
         write(target, tensor, quantize_into, check(target, tensor, block_scales))
-        seen.add(target.name if target.kind != "fp8_scale" else name.removesuffix("_scale_inv"))
+        if target.kind == "split":
+            seen.update(part.name for _, part in target.parts)
+        else:
+            seen.add(target.name if target.kind != "fp8_scale" else name.removesuffix("_scale_inv"))
     missing = [n for n in expected_names(model) if n not in seen and n != "lm_head.weight"]
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def check_quantization_config(model: torch.nn.Module, model_dir: str) -> None:
+    """A checkpoint quantized by its config.json loads only as 128 x 128 block FP8 with dynamic activation
+    scales (the Hugging Face / DeepSeek-V3 layout) into a model built FP8; ValueError otherwise."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        qc = json.load(f).get("quantization_config")
+    if not qc:
+        return
+    method, block = qc.get("quant_method"), qc.get("weight_block_size")
+    if method != "fp8" or block is None or list(block) != [128, 128]:
+        raise ValueError(f"unsupported checkpoint quantization in {model_dir!r}: quant_method={method!r}, "
+                         f"weight_block_size={block!r}; only FP8 with 128 x 128 weight blocks loads")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"unsupported checkpoint quantization in {model_dir!r}: activation_scheme="
+                         f"{qc['activation_scheme']!r} (the engine quantizes activations per token, 'dynamic')")
+    if not any(p.dtype == FP8_DTYPE for p in model.parameters()):
+        raise ValueError(f"checkpoint {model_dir!r} is FP8-quantized (quantization_config); "
+                         f"use EngineConfig(quantization='fp8')")
 
 
 def expected_names(model: torch.nn.Module) -> list[str]:
@@ -193,6 +250,9 @@ def expected_names(model: torch.nn.Module) -> list[str]:
         inverse.setdefault(fused, {})[shard] = hf
     names = []
     for module_name, module in model.named_modules():
+        if hasattr(module, "hf_names"):
+            names += [f"{module_name}.{n}" for n in module.hf_names()]
+            continue
         params = [n for n, _ in module.named_parameters(recurse=False) if n != "weight_scale_inv"]
         head, _, leaf = module_name.rpartition(".")
         for attr in params:
@@ -203,3 +263,15 @@ def expected_names(model: torch.nn.Module) -> list[str]:
     if getattr(model, "tie_word_embeddings", False):
         names = [n for n in names if n != "lm_head.weight"]
     return names
+
+
+def read(target: Target, dtype: torch.dtype) -> torch.Tensor:
+    """The target's weight as the model uses it, in the HF shape: FP8 dequantized to `dtype`, else a copy."""
+    if target.kind == "split":
+        out = torch.empty(target.shape, dtype=dtype, device=target.view.device)
+        for index, part in target.parts:
+            out[index] = read(part, dtype)
+        return out
+    if target.kind == "fp8_weight":
+        return dequantize_weight_blockwise(target.view, target.scale_view, dtype)
+    return target.view.clone()

@@ -23,6 +23,12 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def forward_float32(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The normed rows in float32, unrounded (the final norm before a float32 LM head): the residual add
+        in the model dtype as in forward, then statistics, normalisation and weight in float32."""
+        xf = (x if residual is None else x + residual).float()
+        return self.weight.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """(normed, new residual): the residual is x + residual, or x itself when there is none."""
         if self.batch_invariant and x.is_cuda:

@@ -1,9 +1,12 @@
 """Model registry: Hugging Face `model_type` -> engine model class."""
 
 from fp8engine.model_executor.models.llama import LlamaForCausalLM
+from fp8engine.model_executor.models.qwen2 import Qwen2ForCausalLM
 from fp8engine.model_executor.models.qwen3 import Qwen3ForCausalLM
+from fp8engine.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_REGISTRY = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+MODEL_REGISTRY = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+                  "qwen3_moe": Qwen3MoeForCausalLM}
 
 
 def model_class(hf_config):

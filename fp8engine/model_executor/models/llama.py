@@ -1,7 +1,8 @@
-"""Llama (and, with per-head q/k RMSNorm, Qwen3 dense) written for paged attention.
+"""Llama and its close relatives (Qwen2: q/k/v bias; Qwen3: per-head q/k RMSNorm) written for paged attention.
 
 Parameter names follow Hugging Face, with q/k/v fused into `qkv_proj` and gate/up into
-`gate_up_proj`; `packed_modules` tells the weight loader where each HF tensor lands.
+`gate_up_proj`; `packed_modules` tells the weight loader where each HF tensor lands. A subclass changes
+the attention biases, the q/k norm or the MLP of a layer (`make_mlp`).
 """
 
 import torch
@@ -12,7 +13,7 @@ from fp8engine.model_executor.layers.attention import Attention, AttentionMetada
 from fp8engine.model_executor.layers.embedding import LMHead, VocabEmbedding
 from fp8engine.model_executor.layers.linear import Linear
 from fp8engine.model_executor.layers.norm import RMSNorm
-from fp8engine.model_executor.layers.rotary import RotaryEmbedding, rope_theta
+from fp8engine.model_executor.layers.rotary import RotaryEmbedding, rope_config
 
 
 class LinearFactory:
@@ -25,17 +26,29 @@ class LinearFactory:
         return Linear(in_features, shard_sizes, self.dtype, bias, self.fp8_fn, self.scale_fmt)
 
 
+def head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def check_full_attention(cfg) -> None:
+    """Sliding-window attention is not implemented: refuse a config whose layers use it."""
+    layer_types = getattr(cfg, "layer_types", None)
+    sliding = ("sliding_attention" in layer_types if layer_types is not None
+               else bool(getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None)))
+    if sliding:
+        raise ValueError(f"unsupported: {cfg.model_type!r} config with sliding-window attention layers")
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int, make_linear: LinearFactory, rotary: RotaryEmbedding,
-                 qk_norm: bool):
+                 qk_norm: bool, qkv_bias: bool, o_bias: bool):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.head_dim = head_dim(cfg)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = make_linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias)
-        self.o_proj = make_linear(q_size, [cfg.hidden_size], bias)
+        self.qkv_proj = make_linear(cfg.hidden_size, [q_size, kv_size, kv_size], qkv_bias)
+        self.o_proj = make_linear(q_size, [cfg.hidden_size], o_bias)
         self.rotary = rotary
         self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads,
                               self.num_kv_heads, self.head_dim)
@@ -56,15 +69,21 @@ class DecoderAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v.contiguous(), meta))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, make_linear: LinearFactory, rotary: RotaryEmbedding,
-                 qk_norm: bool):
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, make_linear: LinearFactory, bias: bool = False):
         super().__init__()
-        dtype = make_linear.dtype
-        self.self_attn = DecoderAttention(cfg, layer_idx, make_linear, rotary, qk_norm)
-        self.mlp = nn.Module()
-        self.mlp.gate_up_proj = make_linear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.mlp.down_proj = make_linear(cfg.intermediate_size, [cfg.hidden_size])
+        self.gate_up_proj = make_linear(hidden_size, [intermediate_size] * 2, bias)
+        self.down_proj = make_linear(intermediate_size, [hidden_size], bias)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: DecoderAttention, mlp: nn.Module, cfg, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -72,8 +91,7 @@ class DecoderLayer(nn.Module):
         x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        x = self.mlp.down_proj(silu_and_mul(self.mlp.gate_up_proj(x)))
-        return x, residual
+        return self.mlp(x, meta), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -83,17 +101,30 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg, make_linear: LinearFactory, max_positions: int):
         super().__init__()
+        check_full_attention(cfg)
         dtype = make_linear.dtype
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rotary = RotaryEmbedding(head_dim, max_positions, rope_theta(cfg), dtype)
+        theta, scaling = rope_config(cfg)
+        rotary = RotaryEmbedding(head_dim(cfg), max_positions, theta, dtype, scaling)
+        qkv_bias, o_bias = self.attention_biases(cfg)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, make_linear, rotary, self.qk_norm) for i in range(cfg.num_hidden_layers))
+            DecoderLayer(DecoderAttention(cfg, i, make_linear, rotary, self.qk_norm, qkv_bias, o_bias),
+                         self.make_mlp(cfg, i, make_linear), cfg, dtype)
+            for i in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)
+
+    @staticmethod
+    def attention_biases(cfg) -> tuple[bool, bool]:
+        """(q/k/v projections have a bias, o_proj has one)."""
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return bias, bias
+
+    def make_mlp(self, cfg, layer_idx: int, make_linear: LinearFactory) -> nn.Module:
+        return MLP(cfg.hidden_size, cfg.intermediate_size, make_linear, bool(getattr(cfg, "mlp_bias", False)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -101,6 +132,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             x, residual = layer(positions, x, residual, meta)
+        if self.lm_head.fp32:  # float32 from the final norm on: the head's input is not rounded to bf16
+            return self.model.norm.forward_float32(x, residual)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -108,3 +141,7 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def moe_blocks(self) -> list[nn.Module]:
+        """The MoE blocks in layer order (the `num_moe_layers` axis of routed experts); none in a dense model."""
+        return [layer.mlp for layer in self.model.layers if hasattr(layer.mlp, "routed")]

@@ -1,0 +1,153 @@
+"""Mixture-of-experts MLP (Qwen3-MoE): a softmax top-k router in the model dtype and stacked experts.
+
+Expert weights are stacked as transformers 5 holds them: `gate_up_proj` [E, 2I, H] (gate rows first) and
+`down_proj` [E, H, I], in the model dtype or E4M3 with 128 x 128 block scales per expert (gate and up keep
+a grid each, stacked like a fused Linear's shards). The weight loader reaches them through `hf_target`,
+under either naming: the checkpoints' per-expert `experts.{e}.{gate,up,down}_proj.weight` (+
+`weight_scale_inv`), or the stacked `experts.gate_up_proj` / `experts.down_proj` of a transformers 5
+state dict.
+
+A step's tokens are grouped by expert (one sort) and each expert with tokens runs its two GEMMs on its
+group: the C++ kernels on CPU (FP8: the block-FP8 linear; batch invariant, its one path for every M, so a
+token's result does not depend on how many others share its expert), the fused Triton kernel on CUDA.
+kernels/moe_ref.py holds the grouping and the plain-torch reference of both.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from fp8engine.model_executor.kernels.bf16_linear_cpu import bf16_linear
+from fp8engine.model_executor.kernels.moe_ref import grouped_moe
+from fp8engine.model_executor.layers.activation import silu_and_mul
+from fp8engine.model_executor.layers.linear import Linear, _param
+from fp8engine.weights.loader import Target
+from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 fp8_fn: Callable | None = None, scale_fmt: str | None = None):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.fp8_fn, self.scale_fmt = fp8_fn, scale_fmt
+        self.batch_invariant = False
+        weight_dtype = FP8_DTYPE if fp8_fn is not None else dtype
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = _param(torch.empty(e, 2 * i, h, dtype=weight_dtype))
+        self.down_proj = _param(torch.empty(e, h, i, dtype=weight_dtype))
+        self.scale_rows = None  # gate_up output row -> its scale row, where I is not a multiple of 128
+        if fp8_fn is not None:
+            self.gate_up_proj_scale_inv = _param(torch.ones(e, 2 * cdiv(i, BLOCK), cdiv(h, BLOCK)))
+            self.down_proj_scale_inv = _param(torch.ones(e, cdiv(h, BLOCK), cdiv(i, BLOCK)))
+            if i % BLOCK:
+                rows = torch.arange(i, dtype=torch.int32) // BLOCK
+                self.scale_rows = torch.cat([rows, rows + cdiv(i, BLOCK)])
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.fp8_fn is not None
+
+    # ------------------------------------------------------------------ weights
+    def shard_views(self, expert: int, proj: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, scale grid or None) of one expert's HF projection: views into the stacked storage."""
+        if proj == "down_proj":
+            return self.down_proj.data[expert], self.down_proj_scale_inv.data[expert] if self.is_fp8 else None
+        shard = PROJECTIONS.index(proj)
+        i, rows = self.intermediate_size, cdiv(self.intermediate_size, BLOCK)
+        weight = self.gate_up_proj.data[expert, shard * i:(shard + 1) * i]
+        scale = self.gate_up_proj_scale_inv.data[expert, shard * rows:(shard + 1) * rows] if self.is_fp8 else None
+        return weight, scale
+
+    def hf_names(self) -> list[str]:
+        """The per-expert HF names (relative to this module) a checkpoint must hold."""
+        return [f"{e}.{proj}.weight" for e in range(self.num_experts) for proj in PROJECTIONS]
+
+    def hf_target(self, name: str, rest: str) -> Target:
+        """Where HF tensor `name` (`rest` relative to this module) lands; ValueError if nowhere."""
+        parts = rest.split(".")
+        if len(parts) == 1 and parts[0] in ("gate_up_proj", "down_proj"):
+            return self._stacked_target(name, parts[0])
+        if (len(parts) == 3 and parts[0].isdigit() and int(parts[0]) < self.num_experts
+                and parts[1] in PROJECTIONS and parts[2] in ("weight", "weight_scale_inv")):
+            weight, scale = self.shard_views(int(parts[0]), parts[1])
+            if parts[2] == "weight" and self.is_fp8:
+                return Target(name, "fp8_weight", weight, scale, self.scale_fmt)
+            if parts[2] == "weight":
+                return Target(name, "dense", weight)
+            if self.is_fp8:
+                return Target(name, "fp8_scale", scale)
+        raise ValueError(f"unknown weight name {name!r}: the MoE experts ({self.num_experts}, "
+                         f"{'FP8' if self.is_fp8 else 'unquantized'}) have no {rest!r}")
+
+    def _stacked_target(self, name: str, attr: str) -> Target:
+        """transformers 5's stacked [E, 2I, H] / [E, H, I] tensor: one copy, or per expert and shard into FP8."""
+        stacked = getattr(self, attr)
+        if not self.is_fp8:
+            return Target(name, "dense", stacked.data)
+        prefix = name.removesuffix(attr)
+        projs = ("down_proj",) if attr == "down_proj" else ("gate_proj", "up_proj")
+        i = self.intermediate_size
+        parts = []
+        for e in range(self.num_experts):
+            for shard, proj in enumerate(projs):
+                weight, scale = self.shard_views(e, proj)
+                index = (e,) if attr == "down_proj" else (e, slice(shard * i, (shard + 1) * i))
+                parts.append((index, Target(f"{prefix}{e}.{proj}.weight", "fp8_weight", weight, scale,
+                                            self.scale_fmt)))
+        return Target(name, "split", stacked.data, parts=parts)
+
+    # ------------------------------------------------------------------ compute
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; topk_ids [T, k] int64; topk_weights [T, k] in x's dtype -> [T, H] = sum_j w_j expert_j(x)."""
+        if x.device.type == "cuda":
+            from fp8engine.model_executor.kernels.moe_triton import fused_moe_triton
+            return fused_moe_triton(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj,
+                                    *self._scales(), scale_fmt=self.scale_fmt,
+                                    batch_invariant=self.batch_invariant)
+        return grouped_moe(x, topk_ids, topk_weights, self._expert)
+
+    def _scales(self) -> tuple:
+        if not self.is_fp8:
+            return None, None, None
+        return self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.scale_rows
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_fp8:
+            h = bf16_linear(x, self.gate_up_proj[e], None, self.batch_invariant)
+            return bf16_linear(silu_and_mul(h), self.down_proj[e], None, self.batch_invariant)
+        extra = {} if self.scale_rows is None else {"scale_rows": self.scale_rows}
+        h = self.fp8_fn(x, self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], None, self.scale_fmt, **extra)
+        return self.fp8_fn(silu_and_mul(h), self.down_proj[e], self.down_proj_scale_inv[e], None, self.scale_fmt)
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [T, k] int64 by falling probability, their weights [T, k] in the logits' dtype):
+    softmax in float32, top-k, optionally renormalised over the k, as transformers routes."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(logits.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, model dtype) + experts. `routed`: [KV slots, top_k] int view the runner attaches; each
+    forward writes every token's expert ids at its KV slot (what `return_routed_experts` reads back)."""
+
+    def __init__(self, cfg, dtype: torch.dtype, fp8_fn: Callable | None, scale_fmt: str | None):
+        super().__init__()
+        self.top_k, self.normalize = cfg.num_experts_per_tok, bool(cfg.norm_topk_prob)
+        self.gate = Linear(cfg.hidden_size, [cfg.num_experts], dtype)
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype,
+                                fp8_fn, scale_fmt)
+        self.routed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
+        ids, weights = route(self.gate(x), self.top_k, self.normalize)
+        if self.routed is not None:
+            self.routed[meta.slot_mapping] = ids.to(self.routed.dtype)
+        return self.experts(x, ids, weights)
