@@ -1,5 +1,6 @@
 """LLMEngine: requests in, rollouts with logprobs and preemption counts out, weights updated in place."""
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -21,8 +22,8 @@ from fp8engine.scheduler.scheduler import ScheduledSeq, Scheduler
 from fp8engine.scheduler.sequence import Request, Scoring, Sequence, SeqStatus
 from fp8engine.weights import updater
 from fp8engine.weights.default_model import default_model_path
-from fp8engine.weights.loader import resolve
-from fp8engine.weights.quant import dequantize_weight_blockwise
+from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup
+from fp8engine.weights.loader import read, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, Request] = {}
         self.weight_version = 0
+        self.weights_update_group: WeightsUpdateGroup | None = None
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._request_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
@@ -72,8 +74,11 @@ class LLMEngine:
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_ids = self._tokenize(prompt)
+        token_ids = self.tokenize(prompt)
         self._check_fits(token_ids, params)
+        if params.return_routed_experts and not self.runner.moe_blocks:
+            raise ValueError(f"SamplingParams.return_routed_experts=True needs a MoE model; "
+                             f"{self.runner.hf_config.model_type!r} routes no experts")
         request = Request(request_id, token_ids, params, self.weight_version,
                           prompt if isinstance(prompt, str) else None, self._request_seed(params))
         seq = Sequence(request, 0, list(token_ids))
@@ -90,7 +95,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self._finish(seq)
         request.aborted = True
         return self._request_output(request)
 
@@ -196,7 +201,10 @@ class LLMEngine:
                 self._counters["prompt_tokens"] += item.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
             if samples:
-                sampling += [(s, num_rows) for s in self._fork_if_needed(seq)]
+                if seq.params.max_tokens == 0:
+                    self._finish_unsampled(seq)
+                else:
+                    sampling += [(s, num_rows) for s in self._fork_if_needed(seq)]
                 num_rows += 1
             touched[seq.request.request_id] = seq.request
         if sampling:
@@ -221,8 +229,24 @@ class LLMEngine:
         self.scheduler.waiting.extendleft(reversed(queued))
         return [seq] + children + queued
 
+    def _finish_unsampled(self, seq: Sequence) -> None:
+        """max_tokens=0: the prompt is computed (and scored); every sample ends empty, nothing is drawn."""
+        request = seq.request
+        for i in range(len(request.seqs), request.params.n):
+            child = seq.fork(i)
+            child.status, child.finish_reason = SeqStatus.FINISHED, "length"
+            request.seqs.append(child)
+        seq.finish_reason = "length"
+        self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        """End a sequence (finished or aborted); its routed experts are read before its blocks are freed."""
+        if seq.params.return_routed_experts:
+            seq.routed_experts = self.runner.routed_experts_of(seq.block_table, seq.num_computed_tokens)
+        self.scheduler.finish(seq)
+
     def _sample(self, sampling: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
-        rows = [SampleRow(s.params, s.request.seed, s.index, s.num_tokens, self._banned_tokens(s))
+        rows = [self._row(s.params, s.request.seed, s.index, s.num_tokens, s.token_ids, s.num_prompt_tokens)
                 for s, _ in sampling]
         index = [r for _, r in sampling]
         if index != list(range(logits.shape[0])):  # forks share their parent's row
@@ -244,7 +268,7 @@ class LLMEngine:
         reason = self._stop_reason(seq, token)
         if reason is not None:
             seq.finish_reason = reason
-            self.scheduler.finish(seq)
+            self._finish(seq)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -278,8 +302,14 @@ class LLMEngine:
         seq.text, seq.stop_reason = text[:cut], stop
         return True
 
-    def _banned_tokens(self, seq: Sequence) -> tuple[int, ...]:
-        return self._bans(seq.params, seq.num_output_tokens)
+    def _row(self, params: SamplingParams, seed: int, index: int, position: int, token_ids: list[int],
+             num_prompt_tokens: int) -> SampleRow:
+        """The sampler's row for the token after token_ids (its first num_prompt_tokens are the prompt)."""
+        row = SampleRow(params, seed, index, position, self._bans(params, len(token_ids) - num_prompt_tokens))
+        if params.adjusts_logits:
+            row.prompt_token_ids = token_ids[:num_prompt_tokens]
+            row.output_token_ids = token_ids[num_prompt_tokens:]
+        return row
 
     def _bans(self, p: SamplingParams, num_output_tokens: int) -> tuple[int, ...]:
         if num_output_tokens >= p.min_tokens:
@@ -293,12 +323,19 @@ class LLMEngine:
             self._record_scores(request, start, n, logits)
             return
         if start == 0:
-            request.partial_prompt_logprobs = [None]
-        logp = torch.log_softmax(logits, dim=-1)
+            request.partial_prompt_logprobs, request.partial_prompt_top_logprobs = [None], [None]
         targets = seq.token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
-        request.partial_prompt_logprobs += logp[torch.arange(len(targets)), targets].tolist()
+        logp = torch.log_softmax(logits[:len(targets)], dim=-1)
+        chosen = logp[torch.arange(len(targets)), targets].tolist()
+        request.partial_prompt_logprobs += chosen
+        k = seq.params.prompt_logprobs
+        if k:
+            values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            request.partial_prompt_top_logprobs += [dict(zip(i, v)) | {t: c} for i, v, t, c in
+                                                    zip(ids.tolist(), values.tolist(), targets, chosen)]
         if len(request.partial_prompt_logprobs) == seq.num_prompt_tokens:
             request.prompt_logprobs = request.partial_prompt_logprobs
+            request.prompt_top_logprobs = request.partial_prompt_top_logprobs if k else None
 
     def _record_scores(self, request: Request, start: int, n: int, logits: torch.Tensor) -> None:
         """Rows start..start+n-1 of a scoring request: row j scores response token j + 1 - prompt_len."""
@@ -309,7 +346,9 @@ class LLMEngine:
         targets = list(range(start + first + 1 - scoring.prompt_len, min(start + n + 1 - scoring.prompt_len,
                                                                          len(scoring.response))))
         if targets:
-            rows = [SampleRow(scoring.params, 0, 0, 0, self._bans(scoring.params, i)) for i in targets]
+            prompt = request.prompt_token_ids[:scoring.prompt_len]
+            rows = [self._row(scoring.params, 0, 0, 0, prompt + scoring.response[:i], scoring.prompt_len)
+                    for i in targets]
             got = sample(logits[first:first + len(targets)], rows, forced=[scoring.response[i] for i in targets])
             scoring.logprobs += got.logprobs
         if start + n == len(request.prompt_token_ids):
@@ -326,7 +365,7 @@ class LLMEngine:
         outputs = [self._completion(seq) for seq in sorted(request.seqs, key=lambda s: s.index)]
         return RequestOutput(request.request_id, request.prompt_token_ids, outputs, request.finished,
                              request.weight_version, request.prompt, request.prompt_logprobs,
-                             request.num_cached_tokens)
+                             request.num_cached_tokens, prompt_top_logprobs=request.prompt_top_logprobs)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         wants = seq.params.logprobs is not None
@@ -339,10 +378,16 @@ class LLMEngine:
             top_logprobs=list(seq.top_logprobs) if wants and seq.params.logprobs else None,
             log_kept_mass=list(seq.log_kept_mass) if wants and seq.params.logprobs_mode == "processed" else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            num_preemptions=seq.num_preemptions, seed=seq.request.seed)
+            num_preemptions=seq.num_preemptions, seed=seq.request.seed, routed_experts=self._routed_experts(seq))
+
+    def _routed_experts(self, seq: Sequence) -> torch.Tensor | None:
+        if not seq.params.return_routed_experts or seq.is_finished:
+            return seq.routed_experts
+        return self.runner.routed_experts_of(seq.block_table, seq.num_computed_tokens)
 
     # ------------------------------------------------------------------ inputs
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt as add_request sees it (chat messages rendered); ValueError if invalid."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -370,9 +415,13 @@ class LLMEngine:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) + min(params.max_tokens, 1) > self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                              f"(prompt plus at least one generated token must fit)")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.logit_bias has token ids out of range [0, {self.vocab_size}): "
+                             f"{bad[:5]}")
         longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
         capacity = self.runner.num_blocks * self.config.block_size
         if longest > capacity:
@@ -453,10 +502,52 @@ class LLMEngine:
 
     def get_weights_by_name(self, hf_name: str) -> torch.Tensor:
         """Weight `hf_name` dequantized to the model dtype, in the Hugging Face shape."""
-        target = resolve(self.runner.model, hf_name)
-        if target.kind == "fp8_weight":
-            return dequantize_weight_blockwise(target.view, target.scale_view, self.runner.dtype)
-        return target.view.clone()
+        return read(resolve(self.runner.model, hf_name), self.runner.dtype)
+
+    # ------------------------------------------------------------------ weight-update group
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weights", backend: str = "gloo",
+                                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Join a trainer's weight-update group (SGLang's convention) as rank `rank_offset` of
+        `world_size`; the trainer is rank 0 and hosts the group's TCP store at
+        master_address:master_port. Blocks until every rank joined. backend: "gloo" (CPU tensors)
+        or "nccl" (CUDA). timeout_s: the longest the rendezvous, or one broadcast, waits (s)."""
+        if self.weights_update_group is not None:
+            raise ValueError(f"weight-update group {self.weights_update_group.group_name!r} is already "
+                             f"open; call destroy_weights_update_group() first")
+        self.weights_update_group = WeightsUpdateGroup(master_address, master_port, rank_offset, world_size,
+                                                       group_name, backend, timeout_s, self.config.device)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        weight_version: int | None = None, *, flush_cache: bool = True,
+                                        in_flight: str = "wait") -> WeightUpdateReport:
+        """Receive the tensors the trainer broadcasts in `names` order (dtypes: torch attribute names
+        such as "bfloat16"; shapes: lists of ints) and apply them as `update_weights` does: all
+        validated before anything is written. A transfer that fails (the trainer died, timeout_s
+        passed) closes the group and leaves the engine on its old weights."""
+        return self.update_weights(self.receive_weights(names, dtypes, shapes), weight_version=weight_version,
+                                   flush_cache=flush_cache, in_flight=in_flight)
+
+    def receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]]
+                        ) -> list[tuple[str, torch.Tensor]]:
+        """The transfer half of update_weights_from_distributed: the received (name, tensor) pairs.
+        Touches nothing but the group, so it may run beside generation in another thread."""
+        group = self.weights_update_group
+        if group is None:
+            raise ValueError("no weight-update group: call init_weights_update_group() first")
+        try:
+            return group.receive(names, dtypes, shapes)
+        except RuntimeError as exc:
+            with contextlib.suppress(RuntimeError):
+                self.destroy_weights_update_group()
+            raise RuntimeError(f"weight broadcast failed, the group is closed and the update dropped; the "
+                               f"engine keeps weight version {self.weight_version}: {exc}") from exc
+
+    def destroy_weights_update_group(self) -> None:
+        """Leave the weight-update group (nothing happens when there is none)."""
+        group, self.weights_update_group = self.weights_update_group, None
+        if group is not None:
+            group.destroy()
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -16,6 +18,9 @@ class CompletionOutput:
     seed: the request's sampling seed (SamplingParams.seed, or the one the engine drew when it had
         none); SamplingParams(seed=seed) with the same other params (and n > index) reproduces this
         sample, whose noise at each position is a function of (seed, index, position) alone.
+    routed_experts: with SamplingParams(return_routed_experts=True) on a MoE model, int32
+        [prompt_len + len(token_ids) - 1, num_moe_layers, top_k]: the experts each position fed to the
+        model was routed to, by falling router probability (row p: the token at position p).
     """
 
     index: int
@@ -28,6 +33,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     seed: int | None = None
+    routed_experts: torch.Tensor | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -36,7 +42,12 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """All samples of one request; weight_version is the weights that generated every token."""
+    """All samples of one request; weight_version is the weights that generated every token.
+
+    prompt_logprobs[i]: raw logprob of prompt token i (None for the first), with
+    SamplingParams.prompt_logprobs set; prompt_top_logprobs[i]: {token_id: logprob} of its top-k
+    alternatives plus the prompt token itself (None for the first), with prompt_logprobs=k > 0.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -47,6 +58,7 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)

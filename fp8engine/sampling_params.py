@@ -1,6 +1,9 @@
 """SamplingParams: how one request is sampled and what it returns."""
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(slots=True)
@@ -10,6 +13,7 @@ class SamplingParams:
     n: samples per prompt (they share the prompt's KV blocks).
     temperature: 0 means greedy. top_k: -1 = off. top_p in (0, 1]. min_p in [0, 1].
     max_tokens / min_tokens: bounds on generated tokens (min_tokens suppresses EOS and stops).
+        max_tokens=0 generates nothing: the prompt is only computed (scored, with prompt_logprobs).
     stop / stop_token_ids / ignore_eos: extra stop conditions; a stop string is cut from the text.
     seed: per-request seed; the noise of sample i at position p is a stateless hash of (seed, i, p),
         so a seeded sample reproduces whatever it is batched with. None: the engine draws one and
@@ -18,7 +22,15 @@ class SamplingParams:
     logprobs_mode: "raw" = log-softmax of the logits; "processed" = log-probability under the
         distribution actually sampled from (after temperature, top-k, top-p, min-p). Greedy
         sampling is a point mass, so processed logprobs are 0 there.
-    prompt_logprobs: None or k >= 0: raw logprobs of the prompt tokens (first is None).
+    prompt_logprobs: None or k >= 0: raw logprobs of the prompt tokens (first is None), and with
+        k > 0 the top-k alternatives of each (RequestOutput.prompt_top_logprobs).
+    return_routed_experts: MoE models only; CompletionOutput.routed_experts gets the experts every fed
+        position was routed to (for routing replay in the trainer).
+    presence_penalty / frequency_penalty (OpenAI, in [-2, 2]): subtracted from the logit of every
+        token already generated, once / once per occurrence. repetition_penalty (> 0, 1 = off; the
+        CTRL rule): logits of tokens in the prompt or output are divided by it when positive,
+        multiplied when negative. logit_bias: {token_id: bias in [-100, 100]} added to the logits.
+        All four change the distribution sampled from (and so processed logprobs), never raw ones.
     """
 
     n: int = 1
@@ -35,7 +47,12 @@ class SamplingParams:
     logprobs: int | None = None
     logprobs_mode: str = "processed"
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     detokenize: bool = True
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,8 +68,8 @@ class SamplingParams:
         _require(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
                  "top_k", self.top_k, "-1 (off) or >= 1")
         _require(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                 "max_tokens", self.max_tokens, "an integer >= 1")
+        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 0,
+                 "max_tokens", self.max_tokens, "an integer >= 0")
         _require(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                  "min_tokens", self.min_tokens, "an integer in [0, max_tokens]")
         _require(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
@@ -66,6 +83,17 @@ class SamplingParams:
                  "non-empty strings")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids", self.stop_token_ids, "non-negative token ids")
+        _require(isinstance(self.return_routed_experts, bool), "return_routed_experts", self.return_routed_experts,
+                 "a bool")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and -2.0 <= value <= 2.0, name, value, "in [-2, 2]")
+        _require(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+                 "repetition_penalty", self.repetition_penalty, "> 0 (1 = off)")
+        _require(self.logit_bias is None or all(
+            isinstance(t, int) and t >= 0 and math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS
+            for t, b in self.logit_bias.items()),
+            "logit_bias", self.logit_bias, f"{{token_id >= 0: bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]}}")
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +102,12 @@ class SamplingParams:
     @property
     def truncates(self) -> bool:
         return self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or logit_bias change the logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 def _require(ok: bool, name: str, value, expected: str) -> None:

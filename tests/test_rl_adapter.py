@@ -348,3 +348,51 @@ def test_stochastic_rounding_to_bf16_is_unbiased():
     assert set(w.unique().tolist()) == {1.0, 1.0 + ulp}  # only the two neighbours
     assert abs((w == lo + ulp).float().mean().item() - 0.3) < 0.02  # rounded up 30% of the time
     assert b.item() in (-1.0 - ulp, -1.0)  # negative values round in magnitude the same way
+
+
+def test_client_retries_only_idempotent_calls(tokenizer):
+    """GETs that change nothing are retried after a dropped connection or a 503; a rollout is not (it may
+    have run), and its error says so."""
+    import httpx
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path == "/weight_version":
+            if calls.count("/weight_version") == 1:
+                raise httpx.ConnectError("connection refused")
+            if calls.count("/weight_version") == 2:
+                return httpx.Response(503, json={"error": "busy"})
+            return httpx.Response(200, json={"weight_version": 7})
+        raise httpx.ConnectError("connection reset")
+
+    client = RolloutClient("http://server", tokenizer=tokenizer, retries=3, backoff=0.0)
+    client.http = httpx.Client(base_url="http://server", transport=httpx.MockTransport(handler))
+    assert client.weight_version() == 7 and calls == ["/weight_version"] * 3
+    with pytest.raises(RuntimeError, match="POST /v1/completions failed \\(not retried: it is not idempotent\\)"):
+        client.rollout(PROMPTS[:1], sampling_params=GREEDY)
+    assert calls.count("/v1/completions") == 1
+    calls.clear()
+    assert client.health() is False and calls == ["/health"] * 4  # 1 + 3 retries
+    with pytest.raises(ValueError, match="retries and backoff must be >= 0"):
+        RolloutClient("http://server", tokenizer=tokenizer, retries=-1)
+
+
+def test_client_sends_every_sampling_field(tokenizer):
+    """Penalties and logit_bias travel with a rollout (they used to be dropped over HTTP)."""
+    import httpx
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(500, json={"error": "stop here"})
+
+    client = RolloutClient("http://server", tokenizer=tokenizer)
+    client.http = httpx.Client(base_url="http://server", transport=httpx.MockTransport(handler))
+    params = SamplingParams(max_tokens=4, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2,
+                            logit_bias={17: -5.0})
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        client.rollout(PROMPTS[1:2], sampling_params=params)
+    body = bodies[0]
+    assert (body["presence_penalty"], body["frequency_penalty"], body["repetition_penalty"]) == (0.5, 0.25, 1.2)
+    assert body["logit_bias"] == {"17": -5.0} and body["max_tokens"] == 4

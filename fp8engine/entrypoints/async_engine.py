@@ -67,11 +67,15 @@ class AsyncEngine:
         """Run fn(engine) in the engine thread between steps; its result or exception comes back here."""
         return await self._call(lambda: fn(self.engine))
 
-    async def add(self, prompts: list[Prompt], params: SamplingParams, request_id: str) -> "RequestStream":
-        """Add one request per prompt (all or none); iterate the returned stream for their outputs.
+    async def add(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams],
+                  request_id: str) -> "RequestStream":
+        """Add one request per prompt (all or none; params for all, or one per prompt); iterate the
+        returned stream for their outputs.
 
         ValueError for a bad prompt or params, EnginePaused while paused in "abort"/"wait" mode.
         """
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         stream = RequestStream(self, ids)
         loop = asyncio.get_running_loop()
@@ -85,6 +89,11 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (unknown ids are ignored) without waiting; their streams end with "abort"."""
         self._submit(lambda: self._abort(request_ids))
+
+    def abort_all(self) -> None:
+        """Pause in "abort" mode without waiting (callable from a signal handler): every request is
+        aborted and new ones are refused."""
+        self._submit(lambda: self._set_pause("abort"))
 
     async def pause(self, mode: str) -> int:
         """Pause in `mode` ("wait" returns once in-flight requests finished); returns how many were aborted."""
@@ -159,14 +168,14 @@ class AsyncEngine:
             return
         self._deliver(outputs)
 
-    def _add(self, prompts: list[Prompt], params: SamplingParams, ids: list[str],
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams], ids: list[str],
              loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
         if self.pause_mode in ("abort", "wait"):
             raise EnginePaused(f"the engine is paused (mode {self.pause_mode!r}); retry after /resume")
         added = []
         try:
-            for request_id, prompt in zip(ids, prompts):
-                added.append(self.engine.add_request(prompt, params, request_id))
+            for request_id, prompt, p in zip(ids, prompts, params):
+                added.append(self.engine.add_request(prompt, p, request_id))
         except Exception:
             for request_id in added:
                 self.engine.abort_request(request_id)

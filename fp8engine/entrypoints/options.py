@@ -197,6 +197,12 @@ OPTIONS: tuple[Option, ...] = (
            "require `Authorization: Bearer KEY` on every endpoint but /health", metavar="KEY"),
     _size_option("--max-body-size", "max_body_bytes", "server", MAX_BODY_BYTES,
                  "largest OpenAI request body, e.g. 64MiB"),
+    Option(("--shutdown",), "shutdown", "server", ("serve",), "on SIGTERM/SIGINT the server stops accepting "
+           "requests, lets in-flight ones finish (wait) or aborts them (abort), and exits 0", "wait",
+           choices=("wait", "abort")),
+    Option(("--clamp-max-tokens",), "clamp_max_tokens", "server", ("serve",),
+           "cut max_tokens to what the context has left instead of answering 400 when prompt + max_tokens "
+           "exceeds it", False, action="store_true"),
     Option(("--admin-key",), "admin_key", "rl", ("serve",),
            "key for the RL endpoints (weight updates, pause, flush); none = the api key", metavar="KEY"),
     Option(("--allowed-weight-dir",), "allowed_weight_dir", "rl", ("serve",),
@@ -204,6 +210,8 @@ OPTIONS: tuple[Option, ...] = (
            metavar="DIR"),
     _size_option("--max-update-size", "max_update_bytes", "rl", MAX_UPDATE_BYTES,
                  "largest /update_weights body (one safetensors file or bucket)"),
+    Option(("--bucket-timeout",), "bucket_timeout", "rl", ("serve",),
+           "seconds a bucketed /update_weights may wait for its next bucket before it is dropped", 600.0, float),
     Option((), "prompts", "prompts", _GENERATE, "prompt, sent as a user chat message; with no prompts "
            "at all, two built-in questions", [], nargs="*", metavar="PROMPT"),
     Option(("--prompt",), "prompt", "prompts", _GENERATE, "one more prompt like PROMPT (repeatable)", [],

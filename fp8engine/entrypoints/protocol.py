@@ -1,11 +1,27 @@
 """OpenAI request models and response shapes, with fp8engine's extensions.
 
+OpenAI fields that work as OpenAI documents: model, prompt / messages, n, temperature, top_p,
+max_tokens (completions: 0 computes and scores the prompt only) / max_completion_tokens, stop,
+seed, stream, stream_options (with stream), logprobs, top_logprobs, echo (completions: the prompt,
+its tokens and logprobs come first, the first token's logprob null), presence_penalty,
+frequency_penalty, logit_bias, user (an end-user id; like OpenAI's, it changes no output), and the
+no-op values best_of == n, suffix "", response_format {"type": "text"}, tools [], functions [],
+tool_choice "none", parallel_tool_calls, modalities ["text"], store false. Any other field or value
+(tool calling, structured output, suffix insertion, best_of > n, audio, ...) answers 400 naming it:
+none is silently ignored.
+
+Logprobs are raw by default here (log-softmax of the model's logits, before temperature, penalties and
+truncation, as in vLLM), so temperature 0 still gives k alternatives; `logprobs_mode: "processed"`
+asks for the distribution actually sampled from. Echoed prompt logprobs are always raw.
+
 Request extensions (both endpoints): top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
-return_token_ids, logprobs_mode ("raw" | "processed", default "processed"). Choice extensions:
-logprobs_mode, num_preemptions, weight_version; token_ids and prompt_token_ids with
-return_token_ids; log_kept_mass (per token, processed logprobs only) when logprobs are requested;
-seed (the request's sampling seed, drawn by the engine when none was given: with the same
-request it reproduces the choice), in a stream's first chunk of each choice.
+repetition_penalty, return_token_ids, logprobs_mode ("raw" | "processed", default "raw"),
+return_routed_experts (MoE models).
+Choice extensions: logprobs_mode, num_preemptions, weight_version; token_ids and prompt_token_ids
+with return_token_ids; log_kept_mass (per token, processed logprobs only) when logprobs are
+requested; seed (the request's sampling seed, drawn by the engine when none was given: with the
+same request it reproduces the choice), in a stream's first chunk of each choice; routed_experts
+with return_routed_experts, [positions fed][MoE layers][top_k] expert ids, once the choice finishes.
 In streams, token_ids / log_kept_mass hold the chunk's new tokens only.
 """
 
@@ -14,7 +30,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import ClassVar, Literal, TypeVar
+from typing import Annotated, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -25,9 +41,16 @@ from fp8engine.sampling_params import SamplingParams
 
 MAX_N = 64
 MAX_LOGPROBS = 20
+MAX_STOP = 32  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string (the stop check decodes a window ~4x this many tokens)
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MIN_TEMPERATURE = 0.01  # below this (and above 0) logits / T overflows float32; vLLM clamps to it
 MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
 
 M = TypeVar("M", bound=BaseModel)
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 _ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 409: "conflict_error", 503: "service_unavailable_error"}
@@ -61,10 +84,28 @@ def validate(model: type[M], data: dict) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
+        errors = exc.errors()
+        error = errors[0]
         loc = ".".join(str(x) for x in error["loc"])
-        raise ApiError(400, f"{loc or 'request'}: {error['msg']}",
+        message = error["msg"].removeprefix("Value error, ")
+        field = model.model_fields.get(str(error["loc"][0])) if error["loc"] else None
+        if field is not None and field.description and len({e["loc"][:1] for e in errors}) == 1 < len(errors):
+            loc, message = str(error["loc"][0]), f"must be {field.description}"  # no form of a union fits
+        if error["type"] == "extra_forbidden":
+            what = UNSUPPORTED.get(str(error["loc"][-1]), "does not know it")
+            message = f"unsupported field: fp8engine {what}, and rejects what it does not implement " \
+                      f"rather than ignore it"
+        raise ApiError(400, f"{loc or 'request'}: {message}",
                        param=str(error["loc"][0]) if error["loc"] else None) from None
+
+
+UNSUPPORTED = {name: f"does not implement {what}" for name, what in (
+    ("tools", "tool calling"), ("tool_choice", "tool calling"), ("functions", "function calling"),
+    ("function_call", "function calling"), ("tool_calls", "tool calling"), ("tool_call_id", "tool calling"),
+    ("response_format", "structured output"),
+    ("audio", "audio output"), ("prediction", "predicted outputs"), ("reasoning_effort", "reasoning models"),
+    ("web_search_options", "web search"), ("service_tier", "service tiers"),
+    ("metadata", "stored completions"), ("verbosity", "verbosity control"))}
 
 
 # ---------------------------------------------------------------------- requests
@@ -77,68 +118,156 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-class StreamOptions(_Request):
+class _OpenAIRequest(_Request):
+    """OpenAI bodies: an unknown field answers 400 instead of being ignored; numbers are finite."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_OpenAIRequest):
     include_usage: bool = False
 
 
-class SamplingRequest(_Request):
+def _only(allowed, what: str):
+    """A field validator accepting only the values in `allowed` (OpenAI no-ops here)."""
+    def check(cls, value):
+        if value not in allowed:
+            raise ValueError(f"only {' or '.join(map(repr, allowed))} is supported: fp8engine does not "
+                             f"implement {what}")
+        return value
+    return classmethod(check)
+
+
+class SamplingRequest(_OpenAIRequest):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     prompt_field: ClassVar[str] = "prompt"
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    max_tokens: int | None = Field(None, ge=1)
-    min_tokens: int = 0
-    stop: str | list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    temperature: float = Field(1.0, ge=0.0, json_schema_extra={
+        "anyOf": [{"const": 0}, {"minimum": MIN_TEMPERATURE}]})
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=0)
+    min_tokens: int = Field(0, ge=0)
+    stop: str | list[str] = Field(
+        default_factory=list,
+        description=f"a string or a list of at most {MAX_STOP} strings, of at most {MAX_STOP_CHARS} characters each",
+        json_schema_extra={"anyOf": [
+            {"type": "string", "maxLength": MAX_STOP_CHARS},
+            {"type": "array", "items": {"type": "string", "maxLength": MAX_STOP_CHARS}, "maxItems": MAX_STOP}]})
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = None
     ignore_eos: bool = False
     stream: bool = False
-    stream_options: StreamOptions = Field(default_factory=StreamOptions)
+    stream_options: StreamOptions | None = None
     return_token_ids: bool = False
-    logprobs_mode: Literal["raw", "processed"] = "processed"
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    return_routed_experts: bool = False
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS, json_schema_extra={
+        "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
+    user: str | None = None
+    response_format: dict | None = Field(None, json_schema_extra={"enum": [{"type": "text"}, None]})
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    _text_only_format = field_validator("response_format")(_only([{"type": "text"}], "structured output"))
+
+    @field_validator("temperature")
     @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported; only 0 is accepted")
+    def _not_tiny(cls, value: float) -> float:
+        if 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {value}")
         return value
+
+    @field_validator("stop")
+    @classmethod
+    def _few_short_stops(cls, value: str | list[str]) -> str | list[str]:
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_with_stream(cls, value: StreamOptions | None, info) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream=true")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if abs(bias) > 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
     @property
     def num_logprobs(self) -> int | None:
         raise NotImplementedError
 
     @property
+    def num_prompt_logprobs(self) -> int | None:
+        return None
+
+    @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """SamplingParams of this request; ValueError names the offending field."""
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """SamplingParams of this request generating up to `max_tokens`; ValueError names the offending field."""
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            max_tokens=self.max_new_tokens or default_max_tokens, min_tokens=self.min_tokens,
+            max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed,
-            logprobs=self.num_logprobs, logprobs_mode=self.logprobs_mode)
+            logprobs=self.num_logprobs, logprobs_mode=self.logprobs_mode,
+            return_routed_experts=self.return_routed_experts,
+            prompt_logprobs=self.num_prompt_logprobs, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None)
 
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions; `prompt` is text, token ids, or a list of either (one choice group each)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1)] | Annotated[
+        list[TokenIds], Field(min_length=1)] = Field(description="a non-empty string, a non-empty list of token "
+                                                     "ids (ints >= 0), or a non-empty list of either")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
-    suffix: None = None
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = Field(None, json_schema_extra={"enum": ["", None]})
+
+    _no_suffix = field_validator("suffix")(_only([""], "suffix insertion"))
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_n(cls, value: int | None, info) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise ValueError(f"only best_of == n ({n}) is supported: fp8engine does not implement "
+                             f"best-of reranking")
+        return value
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[Prompt]:
         p = self.prompt
@@ -147,9 +276,10 @@ class CompletionRequest(SamplingRequest):
         return list(p)
 
 
-class ChatMessage(_Request):
+class ChatMessage(_OpenAIRequest):
     role: str
     content: str | list[dict]
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -168,7 +298,19 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list | None = Field(None, json_schema_extra={"maxItems": 0})
+    functions: list | None = Field(None, json_schema_extra={"maxItems": 0})
+    tool_choice: str | dict | None = Field(None, json_schema_extra={"enum": ["none", None]})
+    parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = Field(None, json_schema_extra={"enum": [["text"], None]})
+    store: bool | None = Field(None, json_schema_extra={"enum": [False, None]})
+
+    _no_tools = field_validator("tools", "functions")(_only([[]], "tool calling"))
+    _no_tool_choice = field_validator("tool_choice")(_only(["none"], "tool calling"))
+    _text_modality = field_validator("modalities")(_only([["text"]], "audio output"))
+    _not_stored = field_validator("store")(_only([False], "stored completions"))
 
     @field_validator("top_logprobs")
     @classmethod
@@ -186,7 +328,7 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
     def prompts(self) -> list[Prompt]:
-        return [[{"role": m.role, "content": m.content} for m in self.messages]]
+        return [[m.model_dump(exclude_none=True) for m in self.messages]]
 
 
 class PauseRequest(_Request):
@@ -207,6 +349,27 @@ class BucketQuery(WeightUpdateOptions):
     bucket: Literal["start", "add", "commit"] | None = None
 
 
+class WeightsGroupRequest(_Request):
+    """POST /init_weights_update_group (LLMEngine.init_weights_update_group's arguments)."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weights"
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout_s: float = Field(default=600.0, gt=0)
+
+
+class DistributedUpdateRequest(WeightUpdateOptions):
+    """POST /update_weights_from_distributed: the tensors rank 0 broadcasts, in order (dtypes as
+    torch attribute names: "bfloat16", "float32")."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+
 # ---------------------------------------------------------------------- tokens
 class TokenTable:
     """Every token's bytes and text, built once so that formatting never calls the tokenizer."""
@@ -223,6 +386,10 @@ class TokenTable:
     def text(self, token_id: int) -> str:
         return self.bytes(token_id).decode("utf-8", errors="replace")
 
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of a token sequence (special tokens included, as they were sent)."""
+        return b"".join(map(self.bytes, token_ids)).decode("utf-8", errors="replace")
+
     def entry(self, token_id: int, logprob: float) -> dict:
         return {"token": self.text(token_id), "logprob": _finite(logprob), "bytes": list(self.bytes(token_id))}
 
@@ -233,8 +400,8 @@ def _token_bytes(token: str, byte_of: dict[str, int]) -> bytes:
     return token.replace("\u2581", " ").encode("utf-8")
 
 
-def _finite(x: float) -> float:
-    return max(x, MIN_LOGPROB)
+def _finite(x: float | None) -> float | None:
+    return None if x is None else x if x > MIN_LOGPROB else MIN_LOGPROB  # NaN too
 
 
 # ---------------------------------------------------------------------- responses
@@ -250,6 +417,7 @@ class Piece:
     log_kept_mass: list[float] | None
     finish_reason: str | None
     num_preemptions: int
+    routed_experts: list | None = None  # the whole sample's, on its last piece
 
 
 class Cursor:
@@ -270,7 +438,8 @@ class Cursor:
             return None
         piece = Piece(new_text, len(self.text), out.token_ids[start:], _tail(out.logprobs, start),
                       _tail(out.top_logprobs, start), _tail(out.log_kept_mass, start),
-                      out.finish_reason, out.num_preemptions)
+                      out.finish_reason, out.num_preemptions,
+                      out.routed_experts.tolist() if finished and out.routed_experts is not None else None)
         self.text += new_text
         self.num_tokens = len(out.token_ids)
         return piece
@@ -346,27 +515,56 @@ class ResponseBuilder:
                 ext["prompt_token_ids"] = out.prompt_token_ids
         if first:
             ext["seed"] = out.outputs[0].seed
+        if piece.routed_experts is not None:
+            ext["routed_experts"] = piece.routed_experts
         if piece.log_kept_mass is not None:
             ext["log_kept_mass"] = piece.log_kept_mass
         return ext
 
 
 class CompletionBuilder(ResponseBuilder):
+    """With echo, each choice's first chunk starts with its prompt: the prompt text (as sent, or the
+    token ids' text), and with logprobs its tokens, raw logprobs (the first null) and top-k, whose
+    text offsets count from 0 like the completion's that follow."""
+
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def _choice(self, index: int, piece: Piece, out: RequestOutput, first: bool, stream: bool) -> dict:
-        return {"index": index, "text": piece.text, "logprobs": self._logprobs(piece),
-                "finish_reason": piece.finish_reason, **self._extensions(piece, out, first)}
+    def __init__(self, request: CompletionRequest, model: str, tokens: TokenTable):
+        super().__init__(request, model, tokens)
+        self._prompt_texts = [p if isinstance(p, str) else tokens.decode(p) for p in request.prompts()] \
+            if request.echo else []
 
-    def _logprobs(self, piece: Piece) -> dict | None:
-        if piece.logprobs is None:
+    def _choice(self, index: int, piece: Piece, out: RequestOutput, first: bool, stream: bool) -> dict:
+        echo = self._prompt_texts[index // self.request.n] if self.request.echo else ""
+        logprobs = self._logprobs(piece.token_ids, piece.logprobs, piece.top_logprobs,
+                                  len(echo) + piece.text_offset)
+        text = piece.text
+        if self.request.echo and first:
+            text = echo + text
+            logprobs = logprobs and _concat(self._prompt_logprobs(out), logprobs)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": piece.finish_reason,
+                **self._extensions(piece, out, first)}
+
+    def _prompt_logprobs(self, out: RequestOutput) -> dict:
+        missing = [None] * len(out.prompt_token_ids)  # aborted before its prompt was computed
+        return self._logprobs(out.prompt_token_ids, out.prompt_logprobs or missing,
+                              out.prompt_top_logprobs or missing, 0)
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float | None] | None,
+                  top_logprobs: list[dict[int, float] | None] | None, text_offset: int) -> dict | None:
+        if logprobs is None:
             return None
-        texts = [self.tokens.text(t) for t in piece.token_ids]
-        tops = None if piece.top_logprobs is None else [
-            {self.tokens.text(t): _finite(lp) for t, lp in top.items()} for top in piece.top_logprobs]
-        return {"tokens": texts, "token_logprobs": [_finite(x) for x in piece.logprobs], "top_logprobs": tops,
-                "text_offset": list(itertools.accumulate(map(len, texts), initial=piece.text_offset))[:-1]}
+        texts = [self.tokens.text(t) for t in token_ids]
+        tops = None if top_logprobs is None else [
+            None if top is None else {self.tokens.text(t): _finite(lp) for t, lp in top.items()}
+            for top in top_logprobs]
+        return {"tokens": texts, "token_logprobs": [_finite(x) for x in logprobs], "top_logprobs": tops,
+                "text_offset": list(itertools.accumulate(map(len, texts), initial=text_offset))[:-1]}
+
+
+def _concat(first: dict, second: dict) -> dict:
+    return {key: None if second[key] is None else first[key] + second[key] for key in second}
 
 
 class ChatBuilder(ResponseBuilder):

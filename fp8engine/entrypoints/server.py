@@ -17,10 +17,17 @@ accepted everywhere):
        validated when it arrives (names, shapes, dtypes, finite values; a pre-quantized weight and
        its _scale_inv travel in the same bucket); nothing is written before commit, which applies
        every bucket in one LLMEngine.update_weights call. A bad bucket answers 400 and discards the
-       whole update, leaving the engine unchanged; a new start also discards an open one.
-  GET  /weight_version, /kv_scales, /stats
+       whole update, leaving the engine unchanged; a new start also discards an open one, and so does
+       --bucket-timeout seconds without a bucket (a trainer that died: its buckets' memory is freed).
+  GET  /weight_version, /kv_scales, /stats (EngineStats, the pause mode, staged_update_bytes)
+  POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
+       "group_name", "backend", "timeout_s"}: join a trainer's weight-update group (it is rank 0)
+  POST /update_weights_from_distributed {"names", "dtypes", "shapes", "weight_version", ...}: receive
+       the tensors rank 0 broadcasts (beside generation), then apply them as /update_weights does; a
+       transfer that fails answers 500, closes the group and leaves the weights as they were
+  POST /destroy_weights_update_group
 Generation requests answer 503 while paused in "abort" or "wait" mode. Request and choice
-extensions are listed in protocol.py.
+extensions are listed in protocol.py; /openapi.json describes every endpoint (openapi.py).
 """
 
 import argparse
@@ -40,6 +47,7 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -52,6 +60,14 @@ import fp8engine
 from fp8engine.engine import LLMEngine
 from fp8engine.entrypoints.async_engine import AsyncEngine, EnginePaused, RequestStream
 from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
+from fp8engine.entrypoints.openapi import (
+    EVENTS,
+    JSON,
+    TEXT,
+    ChatCompletionResponse,
+    CompletionResponse,
+    describe,
+)
 from fp8engine.entrypoints.protocol import (
     ApiError,
     BucketQuery,
@@ -60,10 +76,12 @@ from fp8engine.entrypoints.protocol import (
     CompletionBuilder,
     CompletionRequest,
     DiskUpdateRequest,
+    DistributedUpdateRequest,
     PauseRequest,
     ResponseBuilder,
     SamplingRequest,
     TokenTable,
+    WeightsGroupRequest,
     WeightUpdateOptions,
     parse_json,
     validate,
@@ -72,6 +90,15 @@ from fp8engine.outputs import EngineStats, RequestOutput
 from fp8engine.weights.loader import iter_safetensors
 
 logger = logging.getLogger(__name__)
+
+# What /openapi.json says of each path (the handlers parse their bodies themselves); None = raw bytes.
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                  "/pause": PauseRequest, "/update_weights_from_disk": DiskUpdateRequest, "/update_weights": None,
+                  "/init_weights_update_group": WeightsGroupRequest,
+                  "/update_weights_from_distributed": DistributedUpdateRequest}
+QUERIES = {"/update_weights": BucketQuery}
+RESPONSES = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionResponse}
+CONTENT_TYPES = {"/v1/completions": (JSON, EVENTS), "/v1/chat/completions": (JSON, EVENTS), "/metrics": (TEXT,)}
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 UPDATE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -88,25 +115,44 @@ class ServerSettings:
     allowed_weight_dirs: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
     max_update_bytes: int = MAX_UPDATE_BYTES
+    clamp_max_tokens: bool = False  # prompt + max_tokens beyond the context: cut max_tokens, not 400
+    bucket_timeout_s: float = 600.0  # an open bucketed update with no bucket for this long is dropped
+    shutdown: str = "wait"  # SIGTERM: in-flight requests finish ("wait") or are aborted ("abort")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
         return cls(host=args.host, port=args.port, api_key=args.api_key, admin_key=args.admin_key,
                    allowed_weight_dirs=tuple(args.allowed_weight_dir or ()),
-                   max_body_bytes=args.max_body_bytes, max_update_bytes=args.max_update_bytes)
+                   max_body_bytes=args.max_body_bytes, max_update_bytes=args.max_update_bytes,
+                   clamp_max_tokens=args.clamp_max_tokens, bucket_timeout_s=args.bucket_timeout,
+                   shutdown=args.shutdown)
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Build the engine from the CLI options and serve until interrupted."""
-    import uvicorn
-
+    """Build the engine from the CLI options and serve until SIGTERM or SIGINT (then exit 0)."""
     from fp8engine.entrypoints.options import start_engine
     settings = ServerSettings.from_args(args)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", settings.host)
     app = create_app(start_engine(args), settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    _GracefulServer(config, app.state.server.engine, abort=settings.shutdown == "abort").run()
     return 0
+
+
+class _GracefulServer(uvicorn.Server):
+    """SIGTERM or SIGINT: stop accepting connections, let in-flight requests finish (or abort them, which
+    ends their streams with finish_reason "abort"), stop the engine and return (exit status 0)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, abort: bool):
+        super().__init__(config)
+        self.engine, self.abort = engine, abort
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.abort and not self.should_exit:
+            self.engine.abort_all()
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # uvicorn would raise the signal again once done: exit 0 instead
 
 
 def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
@@ -120,12 +166,14 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
         await asyncio.to_thread(server.engine.stop)
 
     app = FastAPI(title="fp8engine", version=fp8engine.__version__, lifespan=lifespan)
+    app.state.server = server
     for method, path, handler, auth in server.routes():
         app.add_api_route(path, handler, methods=[method], dependencies=[Depends(auth)] if auth else [])
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal_error)
+    describe(app, REQUEST_BODIES, QUERIES, RESPONSES, CONTENT_TYPES)
     return app
 
 
@@ -143,6 +191,7 @@ class Server:
         self.model_names = {"default", basename}
         self.metrics = Metrics()
         self._bucket: list[tuple[str, torch.Tensor]] | None = None
+        self._bucket_expiry: asyncio.TimerHandle | None = None
         self._weights_lock = asyncio.Lock()
 
     def routes(self) -> list[tuple[str, str, Callable, Callable | None]]:
@@ -155,6 +204,9 @@ class Server:
                 ("POST", "/flush_cache", self.flush_cache, admin),
                 ("POST", "/update_weights_from_disk", self.update_weights_from_disk, admin),
                 ("POST", "/update_weights", self.update_weights, admin),
+                ("POST", "/init_weights_update_group", self.init_weights_update_group, admin),
+                ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed, admin),
+                ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group, admin),
                 ("GET", "/weight_version", self.weight_version, admin),
                 ("GET", "/kv_scales", self.kv_scales, admin), ("GET", "/stats", self.stats, admin)]
 
@@ -197,18 +249,23 @@ class Server:
             raise ApiError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         timer = self.metrics.timer()
+        prompts = body.prompts()
         try:
-            params = body.sampling_params(default_max_tokens=self.max_model_len)
+            token_ids = await self.engine.call(lambda llm: [llm.tokenize(p) for p in prompts])
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=body.prompt_field) from None
+        try:
+            params = [body.sampling_params(self._max_tokens(body, len(ids))) for ids in token_ids]
         except ValueError as exc:
             raise _bad_request(exc) from None
         try:
-            stream = await self.engine.add(body.prompts(), params, builder.id)
+            stream = await self.engine.add(token_ids, params, builder.id)
         except ValueError as exc:
-            raise ApiError(400, str(exc), param=body.prompt_field) from None
+            raise _bad_request(exc, default_param=body.prompt_field) from None
         except EnginePaused as exc:
             raise ApiError(503, str(exc), code="paused") from None
         if body.stream:
-            events = _sse_events(stream, builder, timer, body.stream_options.include_usage)
+            events = _sse_events(stream, builder, timer, body.include_usage)
             return _EventStream(events, stream)
         try:
             finals = await _until_disconnect(request, _final_outputs(stream, timer))
@@ -217,6 +274,22 @@ class Server:
         if finals is None:
             return Response(status_code=499)
         return JSONResponse(builder.response(finals))
+
+    def _max_tokens(self, body: SamplingRequest, num_prompt_tokens: int) -> int:
+        """max_tokens of one prompt: as asked when it fits the context, else 400 (or cut, with
+        --clamp-max-tokens); unset = what the context has left."""
+        room = self.max_model_len - num_prompt_tokens
+        asked = body.max_new_tokens
+        if asked is None:
+            return max(room, 1)  # a prompt that fills the context is refused by the engine
+        if asked <= room:
+            return asked
+        if self.settings.clamp_max_tokens and room >= 1:
+            return room
+        field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        raise ApiError(400, f"the prompt ({num_prompt_tokens} tokens) + {field} ({asked}) = "
+                            f"{num_prompt_tokens + asked} tokens exceeds the model's context of "
+                            f"{self.max_model_len} tokens", param=field, code="context_length_exceeded")
 
     # ----------------------------------------------------------------- RL
     async def pause(self, request: Request) -> dict:
@@ -240,7 +313,9 @@ class Server:
         return {layer: {"k_scale": k, "v_scale": v} for layer, (k, v) in scales.items()}
 
     async def stats(self) -> dict:
-        return dataclasses.asdict(await self.engine.stats()) | {"paused": self.engine.pause_mode}
+        staged = sum(t.numel() * t.element_size() for _, t in self._bucket or ())
+        return dataclasses.asdict(await self.engine.stats()) | {"paused": self.engine.pause_mode,
+                                                                 "staged_update_bytes": staged}
 
     async def update_weights_from_disk(self, request: Request) -> dict:
         body = parse_json(await _read_body(request, self.settings.max_body_bytes), DiskUpdateRequest)
@@ -263,6 +338,7 @@ class Server:
     async def _bucketed(self, query: BucketQuery, data: bytes) -> dict:
         if query.bucket == "start":
             self._bucket = []
+            self._expire_bucket_after(self.settings.bucket_timeout_s)
             return {"bucket": "started"}
         if self._bucket is None:
             raise ApiError(409, f"bucket={query.bucket} without an open update; send bucket=start first",
@@ -270,10 +346,55 @@ class Server:
         if data or query.bucket == "add":
             await self._add_bucket(data)
         if query.bucket == "add":
+            self._expire_bucket_after(self.settings.bucket_timeout_s)
             return {"bucket": "added", "num_tensors": len(self._bucket),
                     "num_bytes": sum(t.numel() * t.element_size() for _, t in self._bucket)}
         tensors, self._bucket = self._bucket, None
         return await self._apply(tensors, query)
+
+    def _expire_bucket_after(self, seconds: float) -> None:
+        """Drop the open bucketed update (and the memory of its buckets) unless another bucket or the
+        commit arrives within `seconds`: a trainer that dies between buckets leaves nothing behind."""
+        if self._bucket_expiry is not None:
+            self._bucket_expiry.cancel()
+        bucket = self._bucket
+        self._bucket_expiry = asyncio.get_running_loop().call_later(
+            seconds, lambda: asyncio.ensure_future(self._expire_bucket(bucket)))
+
+    async def _expire_bucket(self, bucket: list) -> None:
+        async with self._weights_lock:
+            if self._bucket is bucket:
+                logger.warning("no bucket for %.0f s: the open weight update (%d tensors) is dropped",
+                               self.settings.bucket_timeout_s, len(bucket))
+                self._bucket = None
+
+    # The group's calls block on the other ranks: they run in worker threads, beside the engine
+    # thread's generation, and only the received tensors go through the engine's queue.
+    async def init_weights_update_group(self, request: Request) -> dict:
+        body = parse_json(await _read_body(request, self.settings.max_body_bytes), WeightsGroupRequest)
+        try:
+            await asyncio.to_thread(self.engine.engine.init_weights_update_group, **body.model_dump())
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        except RuntimeError as exc:
+            raise ApiError(500, f"could not join the weight-update group: {exc}") from None
+        return {"group_name": body.group_name, "rank": body.rank_offset, "world_size": body.world_size}
+
+    async def update_weights_from_distributed(self, request: Request) -> dict:
+        body = parse_json(await _read_body(request, self.settings.max_body_bytes), DistributedUpdateRequest)
+        async with self._weights_lock:
+            try:
+                tensors = await asyncio.to_thread(self.engine.engine.receive_weights, body.names, body.dtypes,
+                                                  body.shapes)
+            except ValueError as exc:
+                raise ApiError(400, str(exc)) from None
+            except RuntimeError as exc:
+                raise ApiError(500, str(exc), code="broadcast_failed") from None
+            return await self._apply(tensors, body)
+
+    async def destroy_weights_update_group(self) -> dict:
+        await asyncio.to_thread(self.engine.engine.destroy_weights_update_group)
+        return {"destroyed": True}
 
     async def _add_bucket(self, data: bytes) -> None:
         try:
@@ -340,7 +461,8 @@ async def _sse_events(stream: RequestStream, builder: ResponseBuilder, timer: "T
             yield _event(builder.chunk([], usage=builder.usage()))
     except Exception as exc:
         logger.exception("stream %s failed", builder.id)
-        yield _event(ApiError(500, f"generation failed: {exc}").body())
+        yield _event(ApiError(500, f"generation failed ({type(exc).__name__}); the server log has the "
+                                   f"details").body())
     yield "data: [DONE]\n\n"
 
 
@@ -481,9 +603,9 @@ def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
 
-def _bad_request(exc: ValueError) -> ApiError:
+def _bad_request(exc: ValueError, default_param: str | None = None) -> ApiError:
     match = re.search(r"SamplingParams\.(\w+)", str(exc))
-    return ApiError(400, str(exc), param=match.group(1) if match else None)
+    return ApiError(400, str(exc), param=match.group(1) if match else default_param)
 
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -500,4 +622,6 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s", request.url.path)
-    return await _api_error(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+    # The body names the error's type only: messages and tracebacks (paths, values) stay in the log.
+    return await _api_error(request, ApiError(500, f"internal error ({type(exc).__name__}); the server log "
+                                                   f"has the details"))

@@ -66,10 +66,11 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int) -> list[ScheduledSeq]:
         scheduled = []
+        num_seqs = sum(map(_width, self.running))
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            width = seq.params.n if seq.num_output_tokens == 0 and seq.index == 0 else 1
-            if self.running and len(self.running) + width > self.max_num_seqs:
+            width = _width(seq)
+            if self.running and num_seqs + width > self.max_num_seqs:
                 break
             hits = self.bm.match_prefix(seq)
             num_cached = len(hits) * self.bm.block_size
@@ -83,6 +84,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            num_seqs += width
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return scheduled
@@ -109,3 +111,8 @@ class Scheduler:
         """Children of a fork run right after their parent, keeping the parent's age order."""
         i = self.running.index(parent) + 1
         self.running[i:i] = children
+
+
+def _width(seq: Sequence) -> int:
+    """How many running sequences seq will be: a request's first sample forks into n after its prefill."""
+    return seq.params.n if seq.index == 0 and len(seq.request.seqs) < seq.params.n else 1

@@ -32,6 +32,8 @@ class Request:
         self.seqs: list[Sequence] = []
         self.prompt_logprobs: list[float | None] | None = None
         self.partial_prompt_logprobs: list[float | None] = []
+        self.prompt_top_logprobs: list[dict[int, float] | None] | None = None
+        self.partial_prompt_top_logprobs: list[dict[int, float] | None] = []
         self.num_cached_tokens = 0
         self.aborted = False
         self.scoring: Scoring | None = None
@@ -71,6 +73,7 @@ class Sequence:
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.log_kept_mass: list[float] = []
+        self.routed_experts = None  # captured when the sequence finishes (its blocks are freed then)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text = ""

@@ -9,16 +9,18 @@ The processed distribution (what tokens are actually drawn from), for temperatur
     processed logprob = log p - log(kept mass), -inf outside the kept set.
 `log_kept_mass` = log(sum of p over the kept set) is returned per token so a trainer that does not
 truncate can remove the renormalisation. Greedy (T = 0) is a point mass: processed logprob 0.
+Penalties and logit_bias (`adjust_logits`) act on the logits first: they shape p and greedy's argmax,
+never raw logprobs.
 Sampling inverts the CDF of p_kept at 1 - u, where u = `sampling_uniforms(seed, index, position)`
 is a counter-based hash of the request's seed, the sample's index and the position of the token
 being drawn: the noise of a token depends on nothing else (batch, preemption, earlier draws).
-On CPU, rows without truncation, banned tokens or top-k alternatives take a fused C++ kernel
+On CPU, rows without truncation, adjustments, banned tokens or top-k alternatives take a fused C++ kernel
 (csrc/sampler.cpp) with the same definition and the same uniforms; this module is its reference.
 The two sum the CDF in different orders, so at a float32 near-tie (1 - u within rounding of a CDF
 step) they may pick neighbouring tokens; which path a row takes depends on that row alone.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
@@ -40,6 +42,8 @@ class SampleRow:
     index: int = 0
     position: int = 0
     banned_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: list[int] = field(default_factory=list)  # read by repetition_penalty only
+    output_token_ids: list[int] = field(default_factory=list)  # read by the penalties only
 
 
 @dataclass(slots=True)
@@ -157,9 +161,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], forced: list[int] | None
 
 def _sample_reference(logits: torch.Tensor, rows: list[SampleRow], uniform: torch.Tensor,
                       forced: torch.Tensor | None = None) -> SampleResult:
-    logits = logits.to(torch.float32, copy=True)  # banned tokens are masked in place
+    logits = logits.to(torch.float32, copy=True)  # adjusted and banned in place
     raw = torch.log_softmax(logits, dim=-1) if any(_wants(r, "raw") for r in rows) else None
     for i, row in enumerate(rows):
+        if row.params.adjusts_logits:
+            adjust_logits(logits[i], row)
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -175,8 +181,28 @@ def _sample_reference(logits: torch.Tensor, rows: list[SampleRow], uniform: torc
     return _collect(tokens, rows, raw, proc, log_kept, sampled)
 
 
+def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
+    """Apply row.params' logit_bias, repetition, presence and frequency penalties (vLLM's order and
+    rules) to one row of float32 logits [V], in place; element-wise, so batch invariant."""
+    p = row.params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=logits.device)
+        logits.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
+                                               device=logits.device))
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.int64,
+                            device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+        ids, counts = torch.tensor(row.output_token_ids, dtype=torch.int64).unique(return_counts=True)
+        ids = ids.to(logits.device)
+        logits[ids] -= p.frequency_penalty * counts.to(logits) + p.presence_penalty
+
+
 def _fusable(row: SampleRow) -> bool:
-    return not (row.params.truncates or row.params.logprobs or row.banned_token_ids)
+    p = row.params
+    return not (p.truncates or p.logprobs or row.banned_token_ids or p.adjusts_logits)
 
 
 def _fused_kernel(logits: torch.Tensor, rows: list[SampleRow]):
