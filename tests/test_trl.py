@@ -1,9 +1,12 @@
 """TRL's GRPOTrainer on fp8engine rollouts (fp8engine.rl.trl): the rollout function's fields against the
 engine, TRL's own importance-sampling correction on the engine's logprobs, a weight sync per step."""
 
+import json
 import math
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,3 +260,66 @@ def test_rollout_func_over_http_equals_in_process(rollouts, default_dir, tmp_pat
         assert got[key] == expected[key], key
     assert all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
                for a, b in zip(got["logprobs"], expected["logprobs"]))
+
+
+def trl_grpo_example():
+    """examples/trl_grpo.py as a module (it imports its neighbours addition.py and plot_grpo.py)."""
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import trl_grpo
+    return trl_grpo
+
+
+def test_baseline_stops_at_a_newline_like_the_engine(default_dir, tokenizer):
+    """--generation trl: every token holding a newline ends a completion (fp8engine's stop=["\\n"], which
+    keeps the token that hit it), in transformers' generate and in TRL's completion mask."""
+    example = trl_grpo_example()
+    ids = example.newline_token_ids(tokenizer)
+    assert tokenizer("\n")["input_ids"][0] in ids and tokenizer("\n\n")["input_ids"][0] in ids
+    assert all("\n" in tokenizer.decode([i]) for i in ids)
+    assert not {tokenizer.eos_token_id, *tokenizer("17 +=")["input_ids"]} & set(ids)
+    policy = example.load_policy(default_dir)
+    assert policy.dtype == torch.float32
+    assert policy.generation_config.eos_token_id == [tokenizer.eos_token_id, *ids]
+    torch.manual_seed(0)
+    prompt = tokenizer(["3+4=7\n12+5=17\n5+6="], return_tensors="pt")
+    out = policy.generate(**prompt, do_sample=True, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)
+    completion = out[0, prompt["input_ids"].shape[1]:].tolist()
+    assert completion[-1] in ids and not set(completion[:-1]) & set(ids)  # measured: "11\n", 3 tokens
+
+
+def test_baseline_run_has_the_same_trainer_without_rollout_func(rollouts, tmp_path):
+    """One GRPO step of each: the same GRPOConfig, dataset and model; the baseline without a rollout function
+    (TRL's transformers generation, use_vllm off), its step timed per phase; both runs plotted side by side."""
+    example = trl_grpo_example()
+    argv = ["--steps", "1", "--prompts", "2", "--n", "2", "--max-tokens", "4"]
+    runs = {}
+    for generation in ("fp8engine", "trl"):
+        path = tmp_path / f"{generation}.json"
+        example.main([*argv, "--generation", generation, "--json", str(path)])
+        runs[generation] = json.loads(path.read_text())
+    fp8, hf = runs["fp8engine"]["steps"][0], runs["trl"]["steps"][0]
+    assert hf["k3"] is None and hf["weight_version"] is None and hf["sync_seconds"] == 0
+    assert fp8["k3"] >= 0 and fp8["weight_version"] == 0 and fp8["sync_seconds"] > 0
+    for row in (fp8, hf):
+        assert row["generation_seconds"] > 0 and row["training_seconds"] > 0 and math.isfinite(row["loss"])
+        assert row["wall_seconds"] == pytest.approx(
+            row["generation_seconds"] + row["sync_seconds"] + row["training_seconds"])
+        assert 1 <= row["completion_length"] <= 4
+    assert runs["trl"]["totals"]["wall"] == pytest.approx(hf["wall_seconds"])
+
+    trainers = {generation: example.build_trainer(example.parse_args([*argv, "--generation", generation]), engine,
+                                                  str(tmp_path / generation), example.StepLog(engine is None))
+                for generation, engine in (("fp8engine", rollouts), ("trl", None))}
+    fp8_trainer, hf_trainer = trainers["fp8engine"], trainers["trl"]
+    assert hf_trainer.rollout_func is None and not hf_trainer.use_vllm and fp8_trainer.rollout_func is not None
+    settings = [{k: v for k, v in t.args.to_dict().items() if k not in ("output_dir", "logging_dir")}
+                for t in (fp8_trainer, hf_trainer)]
+    assert settings[0] == settings[1]
+    assert hf_trainer.train_dataset.to_dict() == fp8_trainer.train_dataset.to_dict()
+    assert hf_trainer.eos_token_ids == fp8_trainer.eos_token_ids
+
+    png = tmp_path / "compare.png"
+    example.main(["--compare", str(tmp_path / "fp8engine.json"), str(tmp_path / "trl.json"), "--png", str(png)])
+    assert png.stat().st_size > 10_000
