@@ -91,11 +91,11 @@ def _summary(results: list[dict], seconds: float, concurrency: int) -> dict:
     return {"concurrency": concurrency, "requests": len(results), "errors": len(errors),
             "first_errors": errors[:3], "seconds": seconds, "requests_per_s": len(ok) / seconds,
             "output_tokens": tokens, "output_tok_s": tokens / seconds,
-            "ttft_p50_s": _percentile(ttft, 50), "ttft_p99_s": _percentile(ttft, 99),
-            "itl_p50_s": _percentile(itl, 50), "itl_p99_s": _percentile(itl, 99)}
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
@@ -153,6 +153,13 @@ def _medians(results: list[dict]) -> dict:
 @contextlib.contextmanager
 def serving(flags: list[str], startup_timeout: float = 300.0) -> Iterator[str]:
     """Run `fp8engine serve FLAGS --port <free port>` in a subprocess; yields its base URL once healthy."""
+    with server_process(flags, startup_timeout) as (base_url, _):
+        yield base_url
+
+
+@contextlib.contextmanager
+def server_process(flags: list[str], startup_timeout: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`serving`, yielding the server's process beside its base URL."""
     port = free_port()
     with tempfile.TemporaryFile("w+") as log:
         server = subprocess.Popen([sys.executable, "-m", "fp8engine.entrypoints.cli", "serve", *flags,
@@ -161,7 +168,7 @@ def serving(flags: list[str], startup_timeout: float = 300.0) -> Iterator[str]:
         try:
             base_url = f"http://127.0.0.1:{port}"
             wait_until_healthy(base_url, server, log, startup_timeout)
-            yield base_url
+            yield base_url, server
         finally:
             server.terminate()
             server.wait(timeout=60)

@@ -97,6 +97,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                              max_tokens=args.max_tokens, model=args.model, dtype=args.dtype,
                                              engine_options=None, rounds=3)
         print(serve_load.format_table(report))
+    elif args.workload == "soak":
+        from fp8engine.benchmarks import soak
+        report = soak.run(soak.SoakConfig(minutes=args.minutes, clients=args.concurrency, model=args.model,
+                                          dtype=args.dtype, device=args.device))
+        print(soak.format_table(report))
     elif args.workload == "sync":
         from fp8engine.benchmarks import weight_sync
         report = weight_sync.run(model=args.model, modes=args.modes)
@@ -124,7 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 COMMAND_HELP = {
     "serve": (cmd_serve, "OpenAI-compatible rollout server with the RL endpoints"),
     "generate": (cmd_generate, "generate from prompts; print text, tokens, logprobs and preemptions, or JSON"),
-    "bench": (cmd_bench, "throughput / weight-sync / server benchmarks, engine modes side by side"),
+    "bench": (cmd_bench, "throughput / weight-sync / server / soak benchmarks, engine modes side by side"),
 }
 
 

@@ -234,7 +234,8 @@ OPTIONS: tuple[Option, ...] = (
            "sample_index, text, token_ids, logprobs, finish_reason, num_preemptions, weight_version)",
            "text", action="store_const", const="jsonl", exclusive=True),
     Option(("--workload",), "workload", "bench", ("bench",), "what to run: a throughput workload, weight "
-           "sync (sync) or the server under load (serve)", "quick", choices=(*WORKLOADS, "sync", "serve")),
+           "sync (sync), the server under load (serve) or a long mixed load with weight updates, disconnects "
+           "and cache flushes (soak)", "quick", choices=(*WORKLOADS, "sync", "serve", "soak")),
     Option(("--modes",), "modes", "bench", ("bench",), "engine modes, run side by side", "bf16",
            choices=tuple(MODES), many=True),
     Option(("--baseline",), "baseline", "bench", ("bench",), "also run Hugging Face generate on the same "
@@ -245,8 +246,10 @@ OPTIONS: tuple[Option, ...] = (
            "order and report the median", 1, int),
     Option(("--no-progress",), "no_progress", "bench", ("bench",), "no progress bars", False,
            action="store_true"),
-    Option(("--concurrency",), "concurrency", "bench", ("bench",), "serve: concurrent streaming clients", 64,
-           int),
+    Option(("--concurrency", "--clients"), "concurrency", "bench", ("bench",),
+           "serve, soak: concurrent streaming clients", 64, int),
+    Option(("--minutes",), "minutes", "bench", ("bench",), "soak: minutes of load, fractions allowed (then a "
+           "drain)", 10.0, float),
     Option(("--num-requests",), "num_requests", "bench", ("bench",), "serve: requests in all", 200, int),
     Option(("--max-tokens",), "max_tokens", "bench", ("bench",), "serve: tokens per request", 16, int),
 )
