@@ -3,8 +3,8 @@
 // Numerics follow fp8engine/weights/quant.py bit for bit: 1x128 activation groups, 128x128 weight
 // blocks, scale = max(amax, 1e-12) / 448 (optionally rounded up to a power of two), x / scale in
 // float32, clamp to +-448, round-to-nearest-even to E4M3. Every E4M3 value is exactly a bf16, so the
-// dot products run on AVX512-BF16 (vdpbf16ps) over operands converted from E4M3 in registers; each
-// 128-wide K block is summed in float32 and scaled once.
+// dot products run on AVX512-BF16 (vdpbf16ps), or on AMX tiles (tdpbf16ps) where the CPU has them, over
+// operands converted from E4M3; each 128-wide K block is summed in float32 and scaled once.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "amx.h"
 #include "e4m3.h"
 #include "linear_common.h"
 
@@ -517,17 +518,22 @@ void linear_small_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
 constexpr int64_t kTileN = 48;
 constexpr int64_t kPairs = kBlock / 2;
 
-// Activations packed for the large-M kernel: xp[b][pair][m] holds one bf16 pair of row m per 32-bit
-// lane; sxp[b][m] are the group scales (0 for padding rows).
+// Activations packed for the GEMMs: 16-row vector mv of K block b, from at(b, mv), holds one bf16 pair of
+// each row per 32-bit lane, pairs ld() floats apart; sxp[b][m] are the group scales (0 for padding rows).
+// The AVX-512 kernel reads the pairs of all rows side by side; AMX (`tiles`) reads each vector's 64 pairs
+// as one stretch (dense B tiles).
 struct PackedX {
   int64_t mpad = 0;
+  bool tiles = false;
   Buffer<float> xp;
   Buffer<float> sxp;
-  // Floats from one pair of xp to the next: one vector more than mpad. With M a multiple of 1024 the
-  // pairs would sit a multiple of 4 KiB apart, all in the same few L1 sets, and the micro kernel's
-  // activation block (64 pairs x 64 rows) would evict itself between the weight rows that reuse it
-  // (M=2048: 10.2 -> 9.2 ms for 3072 x 576).
-  int64_t ld() const { return mpad + 16; }
+  // Side by side, one vector more than mpad: with M a multiple of 1024 the pairs would sit a multiple of
+  // 4 KiB apart, all in the same few L1 sets, and the micro kernel's activation block (64 pairs x 64
+  // rows) would evict itself between the weight rows that reuse it (M=2048: 10.2 -> 9.2 ms for 3072 x 576).
+  int64_t ld() const { return tiles ? 16 : mpad + 16; }
+  float* at(int64_t b, int64_t mv) const {
+    return xp.get() + (tiles ? (b * (mpad / 16) + mv) * kPairs * 16 : b * kPairs * ld() + mv * 16);
+  }
 };
 
 // Quantizes a 16-row x 1-block tile of activations straight into the packed layout.
@@ -563,9 +569,9 @@ void pack_tile(const T* src, int64_t ld, int64_t rows, int64_t cols, bool ue8m0,
 }
 
 template <typename T>
-PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8m0) {
-  PackedX out{cdiv(m, 16) * 16, nullptr, nullptr};
-  out.xp = alloc_buffer<float>(nkb * kPairs * out.ld());
+PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8m0, bool tiles) {
+  PackedX out{cdiv(m, 16) * 16, tiles, nullptr, nullptr};
+  out.xp = alloc_buffer<float>(nkb * kPairs * (tiles ? out.mpad : out.ld()));
   out.sxp = alloc_buffer<float>(nkb * out.mpad);
   const int64_t mvecs = out.mpad / 16;
   at::parallel_for(0, mvecs * nkb, 4, [&](int64_t begin, int64_t end) {
@@ -574,28 +580,27 @@ PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8
       const int64_t rows = std::min<int64_t>(16, m - mv * 16), cols = std::min(kBlock, k - b * kBlock);
       const T* src = x + mv * 16 * k + b * kBlock;
       float* scale = out.sxp.get() + b * out.mpad + mv * 16;
-      float* dst = out.xp.get() + b * kPairs * out.ld() + mv * 16;
       if (cols == kBlock) {
-        pack_tile<true>(src, k, rows, cols, ue8m0, scale, dst, out.ld());
+        pack_tile<true>(src, k, rows, cols, ue8m0, scale, out.at(b, mv), out.ld());
       } else {
-        pack_tile<false>(src, k, rows, cols, ue8m0, scale, dst, out.ld());
+        pack_tile<false>(src, k, rows, cols, ue8m0, scale, out.at(b, mv), out.ld());
       }
     }
   });
   return out;
 }
 
-// wb[b][r][c] = bf16 of w[n0 + r, 128 b + c]: the task's whole tile, converted row by row, because
-// kTileN consecutive rows are one contiguous stretch of the weight that the hardware prefetchers
-// stream from DRAM (converting one 128-column block at a time read kTileN short strided pieces and
+// wb[b][r][c] = bf16 of w[n0 + r, 128 b + c], r < tile_n: the task's whole tile, converted row by row,
+// because tile_n consecutive rows are one contiguous stretch of the weight that the hardware prefetchers
+// stream from DRAM (converting one 128-column block at a time read tile_n short strided pieces and
 // stalled on each). The tile stays in L2 for the K blocks that follow.
-void convert_weight_tile(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, uint16_t* wb) {
-  const int64_t rows = std::min(kTileN, p.n - n0);
+void convert_weight_tile(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t tile_n, uint16_t* wb) {
+  const int64_t rows = std::min(tile_n, p.n - n0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < p.nkb; ++b) {
       const int64_t k0 = b * kBlock;
       const uint8_t* src = p.w + (n0 + r) * p.k + k0;
-      uint16_t* dst = wb + (b * kTileN + r) * kBlock;
+      uint16_t* dst = wb + (b * tile_n + r) * kBlock;
       __m512i v[4];
       cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0), src), v[0], v[1]);
       cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0 - 64), src + 64), v[2], v[3]);
@@ -608,13 +613,13 @@ void gemm_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const 
                float* ct, OutT* y) {
   const int64_t ldc = (t.mv1 - t.mv0) * 16;
   if (p.n - t.n0 < kTileN) std::memset(wb, 0, sizeof(uint16_t) * p.nkb * kTileN * kBlock);  // rows past N stay zero
-  convert_weight_tile(p, cvt, t.n0, wb);
+  convert_weight_tile(p, cvt, t.n0, kTileN, wb);
   for (int64_t b = 0; b < p.nkb; ++b) {
     const int64_t pairs = cdiv(std::min(kBlock, p.k - b * kBlock), 64) * 32;  // whole 64-k chunks
     const uint16_t* wblock = wb + b * kTileN * kBlock;
     for (int64_t mv = t.mv0; mv < t.mv1; mv += kMaxMv) {
       const int mvs = static_cast<int>(std::min<int64_t>(kMaxMv, t.mv1 - mv));
-      const float* xp = x.xp.get() + b * kPairs * x.ld() + mv * 16;
+      const float* xp = x.at(b, mv);
       const float* sx = x.sxp.get() + b * x.mpad + mv * 16;
       const int nr = micro_nr(mvs);
       for (int64_t j0 = 0; j0 < kTileN; j0 += nr) {
@@ -630,7 +635,7 @@ void gemm_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const 
 
 template <typename T>
 void linear_large_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
-  const PackedX x = pack_activations(xin, p.m, p.k, p.nkb, ue8m0);
+  const PackedX x = pack_activations(xin, p.m, p.k, p.nkb, ue8m0, false);
   const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kTileN);
   const int64_t chunks = m_chunks(n_tiles, mvecs, at::get_num_threads());
   at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -645,15 +650,193 @@ void linear_large_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
   });
 }
 
-constexpr int64_t kSmallM = 7;  // up to here re-converting weights per 4 rows beats padding to 16
+#ifdef FP8E_AMX
 
-// The two paths sum a row's products in different orders (along K in 16 lanes, then across them; or one
-// lane per row, pair after pair), so a row's result depends on which one M picks. The large-M path gives
-// every row the same arithmetic whatever M is and wherever the row sits: batch_invariant takes it always.
+// ---- AMX: the large-M operands as tiles -------------------------------------------------------------
+//
+// A converted weight tile's rows (128 bf16 per K block, lane order) are A tiles of 16 weight rows x 32 k;
+// the packed activations (bf16 pairs by column) are B tiles of 16 pairs x 16 activation rows. TDPBF16PS
+// multiplies the E4M3 values exactly and sums in float32, so a K block's C tile holds the block's partial
+// sums, scaled into a float32 accumulator as in the AVX-512 kernel. An output's arithmetic depends only
+// on its weight row and activation row, so padding and grouping never change a row's result.
+//
+// A task owns kAmxTileN weight rows (converted once) and a range of activation vectors, and goes over
+// them in groups of 2 x 2 C tiles (32 x 32 outputs), all K blocks of a group before the next. The scaling
+// of each group-block's C tiles is interleaved with the next group-block's tile steps, where the core can
+// do it while the tile unit computes (a run of tile instructions fills the reorder buffer: work placed
+// after it waits for them all).
+
+constexpr int64_t kAmxTileN = 32;  // weight rows per task: with fewer, larger tasks the threads split M
+                                   // and convert each tile once per M chunk
+
+// The C tiles of one group (16 na weight rows x 16 nb activation rows from vector mv) for K block b,
+// stored in c, waiting to be scaled into acc (32 x 32 floats, a row per weight row).
+struct AmxPending {
+  int64_t mv, b;
+  int na, nb;
+  const float (*c)[256];
+  float* acc;
+};
+
+// Scales C tile t of q into its accumulator. After the last K block it adds the bias and writes the 16 x 16
+// outputs (transposed: C rows are weight rows); the first weight half waits in stage for the second, so
+// that an output row's 32 values go out in one store (stores that miss the cache hold up the tile loads
+// behind them). sw: the task's weight scales, [block][row].
+template <typename OutT>
+void amx_scale_tile(const Problem& p, const PackedX& x, const float* sw, int64_t n0, const AmxPending& q, int t,
+                    float (*stage)[16][16], OutT* y) {
+  const int i = q.nb == 2 ? t >> 1 : t, j = q.nb == 2 ? t & 1 : 0;
+  const __m512 sx = _mm512_loadu_ps(x.sxp.get() + q.b * x.mpad + (q.mv + j) * 16);
+  const float* swr = sw + q.b * kAmxTileN + 16 * i;
+  float* acc = q.acc + 16 * i * 32 + 16 * j;
+  const bool first = q.b == 0, last = q.b == p.nkb - 1;
+  __m512 r[16];
+  for (int k = 0; k < 16; ++k) {
+    const __m512 prev = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 32 * k);
+    r[k] = _mm512_fmadd_ps(_mm512_load_ps(q.c[t] + 16 * k), _mm512_mul_ps(sx, _mm512_set1_ps(swr[k])), prev);
+    if (!last) _mm512_store_ps(acc + 32 * k, r[k]);
+  }
+  if (!last) return;
+  transpose16x16(r);
+  const int64_t n = n0 + 16 * i, m = (q.mv + j) * 16;
+  const __mmask16 nmask = tail_mask16(p.n - n);
+  const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(nmask, p.bias + n) : _mm512_setzero_ps();
+  const int rows = static_cast<int>(std::min<int64_t>(16, p.m - m));
+  if (q.na == 1) {
+    for (int k = 0; k < rows; ++k) store_row(y + (m + k) * p.n + n, _mm512_add_ps(r[k], bias), nmask);
+  } else if (i == 0) {
+    for (int k = 0; k < rows; ++k) _mm512_store_ps(stage[j][k], _mm512_add_ps(r[k], bias));
+  } else {
+    for (int k = 0; k < rows; ++k)
+      store_rows(y + (m + k) * p.n + n - 16, _mm512_load_ps(stage[j][k]), _mm512_add_ps(r[k], bias), nmask);
+  }
+}
+
+// One K block of a group of NA x NB C tiles: A tiles of 16 weight rows from a (rows 128 bf16 apart), B
+// tiles of 16 activation rows from x0 and x1, C tiles stored to c; tiles 0-3 C, 4-5 A, 6-7 B. work(s)
+// runs after step s's dot products, while the tile unit computes them.
+template <int NA, int NB, typename Work>
+void amx_block(const uint16_t* a, const float* x0, const float* x1, int64_t steps, float (*c)[256], Work&& work) {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (NA == 2) _tile_zero(2);
+  if constexpr (NA == 2 && NB == 2) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a + 32 * s, kBlock * 2);
+    _tile_loadd(6, x0 + 256 * s, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) {
+      _tile_loadd(7, x1 + 256 * s, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NA == 2) {
+      _tile_loadd(5, a + 16 * kBlock + 32 * s, kBlock * 2);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    if constexpr (NA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+    work(s);
+  }
+  _tile_stored(0, c[0], 64);
+  if constexpr (NB == 2) _tile_stored(1, c[1], 64);
+  if constexpr (NA == 2) _tile_stored(2, c[NB], 64);
+  if constexpr (NA == 2 && NB == 2) _tile_stored(3, c[NB + 1], 64);
+}
+
+// C tiles and accumulators have two buffers each: group-block i's tiles are scaled while i + 1 computes.
+template <typename OutT>
+void amx_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const GemmTask& t, uint16_t* wb, float* sw,
+              OutT* y) {
+  const int64_t rows = std::min(kAmxTileN, p.n - t.n0);
+  if (rows < kAmxTileN) std::memset(wb, 0, sizeof(uint16_t) * p.nkb * kAmxTileN * kBlock);  // rows past N: zero
+  convert_weight_tile(p, cvt, t.n0, kAmxTileN, wb);
+  for (int64_t b = 0; b < p.nkb; ++b)
+    for (int64_t r = 0; r < kAmxTileN; ++r) sw[b * kAmxTileN + r] = p.sw_at(std::min(t.n0 + r, p.n - 1), b);
+  const int na = rows > 16 ? 2 : 1;
+  alignas(64) float c[2][4][256];
+  alignas(64) float acc[2][32 * 32];
+  alignas(64) float stage[2][16][16];
+  AmxPending pending{};
+  int units = 0;  // C tiles of pending
+  int64_t issued = 0;
+  for (int64_t mv = t.mv0; mv < t.mv1; mv += 2)
+    for (int64_t b = 0; b < p.nkb; ++b, ++issued) {
+      const int nb = mv + 1 < t.mv1 ? 2 : 1;
+      const int64_t steps = cdiv(std::min(kBlock, p.k - b * kBlock), 64) * 2;  // 32-k steps over whole 64-k chunks
+      int done = 0;
+      const auto work = [&](int64_t s) {
+        for (; done * steps < (s + 1) * units; ++done) amx_scale_tile(p, x, sw, t.n0, pending, done, stage, y);
+      };
+      const uint16_t* a = wb + b * kAmxTileN * kBlock;
+      const float* x0 = x.at(b, mv);
+      const float* x1 = x.at(b, mv + nb - 1);
+      float(*cb)[256] = c[issued & 1];
+      if (na == 2) {
+        nb == 2 ? amx_block<2, 2>(a, x0, x1, steps, cb, work) : amx_block<2, 1>(a, x0, x1, steps, cb, work);
+      } else {
+        nb == 2 ? amx_block<1, 2>(a, x0, x1, steps, cb, work) : amx_block<1, 1>(a, x0, x1, steps, cb, work);
+      }
+      pending = AmxPending{mv, b, na, nb, cb, acc[(mv - t.mv0) / 2 & 1]};
+      units = na * nb;
+    }
+  for (int u = 0; u < units; ++u) amx_scale_tile(p, x, sw, t.n0, pending, u, stage, y);
+}
+
+template <typename T>
+void linear_amx(const Problem& p, const T* xin, bool ue8m0, T* y) {
+  const PackedX x = pack_activations(xin, p.m, p.k, p.nkb, ue8m0, true);
+  const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kAmxTileN);
+  const int64_t chunks = m_chunks(n_tiles, mvecs, at::get_num_threads());
+  at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
+    const TileScope tiles;
+    const E4m3ToBf16 cvt;
+    auto wb = alloc_buffer<uint16_t>(p.nkb * kAmxTileN * kBlock);
+    auto sw = alloc_buffer<float>(p.nkb * kAmxTileN);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t c = i % chunks;
+      amx_task(p, x, cvt, GemmTask{i / chunks * kAmxTileN, c * mvecs / chunks, (c + 1) * mvecs / chunks}, wb.get(),
+               sw.get(), y);
+    }
+  });
+}
+
+#endif  // FP8E_AMX
+
+// Whether the GEMM runs on AMX tiles: where the build, the CPU and the OS allow them, unless
+// FP8ENGINE_FP8_GEMM=avx512|amx says otherwise (read on every call, so tests cover both paths).
+bool use_amx() {
+#ifdef FP8E_AMX
+  const bool usable = amx_usable();
+#else
+  const bool usable = false;
+#endif
+  const char* env = std::getenv("FP8ENGINE_FP8_GEMM");
+  const std::string choice = env != nullptr ? env : "";
+  TORCH_CHECK(choice.empty() || choice == "avx512" || choice == "amx",
+              "FP8ENGINE_FP8_GEMM must be 'avx512' or 'amx', got '", choice, "'");
+  TORCH_CHECK(choice != "amx" || usable,
+              "FP8ENGINE_FP8_GEMM=amx, but this build, CPU or OS does not allow AMX tiles (amx_bf16, amx_tile)");
+  return choice.empty() ? usable : choice == "amx";
+}
+
+// Up to here the small-M path beats the GEMM: re-converting weights per 4 rows beats padding to 16 (AVX-512);
+// against AMX tiles only at 1 and 2 rows (default model shapes, 1 or 2 cores of an Emerald Rapids Xeon: at
+// M = 2 it takes 0.9x the tiles' time, at M = 3 1.04x-1.2x).
+constexpr int64_t kSmallM = 7;
+constexpr int64_t kSmallMAmx = 2;
+
+// The paths sum a row's products in different orders (along K in 16 lanes, then across them; one lane
+// per row, pair after pair; or in the tile unit), so a row's result depends on which one M picks. The
+// GEMMs give every row the same arithmetic whatever M is and wherever the row sits: batch_invariant takes
+// one of them for every M (which one depends on the CPU, not on M).
 template <typename T>
 void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant) {
-  if (p.m <= kSmallM && !batch_invariant) {
+  const bool amx = use_amx();
+  if (!batch_invariant && p.m <= (amx ? kSmallMAmx : kSmallM)) {
     linear_small_m(p, x, ue8m0, y);
+  } else if (amx) {
+#ifdef FP8E_AMX
+    linear_amx(p, x, ue8m0, y);
+#endif
   } else {
     linear_large_m(p, x, ue8m0, y);
   }
@@ -740,7 +923,7 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at
 
 std::string fp8_cpu_backend() {
 #ifdef FP8E_BF16_KERNELS
-  return "cpp-avx512bf16";
+  return use_amx() ? "cpp-amx" : "cpp-avx512bf16";
 #else
   return "cpp-scalar";
 #endif

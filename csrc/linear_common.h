@@ -183,6 +183,21 @@ inline void store_row(at::BFloat16* y, __m512 v, __mmask16 m) {
   }
 }
 
+// 32 values, lo then hi; m masks hi.
+inline void store_rows(float* y, __m512 lo, __m512 hi, __mmask16 m) {
+  _mm512_storeu_ps(y, lo);
+  store_row(y + 16, hi, m);
+}
+
+inline void store_rows(at::BFloat16* y, __m512 lo, __m512 hi, __mmask16 m) {
+  const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  if (m == 0xFFFF) {
+    _mm512_storeu_si512(y, h);
+  } else {
+    _mm512_mask_storeu_epi16(y, __mmask32(0xFFFF) | __mmask32(m) << 16, h);
+  }
+}
+
 // y[m, n] = tile[n, m] + bias[n] for y [rows_m, cols_n], transposing 16 x 16 blocks of the tile.
 template <typename OutT>
 void write_tile(int64_t rows_m, int64_t cols_n, int64_t tile_n, const float* bias, const GemmTask& t,

@@ -20,19 +20,27 @@ def test_every_op_this_machine_can_build_is_loaded(op):
     assert cpu_ops.cpu_kernel(op) is not None
 
 
-def test_fp8_backend_uses_the_bf16_dot_products_where_the_cpu_has_them():
+def _fp8_backend() -> str:
+    """The FP8 linear's GEMM the CPU flags call for: AMX tiles, else AVX-512 BF16 dot products, else scalar."""
+    if not {"avx512_bf16", "avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
+        return "cpp-scalar"
+    return "cpp-amx" if {"amx_bf16", "amx_tile"} <= cpu_flags() else "cpp-avx512bf16"
+
+
+def test_fp8_backend_uses_the_best_dot_products_the_cpu_has(monkeypatch):
     if not cpu_can_build("fp8_block_linear"):
         pytest.skip("no C++ compiler")
-    want = "cpp-avx512bf16" if {"avx512_bf16", "avx512f", "avx512bw", "avx512vl"} <= cpu_flags() else "cpp-scalar"
-    assert fp8_linear_cpu.cpu_fp8_backend() == want
+    monkeypatch.delenv("FP8ENGINE_FP8_GEMM", raising=False)
+    assert fp8_linear_cpu.cpu_fp8_backend() == _fp8_backend()
 
 
-def test_engine_stats_name_the_kernels_that_run_and_count_steps_requests_tokens():
+def test_engine_stats_name_the_kernels_that_run_and_count_steps_requests_tokens(monkeypatch):
     if not cpu_can_build("paged_attention") or not cpu_can_build("bf16_linear"):
         pytest.skip("this machine cannot build the AVX-512 kernels")
+    monkeypatch.delenv("FP8ENGINE_FP8_GEMM", raising=False)
     prompts = [[1000, 1001, 1002, 1003, 1004], [2000, 2001, 2002]]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    for options, linear in ((dict(), "cpp-bf16-gemv+torch"), (dict(quantization="fp8"), "cpp-avx512bf16"),
+    for options, linear in ((dict(), "cpp-bf16-gemv+torch"), (dict(quantization="fp8"), _fp8_backend()),
                             (dict(dtype="float32"), "torch")):
         engine = make_engine(num_kv_blocks=16, **options)
         engine.generate(prompts, params)

@@ -1,4 +1,7 @@
-"""The C++ CPU FP8 kernels (csrc/fp8_linear.cpp) against the torch reference in fp8engine.weights.quant."""
+"""The C++ CPU FP8 kernels (csrc/fp8_linear.cpp) against the torch reference in fp8engine.weights.quant.
+
+The linear's GEMM runs on AVX-512 BF16 dot products, or on AMX tiles where the CPU has them; tests that
+take the `gemm` fixture run on each one this machine has (FP8ENGINE_FP8_GEMM picks it)."""
 
 import functools
 import zlib
@@ -9,15 +12,24 @@ import torch
 from fp8engine.model_executor.kernels import fp8_linear_cpu
 from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
 from fp8engine.weights import quant
-from tests.conftest import require_cpu_op
+from tests.conftest import cpu_flags, require_cpu_op
 
 E4M3 = torch.float8_e4m3fn
+AMX = {"amx_bf16", "amx_tile"} <= cpu_flags()
 
 
 @pytest.fixture(scope="module")
 def ops():
     require_cpu_op("fp8_block_linear")
     return load_cpu_ops()
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def gemm(request, monkeypatch):
+    if request.param == "amx" and not AMX:
+        pytest.skip("this CPU has no AMX tiles")
+    monkeypatch.setenv("FP8ENGINE_FP8_GEMM", request.param)
+    return request.param
 
 
 def _quantize_with_kernel(ops, w: torch.Tensor, scale_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,8 +45,20 @@ def _assert_same_quant(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[t
     assert torch.equal(got[1].view(torch.int32), expected[1].view(torch.int32))
 
 
-def test_backend_name(ops):
+def test_backend_name_follows_the_gemm(ops, monkeypatch):
+    monkeypatch.delenv("FP8ENGINE_FP8_GEMM", raising=False)
+    assert fp8_linear_cpu.cpu_fp8_backend() in (("cpp-amx",) if AMX else ("cpp-avx512bf16", "cpp-scalar"))
+    monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "avx512")
     assert fp8_linear_cpu.cpu_fp8_backend() in ("cpp-avx512bf16", "cpp-scalar")
+    monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "tiles")
+    with pytest.raises(RuntimeError, match="FP8ENGINE_FP8_GEMM must be 'avx512' or 'amx', got 'tiles'"):
+        fp8_linear_cpu.cpu_fp8_backend()
+    monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "amx")
+    if AMX:
+        assert fp8_linear_cpu.cpu_fp8_backend() == "cpp-amx"
+    else:
+        with pytest.raises(RuntimeError, match="does not allow AMX tiles"):
+            fp8_linear_cpu.cpu_fp8_backend()
 
 
 @pytest.mark.parametrize("shape", [(128, 128), (200, 300), (192, 576), (576, 1536), (1, 5), (257, 129)])
@@ -132,19 +156,20 @@ def _weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return quant.quantize_weight_blockwise(torch.randn(n, k) * torch.rand(n, 1))
 
 
-def _check_linear(ops, m: int, k: int, n: int, dtype: torch.dtype, scale_fmt: str | None):
+def _check_linear(ops, m: int, k: int, n: int, dtype: torch.dtype, scale_fmt: str | None,
+                  batch_invariant: bool = False):
     w_q, w_s = _weights(n, k)
     torch.manual_seed(m * 7919 + k * 31 + n)
     x = (torch.randn(m, k) * torch.logspace(-2, 1, k)).to(dtype)
     bias = torch.randn(n).to(dtype)
-    y = ops.fp8_block_linear(x, w_q, w_s, bias, scale_fmt == "ue8m0")
+    y = ops.fp8_block_linear(x, w_q, w_s, bias, scale_fmt == "ue8m0", None, batch_invariant)
     _assert_linear_close(y, quant.fp8_block_linear_ref(x, w_q, w_s, bias, scale_fmt=scale_fmt))
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("k", [100, 576, 1536])
 @pytest.mark.parametrize("n", [192, 576, 1536])
-def test_block_linear_matches_reference(ops, m, k, n):
+def test_block_linear_matches_reference(ops, gemm, m, k, n):
     _check_linear(ops, m, k, n, torch.float32, None)
     _check_linear(ops, m, k, n, torch.bfloat16, "ue8m0")
 
@@ -153,12 +178,22 @@ def test_block_linear_matches_reference(ops, m, k, n):
                                                     (576, 576, torch.float32, "ue8m0"),
                                                     (1536, 192, torch.bfloat16, "ue8m0"),
                                                     (576, 1536, torch.float32, None)])
-def test_block_linear_matches_reference_m128(ops, k, n, dtype, scale_fmt):
+def test_block_linear_matches_reference_m128(ops, gemm, k, n, dtype, scale_fmt):
     _check_linear(ops, 128, k, n, dtype, scale_fmt)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 33, 64, 100, 300])
+@pytest.mark.parametrize("k, n", [(576, 1536), (1536, 576), (100, 192), (576, 200)])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_gemm_matches_reference_for_every_m(ops, gemm, m, k, n, batch_invariant):
+    """Each GEMM (batch_invariant: for every M; else from the small-M path's limit up) on K tails (576, 100),
+    N off the 128 grid and odd numbers of 16-row activation vectors."""
+    _check_linear(ops, m, k, n, torch.bfloat16, None, batch_invariant)
+    _check_linear(ops, m, k, n, torch.float32, "ue8m0", batch_invariant)
+
+
 @pytest.mark.parametrize("m", [2, 20])
-def test_activation_rounding_through_identity_weight(ops, m):
+def test_activation_rounding_through_identity_weight(ops, gemm, m):
     # W = I makes y[:, j] = x_q[:, j] * sx * sw, so every activation code shows in the output. Each group
     # holds +-448 (scale 1) and otherwise midpoints between E4M3 neighbours: round-half-even decides all.
     k = 300
@@ -172,19 +207,20 @@ def test_activation_rounding_through_identity_weight(ops, m):
     torch.testing.assert_close(y, ref, rtol=1e-6, atol=0)
 
 
-def test_block_linear_partial_and_tiny_shapes(ops):
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_block_linear_partial_and_tiny_shapes(ops, gemm, batch_invariant):
     torch.manual_seed(5)
     for m, n, k in [(5, 7, 33), (9, 1, 129), (16, 130, 64), (33, 49, 257), (1, 1, 1)]:
         w_q, w_s = quant.quantize_weight_blockwise(torch.randn(n, k))
         x = torch.randn(m, k, dtype=torch.bfloat16)
-        _assert_linear_close(ops.fp8_block_linear(x, w_q, w_s, None, False),
+        _assert_linear_close(ops.fp8_block_linear(x, w_q, w_s, None, False, None, batch_invariant),
                              quant.fp8_block_linear_ref(x, w_q, w_s))
 
 
 @pytest.mark.parametrize("threads", [2, 4])
-def test_block_linear_split_over_rows(ops, threads):
-    # 3 weight tiles do not divide evenly over the threads, so the kernel also splits M (40 rows = 3
-    # vectors of 16) into chunks of unequal size.
+def test_block_linear_split_over_rows(ops, gemm, threads):
+    # The weight tiles (3 of 48 rows on AVX-512, 5 of 32 on AMX) do not divide evenly over the threads, so
+    # the kernel also splits M (40 rows = 3 vectors of 16) into chunks of unequal size.
     torch.manual_seed(7)
     w_q, w_s = quant.quantize_weight_blockwise(torch.randn(130, 300))
     x = torch.randn(40, 300, dtype=torch.bfloat16)
@@ -197,7 +233,7 @@ def test_block_linear_split_over_rows(ops, threads):
     _assert_linear_close(y, quant.fp8_block_linear_ref(x, w_q, w_s))
 
 
-def test_block_linear_zero_rows_and_zero_input(ops):
+def test_block_linear_zero_rows_and_zero_input(ops, gemm):
     w_q, w_s = quant.quantize_weight_blockwise(torch.randn(64, 256))
     assert ops.fp8_block_linear(torch.empty(0, 256), w_q, w_s, None, False).shape == (0, 64)
     bias = torch.randn(64)
@@ -243,8 +279,9 @@ def test_wrapper_falls_back_to_the_reference(monkeypatch):
     assert calls == ["fp8_block_linear_ref", "quantize_weight_into"]
 
 
-@pytest.mark.parametrize("m", [1, 3, 37])
-def test_scale_rows_serve_stacked_shard_grids_in_one_call(ops, m):
+@pytest.mark.parametrize("m", [1, 3, 37, 300])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_scale_rows_serve_stacked_shard_grids_in_one_call(ops, gemm, m, batch_invariant):
     """q/k/v shards of 576/192/192 rows keep their own scale grids; one call with scale_rows equals
     one call per shard, bit for bit, in the kernel and in the reference."""
     gen = torch.Generator().manual_seed(m)
@@ -255,9 +292,35 @@ def test_scale_rows_serve_stacked_shard_grids_in_one_call(ops, m):
     rows = torch.cat([torch.arange(n, dtype=torch.int32) // 128 + off
                       for n, off in zip((576, 192, 192), (0, 5, 7))])
     x = torch.randn(m, 576, generator=gen).bfloat16()
-    want = torch.cat([fp8_linear_cpu.fp8_block_linear_cpu(x, q, s) for q, s in quantized], dim=-1)
-    assert torch.equal(fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s, scale_rows=rows), want)
+    linear = functools.partial(fp8_linear_cpu.fp8_block_linear_cpu, batch_invariant=batch_invariant)
+    want = torch.cat([linear(x, q, s) for q, s in quantized], dim=-1)
+    assert torch.equal(linear(x, w_q, w_s, scale_rows=rows), want)
+    _assert_linear_close(want, quant.fp8_block_linear_ref(x, w_q, w_s, scale_rows=rows))
     assert torch.equal(quant.fp8_block_linear_ref(x, w_q, w_s, scale_rows=rows),
                        torch.cat([quant.fp8_block_linear_ref(x, q, s) for q, s in quantized], dim=-1))
     with pytest.raises(RuntimeError, match="scale_rows must index rows"):
         fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s, scale_rows=rows + 2)
+
+
+@pytest.mark.parametrize("k, n", [(576, 1536), (1536, 576), (100, 130)])
+def test_batch_invariant_rows_do_not_depend_on_the_batch(ops, gemm, k, n):
+    """With batch_invariant a row's output is the same bits alone and anywhere in batches of any size (its
+    16-row activation vector padded or shared, one or two vectors per tile group, split over threads or
+    not), with bias and stacked scale rows."""
+    gen = torch.Generator().manual_seed(k + n)
+    w_q, w_s = quant.quantize_weight_blockwise(torch.randn(n, k, generator=gen))
+    rows = (torch.arange(n, dtype=torch.int32) // 128).flip(0).contiguous()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    x = torch.randn(70, k, generator=gen).bfloat16()
+
+    def linear(batch: torch.Tensor) -> torch.Tensor:
+        return ops.fp8_block_linear(batch, w_q, w_s, bias, False, rows, True)
+    full = linear(x)
+    _assert_linear_close(full, quant.fp8_block_linear_ref(x, w_q, w_s, bias, scale_rows=rows))
+    for row in (0, 17, 69):
+        alone = linear(x[row:row + 1])
+        assert torch.equal(alone[0], full[row]), row
+        for size, at in ((2, 1), (5, 3), (16, 15), (17, 16), (33, 0), (64, 40), (300, 299)):
+            batch = torch.randn(size, k, generator=gen).bfloat16()
+            batch[at] = x[row]
+            assert torch.equal(linear(batch)[at], alone[0]), (row, size, at)

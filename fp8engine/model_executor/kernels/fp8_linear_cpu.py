@@ -1,5 +1,9 @@
 """CPU W8A8 block-FP8 linear and weight quantization: the C++ kernels (csrc/fp8_linear.cpp) when they are
-built, otherwise the torch reference. Numerics and signatures are those of fp8engine.weights.quant."""
+built, otherwise the torch reference. Numerics and signatures are those of fp8engine.weights.quant.
+
+The kernel's GEMM runs on AMX tiles where the CPU has them (Sapphire Rapids and later) and on AVX-512 BF16
+dot products elsewhere; FP8ENGINE_FP8_GEMM=avx512|amx overrides the choice (the kernel reads it on every
+call)."""
 
 import torch
 
@@ -17,7 +21,7 @@ def kernel_ops():
 
 
 def cpu_fp8_backend() -> str:
-    """"cpp-avx512bf16", "cpp-scalar" or "torch-reference"."""
+    """"cpp-amx", "cpp-avx512bf16", "cpp-scalar" or "torch-reference": the GEMM FP8 linears run on now."""
     ops = kernel_ops()
     return "torch-reference" if ops is None else ops.fp8_cpu_backend()
 
@@ -34,8 +38,9 @@ def fp8_block_linear_cpu(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.
     """y = x @ dequant(w_q)^T + bias with per-token 1x128 activation quantization; x: [..., K].
 
     scale_rows (int32 [N]): the w_scale_inv row of each output row, for stacked per-shard grids.
-    batch_invariant: the kernel takes one path for every M, so a row's result does not depend on the other
-    rows (the torch reference fallback makes no such promise: its matmuls are torch's)."""
+    batch_invariant: the kernel takes one path for every M (its GEMM, AMX or AVX-512 by the CPU, never by M),
+    so a row's result does not depend on the other rows (the torch reference fallback makes no such promise:
+    its matmuls are torch's)."""
     kernel = cpu_kernel("fp8_block_linear")
     if kernel is None:
         return quant.fp8_block_linear_ref(x, w_q, w_scale_inv, bias, scale_fmt=scale_fmt, scale_rows=scale_rows)

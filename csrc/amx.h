@@ -1,0 +1,67 @@
+// AMX tiles (Sapphire Rapids and later): whether this process may use them, and one tile layout.
+//
+// A build has the tile instructions where -march=native gives __AMX_TILE__ and __AMX_BF16__; a run uses
+// them only where CPUID reports them and the OS lets this process keep tile data in its thread state
+// (Linux asks once per process, ARCH_REQ_XCOMP_PERM; oneDNN may have asked already, which is fine).
+
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define FP8E_AMX 1
+
+#include <cpuid.h>
+#include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <cstdint>
+
+namespace fp8e {
+
+inline bool amx_usable() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
+#if defined(__linux__)
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return true;
+#endif
+  }();
+  return usable;
+}
+
+// Palette 1 with all eight tiles at 16 rows x 64 bytes: C tiles of 16 x 16 float32, A tiles of 16 rows
+// x 32 bf16 and B tiles of 16 rows of 16 bf16 pairs.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = 16;
+    }
+  }
+};
+
+// Tile state is per thread and other code (oneDNN) configures its own: configure at the start of each
+// parallel task range, release at its end.
+struct TileScope {
+  TileScope() {
+    static const TileConfig config;
+    _tile_loadconfig(&config);
+  }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+}  // namespace fp8e
+
+#endif  // __AMX_TILE__ && __AMX_BF16__
