@@ -27,3 +27,17 @@ def write_checkpoint(src_dir: str, out_dir: Path, state: dict[str, torch.Tensor]
     save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
     return str(out_dir)
+
+
+def prequantized_items(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The state as an FP8 checkpoint holds it: every projection weight as E4M3 blocks plus its
+    `_scale_inv`, everything else as is."""
+    from fp8engine.weights.quant import quantize_weight_blockwise
+    items = []
+    for name, tensor in state.items():
+        if name.endswith("proj.weight"):
+            q, s = quantize_weight_blockwise(tensor)
+            items += [(name, q), (name + "_scale_inv", s)]
+        else:
+            items.append((name, tensor))
+    return items

@@ -15,7 +15,7 @@ from fp8engine.model_executor.kernels.moe_ref import fused_moe_ref
 from fp8engine.model_executor.layers.moe import FusedMoE, route
 from fp8engine.rl import RolloutEngine
 from fp8engine.weights.quant import quantize_weight_blockwise
-from tests.checkpoints import perturbed_state, write_checkpoint
+from tests.checkpoints import perturbed_state, prequantized_items, write_checkpoint
 from tests.conftest import make_engine, require_cpu_op
 from tests.hf_reference import load_hf
 from tests.prompts import CHATS, PROMPTS, RAW
@@ -225,14 +225,7 @@ def test_stacked_transformers5_names_update_like_per_expert_ones(engine_a, state
 
 
 def test_prequantized_expert_pairs_are_copied_as_they_are(engine_a, state_b, fresh_b):
-    items = []
-    for name, tensor in state_b.items():
-        if name.endswith("proj.weight"):
-            q, s = quantize_weight_blockwise(tensor)
-            items += [(name, q), (name + "_scale_inv", s)]
-        else:
-            items.append((name, tensor))
-    report = engine_a.update_weights(items)
+    report = engine_a.update_weights(prequantized_items(state_b))
     assert report.num_quantized == 0 and same_tensors(snapshot(engine_a), snapshot(fresh_b[1]))
 
 

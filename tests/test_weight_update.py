@@ -7,7 +7,7 @@ import torch
 
 from fp8engine import SamplingParams
 from fp8engine.weights.quant import quantize_weight_blockwise
-from tests.checkpoints import perturbed_state, write_checkpoint
+from tests.checkpoints import perturbed_state, prequantized_items, write_checkpoint
 from tests.conftest import make_engine
 from tests.prompts import PROMPTS
 
@@ -70,14 +70,7 @@ def test_bf16_update_in_small_shuffled_buckets_equals_fresh_engine(engine_a, sta
 
 def test_prequantized_update_equals_fresh_engine(engine_a, state_b, fresh_b):
     before = pointers(engine_a)
-    items = []
-    for name, tensor in state_b.items():
-        if name.endswith("proj.weight"):
-            q, s = quantize_weight_blockwise(tensor)
-            items += [(name, q), (name + "_scale_inv", s)]
-        else:
-            items.append((name, tensor))
-    report = engine_a.update_weights(items)
+    report = engine_a.update_weights(prequantized_items(state_b))
     assert report.num_quantized == 0 and pointers(engine_a) == before
     assert_same(rollout(engine_a), fresh_b)
 
