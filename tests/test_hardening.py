@@ -26,10 +26,11 @@ from tests.prompts import CHATS, RAW
 CONTEXT = 48  # max_model_len of these servers: every generation is short, whatever a request asks
 FLAGS = ["--dtype", "float32", "--max-model-len", str(CONTEXT), "--num-kv-blocks", "64"]
 EXAMPLES = 25  # per operation and generation mode (positive, negative)
-# Not fuzzed: /pause in "keep" mode would stop serving the rest of the run, and the weight-update-group
-# endpoints wait for a trainer's rendezvous on the address they are given.
-NOT_FUZZED = {"/pause", "/init_weights_update_group", "/update_weights_from_distributed",
-              "/destroy_weights_update_group"}
+# Fuzzed with schema-invalid requests only: a valid /init_weights_update_group waits (up to its timeout_s)
+# for a trainer's rendezvous at the address it names. /pause is resumed after every case, so that the
+# rest of the run is served; the other group endpoints answer at once with no group open.
+NEGATIVE_ONLY = {"/init_weights_update_group"}
+RESUME_AFTER = {"/pause"}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,27 @@ def test_a_bucketed_update_whose_trainer_dies_is_dropped_after_the_timeout():
         assert torch.equal(engine.get_weights_by_name(name), new)
 
 
+def test_the_heap_is_trimmed_after_each_weight_update_request_only(monkeypatch):
+    """A server updated every RL step gives the update's freed memory back (soak: RSS +17% in 10 minutes
+    without it): malloc_trim after each request to an update endpoint, and after nothing else."""
+    from fp8engine.entrypoints import server as server_module
+    assert server_module.trim_heap() in (True, False)  # callable here (glibc: True or False; else False)
+    trims = []
+    monkeypatch.setattr(server_module, "trim_heap", lambda: trims.append(1) or True)
+    engine = make_engine(dtype="float32", max_model_len=CONTEXT, num_kv_blocks=64)
+    name = "model.norm.weight"
+    bucket = save({name: engine.get_weights_by_name(name) * 1.5})
+    with TestClient(create_app(engine, ServerSettings())) as client:
+        assert client.get("/health").status_code == 200
+        assert client.post("/v1/completions", json={"prompt": RAW[0], "max_tokens": 2}).status_code == 200
+        assert trims == []
+        assert client.post("/update_weights", content=bucket).status_code == 200
+        assert len(trims) == 1
+        assert client.post("/update_weights", content=b"not safetensors").status_code == 400
+        assert len(trims) == 2  # a refused update allocated its body too
+        assert client.get("/weight_version").json() == {"weight_version": 1} and len(trims) == 2
+
+
 @pytest.mark.parametrize("mode", ["wait", "abort"])
 def test_sigterm_stops_accepting_finishes_or_aborts_in_flight_and_exits_0(mode):
     port = free_port()
@@ -209,9 +231,8 @@ def test_schemathesis_finds_no_5xx_and_no_response_outside_the_schema(tiny_qwen3
         operations = [r.ok() for r in schema.get_all_operations()]
         assert len(operations) >= 14
         for operation in operations:
-            if operation.path in NOT_FUZZED:
-                continue
-            fuzz(operation, schemathesis.GenerationMode.POSITIVE, base_url, checks, codes, refused)
+            if operation.path not in NEGATIVE_ONLY:
+                fuzz(operation, schemathesis.GenerationMode.POSITIVE, base_url, checks, codes, refused)
             if operation.body or operation.query:  # else nothing can be negated
                 fuzz(operation, schemathesis.GenerationMode.NEGATIVE, base_url, checks, codes, refused)
     print(f"schemathesis: {sum(codes.values())} requests; " +
@@ -220,6 +241,8 @@ def test_schemathesis_finds_no_5xx_and_no_response_outside_the_schema(tiny_qwen3
           ", ".join(f"{path} {param}: {n}" for (path, param), n in sorted(refused.items(), key=str)))
     assert not [key for key in codes if key[1] >= 500]
     assert codes["/v1/completions", 200] and codes["/v1/chat/completions", 200] and codes["/update_weights", 200]
+    assert codes["/pause", 200] and codes["/update_weights_from_distributed", 400]
+    assert codes["/destroy_weights_update_group", 200] and not codes["/init_weights_update_group", 200]
 
 
 def fuzz(operation, mode, base_url: str, checks: list, codes: collections.Counter,
@@ -229,6 +252,8 @@ def fuzz(operation, mode, base_url: str, checks: list, codes: collections.Counte
     @given(case=operation.as_strategy(generation_mode=mode))
     def run(case):
         response = case.call_and_validate(base_url=base_url, checks=checks, timeout=300)
+        if operation.path in RESUME_AFTER:
+            httpx.post(base_url + "/resume", timeout=30).raise_for_status()
         codes[operation.path, response.status_code] += 1
         if response.status_code == 400 and mode == "positive":
             refused[operation.path, response.json()["error"]["param"]] += 1

@@ -135,3 +135,16 @@ def test_truncation_and_alternatives_take_the_reference_path():
     assert sampler_mod._fused_kernel(logits, [SampleRow(SamplingParams(top_p=0.9), seed=0)]) is None
     assert sampler_mod._fused_kernel(logits, [SampleRow(SamplingParams(logprobs=2), seed=0)]) is None
     assert sampler_mod._fused_kernel(logits, [SampleRow(SamplingParams(), seed=0, banned_token_ids=(3,))]) is None
+
+
+def test_a_top_p_below_float32_keeps_the_most_probable_token():
+    """top_p = 5e-324 is in (0, 1] but 0 in float32 (schemathesis sent it): the kept set is the top token,
+    ties included, never empty."""
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.4, 0.2, 0.4]])
+    ones = torch.ones(2)
+    keep = truncation_mask(probs, torch.full((2,), 3), torch.tensor([5e-324, 5e-324]), torch.zeros(2))
+    assert keep.tolist() == [[False, True, False], [True, False, True]]
+    logp, log_kept = processed_logprobs(probs.log(), ones, torch.full((2,), 3), torch.tensor([5e-324, 1.0]),
+                                        torch.zeros(2))
+    assert logp[0].tolist() == [-math.inf, 0.0, -math.inf] and log_kept[0].item() == pytest.approx(math.log(0.6))
+    assert SamplingParams(top_p=5e-324).top_p == 5e-324

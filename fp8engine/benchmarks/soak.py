@@ -8,9 +8,9 @@ file per bucket when there are several) and resumes; now and then the prefix cac
 Clients start no request while an update is due, as a rollout controller would, so a paused server
 has nothing to refuse. Then the run drains and the report counts requests by HTTP status, transport
 and in-stream errors, streamed choices whose chunks carried more than one weight_version, KV blocks
-free vs total after the drain, the server's RSS after warm-up (the first minute, or 20% of a
-shorter run), at the end and at its peak, and p50/p99 latency and time to first token of the
-requests that ran to the end.
+free vs total after the drain, the server's RSS after warm-up (its lowest point in the update cycle
+after the first minute, or after 20% of a shorter run), at the end and at its peak, and p50/p99
+latency and time to first token of the requests that ran to the end.
 """
 
 import asyncio
@@ -139,7 +139,7 @@ async def _soak(base_url: str, pid: int, config: SoakConfig, weights: list[bytes
     limits = httpx.Limits(max_connections=config.clients, max_keepalive_connections=config.clients)
     async with (httpx.AsyncClient(base_url=base_url, timeout=600.0, limits=limits) as client,
                 httpx.AsyncClient(base_url=base_url, timeout=600.0) as admin):
-        rss = RssSampler(pid, start + config.warmup_s)
+        rss = RssSampler(pid, start + config.warmup_s, config.update_every_s + 1.0)
         sampling = asyncio.create_task(rss.run())
         await asyncio.gather(
             *(_client(client, gate, tally, random.Random(rng.random()), config, deadline)
@@ -297,11 +297,15 @@ async def _drained_stats(admin: httpx.AsyncClient) -> dict:
 
 
 class RssSampler:
-    """The server's RSS every 0.5 s: the peak, the first sample at or after `warm_at` (monotonic), and
-    a trace of (seconds, MiB) every 5 s."""
+    """The server's RSS every 0.5 s: the peak, the warm-up level, the level after the drain, and a trace of
+    (seconds, MiB) every 5 s.
 
-    def __init__(self, pid: int, warm_at: float):
-        self.pid, self.warm_at = pid, warm_at
+    The warm-up level is the lowest sample in the `window_s` seconds from `warm_at` (monotonic): a window
+    that holds a whole update cycle, whose lowest point is the server between updates, as it is at the end
+    (drained, the last update done). A single sample would land anywhere in an update's transient."""
+
+    def __init__(self, pid: int, warm_at: float, window_s: float = 0.0):
+        self.pid, self.warm_at, self.window_s = pid, warm_at, window_s
         self.warm = self.peak = self.end = 0
         self.trace: list[tuple[float, float]] = []
         self.stop = asyncio.Event()
@@ -313,8 +317,9 @@ class RssSampler:
             self.peak = max(self.peak, rss)
             if time.monotonic() - start >= 5 * len(self.trace):
                 self.trace.append((round(time.monotonic() - start, 1), round(rss / 2**20, 1)))
-            if not self.warm and time.monotonic() >= self.warm_at:
-                self.warm = rss
+            if self.warm_at <= time.monotonic() <= self.warm_at + self.window_s or (
+                    not self.warm and time.monotonic() >= self.warm_at):
+                self.warm = min(self.warm or rss, rss)
             if self.stop.is_set():
                 self.end = rss
                 self.warm = self.warm or rss

@@ -32,7 +32,10 @@ extensions are listed in protocol.py; /openapi.json describes every endpoint (op
 
 import argparse
 import asyncio
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
 import glob
 import hmac
 import json
@@ -169,6 +172,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.state.server = server
     for method, path, handler, auth in server.routes():
         app.add_api_route(path, handler, methods=[method], dependencies=[Depends(auth)] if auth else [])
+    app.add_middleware(TrimHeapAfterUpdates)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -564,6 +568,40 @@ class _EngineStatsCollector:
 
 
 # --------------------------------------------------------------------- helpers
+WEIGHT_UPDATE_PATHS = ("/update_weights", "/update_weights_from_disk", "/update_weights_from_distributed")
+
+
+class TrimHeapAfterUpdates:
+    """ASGI middleware: after a weight-update request, hand the allocator's free pages back to the OS.
+
+    An update moves the whole model through this process (the body, its chunks, the parsed tensors, the
+    staged copies): hundreds of MB freed in pieces that glibc keeps in its arenas, so the RSS of a server
+    updated every RL step crept up (+17% in a 10-minute soak). Once the app has answered, the handler's
+    locals are gone and their memory is free to trim. (Plain ASGI, not BaseHTTPMiddleware, so streamed
+    responses and client disconnects pass through untouched.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        await self.app(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] in WEIGHT_UPDATE_PATHS:
+            await asyncio.to_thread(trim_heap)
+
+
+@functools.cache
+def _libc_malloc_trim():
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    return getattr(libc, "malloc_trim", None)  # glibc only
+
+
+def trim_heap() -> bool:
+    """malloc_trim(0) where the C library has it (glibc); whether memory was returned to the OS."""
+    trim = _libc_malloc_trim()
+    return bool(trim(0)) if trim is not None else False
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     """The request body; ApiError 413 as soon as it is known to exceed `limit` bytes."""
     declared = request.headers.get("content-length", "")

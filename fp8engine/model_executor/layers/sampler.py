@@ -104,7 +104,8 @@ def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 def _top_p_set(q: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_q = q.sort(dim=-1, descending=True).values
     mass_before = F.pad(sorted_q.cumsum(dim=-1)[:, :-1], (1, 0))
-    num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True)
+    # At least the most probable token: a top_p that rounds to 0 in float32 (5e-324) keeps the top one.
+    num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True).clamp(min=1)
     return q >= sorted_q.gather(1, num_kept - 1)
 
 
