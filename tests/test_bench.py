@@ -1,6 +1,6 @@
 """The throughput benchmark's rounds (alternating mode order, median run per mode), its shape flags, the
 llama.cpp baseline (against a stub llama-batched-bench that checks its arguments and prints llama.cpp's
-formats), and the soak workload (a live server under load, weight
+formats), replica counts through RolloutCluster, and the soak workload (a live server under load, weight
 updates, disconnects and flushes)."""
 
 import asyncio
@@ -14,8 +14,9 @@ import httpx
 import pytest
 import torch
 
-from fp8engine.benchmarks import llama_cpp, soak, throughput
+from fp8engine.benchmarks import llama_cpp, replicas, soak, throughput
 from fp8engine.entrypoints.cli import main
+from fp8engine.weights.loader import iter_safetensors
 
 
 def test_rounds_alternate_order_and_report_the_median(monkeypatch):
@@ -84,6 +85,8 @@ def test_chat_prompts_report_their_lengths_as_the_engine_renders_them(tokenizer)
     (["--prompts", "random"], "--prompts random needs --input-len N"),
     (["--prompts", "random", "--input-len", "-1"], "--input-len must be an integer >= 1, got -1"),
     (["--input-len", "8"], "--input-len 8 sets the length of random prompts; chat prompts have their own lengths"),
+    (["--replicas", "2,0"], "--replicas must be an integer >= 1, got 0"),
+    (["--replicas", "1,2", "--baseline", "hf"], "--replicas compares replica counts of one mode"),
     (["--workload", "sync", "--n", "2", "--threads", "1"], "--n, --threads: for the throughput workloads"),
     (["--baseline", "hf", "--gguf", "m.gguf"], "--gguf and --llama-bin are for --baseline llama.cpp"),
     (["--baseline", "llama.cpp", "--gguf", "m.gguf"], "--baseline llama.cpp needs --llama-bin DIR"),
@@ -96,6 +99,13 @@ def test_bad_bench_flags_exit_2_naming_the_flag_before_any_model_loads(argv, mes
     monkeypatch.setattr(throughput, "prompt_ids", lambda *args: pytest.fail("loaded the tokenizer"))
     assert main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_replica_list_that_is_not_integers_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--replicas", "1,two"])
+    assert exc.value.code == 2
+    assert "argument --replicas: '1,two' is not a comma-separated list of integers" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ llama.cpp baseline
@@ -226,6 +236,30 @@ def test_a_llama_cpp_binary_that_fails_or_prints_no_row_is_an_error(llama_bin, t
     os.chmod(binary, 0o644)
     with pytest.raises(ValueError, match="llama-batched-bench is not executable"):
         llama_cpp.find_binary(str(llama_bin))
+
+
+# ------------------------------------------------------------------ replicas
+def test_replica_counts_side_by_side_through_a_local_ray(tiny_qwen3_dir):
+    """1 and 2 replicas of one thread each on a tiny model: every count syncs twice per method and rolls out
+    the whole batch (4 prompts x n=2 x 4 tokens)."""
+    import ray
+    spec = throughput.shaped("quick", num_prompts=4, n=2, prompts="random", input_len=8, output_len=4)
+    report = replicas.run(spec, "bf16", [1, 2], model=tiny_qwen3_dir, threads=1)
+    assert not ray.is_initialized()  # the bench started its Ray and shut it down
+    one, two = report["results"]
+    assert (one["replicas"], two["replicas"]) == (1, 2)
+    state_bytes = sum(t.numel() * 2 for _, t in iter_safetensors(tiny_qwen3_dir))  # BF16 on the wire
+    for r in (one, two):
+        assert (r["output_tokens"], r["weight_version"], r["sync_bytes"]) == (32, 4, state_bytes)
+        assert r["seconds"] > 0 and r["sync_object_store_s"] > 0 and r["sync_distributed_s"] > 0
+    assert one["ratio_vs_first"] == one["sync_object_store_ratio_vs_first"] == 1.0
+    assert two["ratio_vs_first"] == pytest.approx(two["output_tok_s"] / one["output_tok_s"])
+    sync_ratio = two["sync_distributed_s"] / one["sync_distributed_s"]
+    assert two["sync_distributed_ratio_vs_first"] == pytest.approx(sync_ratio)
+    assert (report["threads_per_replica"], report["shape"]["threads"], report["mode"]) == (1, 1, "bf16")
+    text = replicas.format_table(report)
+    assert "4 random prompts of 8 tokens x n=2 x 4 output tokens, 1 thread per replica" in text
+    assert [line.split()[0] for line in text.splitlines()[1:]] == ["replicas", "1", "2"]
 
 
 # ------------------------------------------------------------------ soak

@@ -92,7 +92,7 @@ def _print_text(outs, summary: dict) -> None:
 
 # flags that shape or extend a throughput workload, and mean nothing to sync, serve and soak
 THROUGHPUT_FLAGS = {"num_prompts": "--num-prompts", "n": "--n", "input_len": "--input-len",
-                    "output_len": "--output-len", "threads": "--threads",
+                    "output_len": "--output-len", "threads": "--threads", "replicas": "--replicas",
                     "gguf": "--gguf", "llama_bin": "--llama-bin"}
 
 
@@ -127,10 +127,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def bench_throughput(args: argparse.Namespace) -> dict:
-    """A throughput workload in the shape the flags give: engine modes side by side, and a baseline."""
+    """A throughput workload in the shape the flags give: engine modes side by side (and a baseline), or
+    with --replicas the first mode through RolloutCluster at each replica count."""
     from fp8engine.benchmarks import throughput
     spec = throughput.shaped(args.workload, args.num_prompts, args.n, args.input_len, args.output_len,
                              args.prompt_kind)
+    if args.replicas is not None:
+        if args.baseline is not None or args.plot:
+            raise ValueError("--replicas compares replica counts of one mode; it takes neither --baseline nor --plot")
+        from fp8engine.benchmarks import replicas
+        report = replicas.run(spec, args.modes[0], args.replicas, args.model, args.dtype, args.device,
+                              threads=args.threads, rounds=args.rounds)
+        print(replicas.format_table(report))
+        return report
     report = throughput.run(spec, args.modes, args.baseline, args.model, args.dtype, args.device,
                             progress=not args.no_progress, rounds=args.rounds, threads=args.threads,
                             gguf=args.gguf, llama_bin=args.llama_bin)
