@@ -1,21 +1,29 @@
-"""The throughput benchmark's rounds (alternating mode order, median run per mode) and the soak workload
-(a live server under load, weight updates, disconnects and flushes)."""
+"""The throughput benchmark's rounds (alternating mode order, median run per mode), its shape flags, the
+llama.cpp baseline (against a stub llama-batched-bench that checks its arguments and prints llama.cpp's
+formats), replica counts through RolloutCluster, and the soak workload (a live server under load, weight
+updates, disconnects and flushes)."""
 
 import asyncio
 import json
+import os
+import stat
+import sys
+import textwrap
 
 import httpx
 import pytest
+import torch
 
-from fp8engine.benchmarks import soak, throughput
+from fp8engine.benchmarks import llama_cpp, replicas, soak, throughput
 from fp8engine.entrypoints.cli import main
+from fp8engine.weights.loader import iter_safetensors
 
 
 def test_rounds_alternate_order_and_report_the_median(monkeypatch):
     calls = []
     speeds = {"bf16": iter([100.0, 300.0, 200.0]), "fp8-kv": iter([150.0, 120.0, 400.0])}
 
-    def fake_run_engine(mode, spec, model, dtype, device, progress):
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
         calls.append(mode)
         return {"mode": mode, "output_tok_s": next(speeds[mode]), "preemptions_total": 0}
 
@@ -27,6 +35,231 @@ def test_rounds_alternate_order_and_report_the_median(monkeypatch):
     assert bf16["output_tok_s_rounds"] == [100.0, 300.0, 200.0]
     assert fp8["ratio_vs_first"] == 0.75
     assert "median of 3 rounds" in throughput.format_table(report)
+
+
+# ------------------------------------------------------------------ shape flags
+def test_shape_flags_override_the_workload_and_reach_the_engine_and_the_report(monkeypatch, tmp_path, capsys,
+                                                                                tokenizer):
+    seen = []
+
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+        seen.append((spec, prompts, torch.get_num_threads()))
+        return {"mode": mode, "output_tokens": 30, "seconds": 0.5, "output_tok_s": 60.0}
+
+    monkeypatch.setattr(throughput, "run_engine", fake_run_engine)
+    out = tmp_path / "report.json"
+    threads = torch.get_num_threads()
+    assert main(["bench", "--workload", "rl-short", "--num-prompts", "3", "--n", "2", "--prompts", "random",
+                 "--input-len", "7", "--output-len", "5", "--threads", "1", "--json", str(out)]) == 0
+    assert torch.get_num_threads() == threads  # set for the runs only
+    [(spec, prompts, run_threads)] = seen
+    assert (spec.name, spec.num_prompts, spec.n, spec.max_tokens, spec.prompts, spec.input_len) == (
+        "rl-short", 3, 2, 5, "random", 7)
+    assert run_threads == 1 and [len(p) for p in prompts] == [7, 7, 7]
+    special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+    assert all(0 <= t < len(tokenizer) and t not in special for p in prompts for t in p)
+    assert prompts == throughput.random_prompt_ids(tokenizer, 3, 7) != throughput.random_prompt_ids(tokenizer, 3, 7, 1)
+    report = json.loads(out.read_text())
+    assert report["shape"] == {"prompts": "random", "num_prompts": 3, "n": 2, "input_len": 7.0, "input_len_min": 7,
+                               "input_len_max": 7, "output_len": 5, "threads": 1}
+    assert report["machine"]["threads"] == 1 and report["workload"]["max_tokens"] == 5
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith("workload rl-short: 3 random prompts of 7 tokens x n=2 x 5 output tokens, 1 thread,")
+
+
+def test_chat_prompts_report_their_lengths_as_the_engine_renders_them(tokenizer):
+    spec = throughput.shaped("quick", num_prompts=3)
+    prompts = throughput.prompt_ids(spec, tokenizer)
+    text = tokenizer.decode(prompts[1])
+    assert "Sam has 24 apples and buys 8 more" in text and text.endswith("assistant\n")
+    shape = throughput.shape_of(spec, prompts, 2)
+    assert shape["input_len"] == sum(map(len, prompts)) / 3
+    assert (shape["input_len_min"], shape["input_len_max"]) == (min(map(len, prompts)), max(map(len, prompts)))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--num-prompts", "0"], "--num-prompts must be an integer >= 1, got 0"),
+    (["--n", "-2"], "--n must be an integer >= 1, got -2"),
+    (["--output-len", "0"], "--output-len (max_tokens) must be an integer >= 1, got 0"),
+    (["--threads", "0"], "--threads must be an integer >= 1, got 0"),
+    (["--prompts", "random"], "--prompts random needs --input-len N"),
+    (["--prompts", "random", "--input-len", "-1"], "--input-len must be an integer >= 1, got -1"),
+    (["--input-len", "8"], "--input-len 8 sets the length of random prompts; chat prompts have their own lengths"),
+    (["--replicas", "2,0"], "--replicas must be an integer >= 1, got 0"),
+    (["--replicas", "1,2", "--baseline", "hf"], "--replicas compares replica counts of one mode"),
+    (["--workload", "sync", "--n", "2", "--threads", "1"], "--n, --threads: for the throughput workloads"),
+    (["--baseline", "hf", "--gguf", "m.gguf"], "--gguf and --llama-bin are for --baseline llama.cpp"),
+    (["--baseline", "llama.cpp", "--gguf", "m.gguf"], "--baseline llama.cpp needs --llama-bin DIR"),
+    (["--baseline", "llama.cpp", "--llama-bin", "nowhere"], "--llama-bin 'nowhere' is not a directory"),
+    (["--baseline", "llama.cpp", "--llama-bin", "."], "no llama-batched-bench in --llama-bin '.' nor in its bin/"),
+])
+def test_bad_bench_flags_exit_2_naming_the_flag_before_any_model_loads(argv, message, monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(throughput, "run_engine", lambda *args: pytest.fail("ran the engine"))
+    monkeypatch.setattr(throughput, "prompt_ids", lambda *args: pytest.fail("loaded the tokenizer"))
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_replica_list_that_is_not_integers_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--replicas", "1,two"])
+    assert exc.value.code == 2
+    assert "argument --replicas: '1,two' is not a comma-separated list of integers" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ llama.cpp baseline
+STUB = """\
+#!{python}
+# A stand-in for llama.cpp's llama-batched-bench: checks its arguments as llama.cpp parses them, prints the
+# start-up line and then its markdown table, or JSON lines with --output-format jsonl, with times from the shape.
+import json, os, sys
+args, flags, i = sys.argv[1:], {{}}, 0
+while i < len(args):
+    if args[i] == "-pps":
+        flags["-pps"], i = True, i + 1
+    else:
+        flags[args[i]], i = args[i + 1], i + 2
+json.dump(args, open(os.path.join(os.path.dirname(__file__), "args.json"), "w"))
+known = {{"-m", "-c", "-npp", "-ntg", "-npl", "-t", "--output-format", "-pps"}}
+if set(flags) - known or not os.path.isfile(flags["-m"]):
+    sys.exit(f"error: bad arguments {{args}}")
+pp, tg, pl, threads, ctx = (int(flags[k]) for k in ("-npp", "-ntg", "-npl", "-t", "-c"))
+shared = "-pps" in flags
+n_kv = (pp if shared else pl * pp) + pl * tg
+print(f"main: n_kv_max = {{ctx}}, n_batch = 2048, n_ubatch = 512, flash_attn = 0, is_pp_shared = {{int(shared)}}, "
+      f"n_gpu_layers = -1, n_threads = {{threads}}, n_threads_batch = {{threads}}", file=sys.stderr)
+if n_kv > ctx:  # llama-batched-bench skips a point that does not fit
+    sys.exit(0)
+t_pp, t_tg = 0.002 * (pp if shared else pl * pp), 0.05 * tg
+row = dict(pp=pp, tg=tg, pl=pl, n_kv=n_kv, t_pp=t_pp, speed_pp=(pp if shared else pl * pp) / t_pp, t_tg=t_tg,
+           speed_tg=pl * tg / t_tg, t=t_pp + t_tg, speed=n_kv / (t_pp + t_tg))
+if flags.get("--output-format") == "jsonl":
+    print(json.dumps(dict(n_kv_max=ctx, n_batch=2048, n_ubatch=512, flash_attn=0, is_pp_shared=int(shared),
+                          n_gpu_layers=-1, n_threads=threads, n_threads_batch=threads, **row)))
+else:
+    print("|%6s | %6s | %4s | %6s | %8s | %8s | %8s | %8s | %8s | %8s |" % (
+        "PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s"))
+    print("|%6s-|-%6s-|-%4s-|-%6s-|-%8s-|-%8s-|-%8s-|-%8s-|-%8s-|-%8s-|" % ("------", "------", "----", "------",
+          "--------", "--------", "--------", "--------", "--------", "--------"))
+    print("|%6d | %6d | %4d | %6d | %8.3f | %8.2f | %8.3f | %8.2f | %8.3f | %8.2f |" % tuple(row.values()))
+"""
+
+
+@pytest.fixture()
+def llama_bin(tmp_path):
+    """A directory with bin/llama-batched-bench (the stub) and a GGUF file for it to open."""
+    bin_dir = tmp_path / "llama" / "bin"
+    bin_dir.mkdir(parents=True)
+    stub = bin_dir / "llama-batched-bench"
+    stub.write_text(STUB.format(python=sys.executable))
+    stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    return bin_dir.parent
+
+
+def stub_args(llama_bin) -> list[str]:
+    return json.loads((llama_bin / "bin" / "args.json").read_text())
+
+
+def test_llama_cpp_row_from_the_binary_beside_a_real_engine_run(llama_bin, tmp_path, capsys):
+    """B = 2 prompts x n=2 = 4 sequences of 8 random prompt tokens, 4 output tokens each, one thread."""
+    out = tmp_path / "report.json"
+    assert main(["bench", "--num-prompts", "2", "--n", "2", "--prompts", "random", "--input-len", "8",
+                 "--output-len", "4", "--threads", "1", "--no-progress", "--baseline", "llama.cpp",
+                 "--gguf", str(tmp_path / "model.gguf"), "--llama-bin", str(llama_bin), "--json", str(out)]) == 0
+    assert stub_args(llama_bin) == ["-m", str(tmp_path / "model.gguf"), "-c", "48", "-npp", "8", "-ntg", "4",
+                                    "-npl", "4", "-t", "1", "--output-format", "jsonl"]
+    engine, llama = json.loads(out.read_text())["results"]
+    assert (engine["mode"], engine["output_tokens"], llama["mode"], llama["output_tokens"]) == (
+        "bf16", 16, "llama.cpp", 16)
+    t_pp, t_tg = 0.002 * 4 * 8, 0.05 * 4
+    assert llama["seconds"] == pytest.approx(t_pp + t_tg)
+    assert llama["output_tok_s"] == pytest.approx(16 / (t_pp + t_tg))
+    assert llama["ratio_vs_first"] == pytest.approx(llama["output_tok_s"] / engine["output_tok_s"])
+    own = llama["llama_cpp"]
+    assert (own["pp"], own["tg"], own["pl"], own["n_threads"], own["prompt_shared"]) == (8, 4, 4, 1, False)
+    assert (own["speed_pp"], own["speed_tg"]) == (pytest.approx(32 / t_pp), pytest.approx(16 / t_tg))
+    text = capsys.readouterr().out
+    assert "llama.cpp" in text.splitlines()[3] and "prefill 500.0 tok/s" in text
+
+
+def test_llama_cpp_comes_last_and_is_compared_with_the_first_mode(llama_bin, tmp_path, monkeypatch, tokenizer):
+    """Two modes, one chat prompt x n=3: the three sequences share one prefill (-pps) of the prompt's length."""
+    speeds = {"bf16": 100.0, "fp8-kv": 150.0}
+
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+        return {"mode": mode, "output_tokens": 18, "seconds": 18 / speeds[mode], "output_tok_s": speeds[mode]}
+
+    monkeypatch.setattr(throughput, "run_engine", fake_run_engine)
+    spec = throughput.shaped("quick", num_prompts=1, n=3, output_len=6)
+    report = throughput.run(spec, ["bf16", "fp8-kv"], "llama.cpp", threads=1, gguf=str(tmp_path / "model.gguf"),
+                            llama_bin=str(llama_bin / "bin"))
+    length = len(throughput.prompt_ids(spec, tokenizer)[0])
+    assert stub_args(llama_bin)[:11] == ["-m", str(tmp_path / "model.gguf"), "-c", str(3 * (length + 6)), "-npp",
+                                         str(length), "-ntg", "6", "-npl", "3", "-t"]
+    assert stub_args(llama_bin)[-1] == "-pps"
+    t = 0.002 * length + 0.05 * 6
+    assert [(r["mode"], r["ratio_vs_first"]) for r in report["results"]] == [
+        ("bf16", 1.0), ("fp8-kv", 1.5), ("llama.cpp", pytest.approx(18 / t / 100.0))]
+    assert report["results"][2]["llama_cpp"]["prompt_shared"] is True
+    assert "shared by all" in throughput.format_table(report)
+
+
+def test_parse_reads_llama_cpp_markdown_table_and_json_lines():
+    table = textwrap.dedent("""\
+        main: n_kv_max = 4096, n_batch = 2048, n_ubatch = 512, flash_attn = 0, is_pp_shared = 0, n_gpu_layers = 99
+
+        |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+        |-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+        |   128 |    128 |    1 |    256 |    0.108 |  1186.64 |    3.079 |    41.57 |    3.187 |    80.32 |
+        |   128 |    128 |    2 |    512 |    0.198 |  1295.19 |    5.029 |    50.90 |    5.227 |    97.95 |
+        """)
+    rows = llama_cpp.parse(table)
+    assert rows == [
+        dict(pp=128, tg=128, pl=1, n_kv=256, t_pp=0.108, speed_pp=1186.64, t_tg=3.079, speed_tg=41.57, t=3.187,
+             speed=80.32),
+        dict(pp=128, tg=128, pl=2, n_kv=512, t_pp=0.198, speed_pp=1295.19, t_tg=5.029, speed_tg=50.90, t=5.227,
+             speed=97.95)]
+    line = ('{"n_kv_max": 4096, "n_batch": 2048, "n_ubatch": 512, "flash_attn": 0, "is_pp_shared": 0, '
+            '"n_gpu_layers": 99, "n_threads": 2, "n_threads_batch": 2, "pp": 128, "tg": 128, "pl": 1, "n_kv": 256, '
+            '"t_pp": 0.108000, "speed_pp": 1186.640000, "t_tg": 3.079000, "speed_tg": 41.570000, "t": 3.187000, '
+            '"speed": 80.320000}')
+    [row] = llama_cpp.parse("llama_perf_context_print: load time = 1.0 ms\n" + line + "\n{not json\n")
+    assert (row["n_threads"], row["pl"], row["t"]) == (2, 1, 3.187)
+
+
+def test_a_llama_cpp_binary_that_fails_or_prints_no_row_is_an_error(llama_bin, tmp_path):
+    binary = llama_cpp.find_binary(str(llama_bin))
+    with pytest.raises(RuntimeError, match=r"exited with status 1: .*\n.*error: bad arguments"):
+        llama_cpp.run(binary, tmp_path / "missing.gguf", 8, 4, 2, 1)
+    os.chmod(binary, 0o644)
+    with pytest.raises(ValueError, match="llama-batched-bench is not executable"):
+        llama_cpp.find_binary(str(llama_bin))
+
+
+# ------------------------------------------------------------------ replicas
+def test_replica_counts_side_by_side_through_a_local_ray(tiny_qwen3_dir):
+    """1 and 2 replicas of one thread each on a tiny model: every count syncs twice per method and rolls out
+    the whole batch (4 prompts x n=2 x 4 tokens)."""
+    import ray
+    spec = throughput.shaped("quick", num_prompts=4, n=2, prompts="random", input_len=8, output_len=4)
+    report = replicas.run(spec, "bf16", [1, 2], model=tiny_qwen3_dir, threads=1)
+    assert not ray.is_initialized()  # the bench started its Ray and shut it down
+    one, two = report["results"]
+    assert (one["replicas"], two["replicas"]) == (1, 2)
+    state_bytes = sum(t.numel() * 2 for _, t in iter_safetensors(tiny_qwen3_dir))  # BF16 on the wire
+    for r in (one, two):
+        assert (r["output_tokens"], r["weight_version"], r["sync_bytes"]) == (32, 4, state_bytes)
+        assert r["seconds"] > 0 and r["sync_object_store_s"] > 0 and r["sync_distributed_s"] > 0
+    assert one["ratio_vs_first"] == one["sync_object_store_ratio_vs_first"] == 1.0
+    assert two["ratio_vs_first"] == pytest.approx(two["output_tok_s"] / one["output_tok_s"])
+    sync_ratio = two["sync_distributed_s"] / one["sync_distributed_s"]
+    assert two["sync_distributed_ratio_vs_first"] == pytest.approx(sync_ratio)
+    assert (report["threads_per_replica"], report["shape"]["threads"], report["mode"]) == (1, 1, "bf16")
+    text = replicas.format_table(report)
+    assert "4 random prompts of 8 tokens x n=2 x 4 output tokens, 1 thread per replica" in text
+    assert [line.split()[0] for line in text.splitlines()[1:]] == ["replicas", "1", "2"]
 
 
 # ------------------------------------------------------------------ soak

@@ -1,6 +1,9 @@
 """`fp8engine bench --plot F.png`: speedup and preemptions per mode, side by side."""
 
 
+from fp8engine.benchmarks.throughput import shape_words
+
+
 def plot_report(report: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -17,9 +20,8 @@ def plot_report(report: dict, path: str) -> None:
     bars = ax2.bar(modes, [r["preemptions_total"] for r in rows], color="#DD8452")
     ax2.bar_label(bars)
     ax2.set_title("preemptions (total)")
-    w = report["workload"]
-    fig.suptitle(f"{w['name']}: {w['num_prompts']} prompts x n={w['n']} x {w['max_tokens']} tokens, "
-                 f"{report['machine']['processor']}, torch {report['machine']['torch']}")
+    fig.suptitle(f"{report['workload']['name']}: {shape_words(report['shape'])}, {report['machine']['processor']}, "
+                 f"torch {report['machine']['torch']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,10 +1,12 @@
 """Throughput benchmarks behind `fp8engine bench`: engine modes side by side in one run.
 
 Every mode runs the same prompts with the same sampling params in the same process, one after the
-other, so the ratios (mode / first mode, engine / Hugging Face) are what to read: these machines are
-noisy and absolute figures move between runs.
+other, so the ratios (mode / first mode, engine / Hugging Face or llama.cpp) are what to read: these
+machines are noisy and absolute figures move between runs. Every runner gets the same prompt token ids.
 """
 
+import contextlib
+import dataclasses
 import json
 import platform
 import time
@@ -27,8 +29,18 @@ MODES = {**_BASE_MODES, **{f"{name}-bi": dict(options, batch_invariant=True) for
          "bf16-fp32head": dict(lm_head_fp32=True), "bf16-bi-fp32head": dict(batch_invariant=True, lm_head_fp32=True)}
 
 
+PROMPT_KINDS = ("chat", "random")
+BASELINES = ("hf", "llama.cpp")
+
+
 @dataclass(frozen=True)
 class Workload:
+    """A throughput workload's shape. Its checks name the `fp8engine bench` flag that sets each field.
+
+    prompts: "chat" (rl_prompts: arithmetic word problems, each its own length) or "random" (seeded
+    random token ids, exactly `input_len` of them). max_tokens: output tokens per sample (ignore_eos).
+    """
+
     name: str
     num_prompts: int
     n: int
@@ -37,6 +49,28 @@ class Workload:
     kv_cache_tokens: int | None = None  # KV budget in tokens of a BF16 cache (memory pressure)
     max_num_seqs: int = 256
     model: str | None = None  # the workload's own model (MODELS) when --model is the default
+    prompts: str = "chat"
+    input_len: int | None = None
+
+    def __post_init__(self):
+        check_positive("--num-prompts", self.num_prompts)
+        check_positive("--n", self.n)
+        check_positive("--output-len (max_tokens)", self.max_tokens)
+        if self.prompts not in PROMPT_KINDS:
+            raise ValueError(f"--prompts must be one of {', '.join(PROMPT_KINDS)}, got {self.prompts!r}")
+        if self.prompts == "chat" and self.input_len is not None:
+            raise ValueError(f"--input-len {self.input_len} sets the length of random prompts; chat prompts have "
+                             f"their own lengths: add --prompts random, or drop --input-len")
+        if self.prompts == "random":
+            if self.input_len is None:
+                raise ValueError("--prompts random needs --input-len N (prompt tokens)")
+            check_positive("--input-len", self.input_len)
+
+
+def check_positive(flag: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+    return value
 
 
 WORKLOADS = {
@@ -51,6 +85,16 @@ WORKLOADS = {
 }
 
 
+def shaped(name: str, num_prompts: int | None = None, n: int | None = None, input_len: int | None = None,
+           output_len: int | None = None, prompts: str | None = None) -> Workload:
+    """WORKLOADS[name] with the shape flags that were given (not None) in place of its own, as vLLM's
+    bench takes them: --num-prompts, --n, --input-len, --output-len, --prompts."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
+    changes = dict(num_prompts=num_prompts, n=n, input_len=input_len, max_tokens=output_len, prompts=prompts)
+    return dataclasses.replace(WORKLOADS[name], **{k: v for k, v in changes.items() if v is not None})
+
+
 def workload_model(spec: Workload, model: str) -> str:
     """The directory a workload runs on: --model, or the workload's own model when that is the default."""
     if model != "default" or spec.model is None:
@@ -63,6 +107,51 @@ def prompts_for(tokenizer, count: int) -> list:
     """rl_prompts as chat messages, or as their plain text for a model whose tokenizer has no chat template."""
     prompts = rl_prompts(count)
     return prompts if tokenizer.chat_template else [p[0]["content"] for p in prompts]
+
+
+def prompt_ids(spec: Workload, tokenizer) -> list[list[int]]:
+    """The workload's prompts as the token ids every runner is given (the chat ones as the engine renders them)."""
+    from fp8engine.rl.client import prompt_token_ids  # not at the top: the CLI imports this module to start
+    if spec.prompts == "random":
+        return random_prompt_ids(tokenizer, spec.num_prompts, spec.input_len)
+    return [prompt_token_ids(tokenizer, p) for p in prompts_for(tokenizer, spec.num_prompts)]
+
+
+def random_prompt_ids(tokenizer, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of `length` seeded random token ids. Special and added tokens are left out: an EOS
+    or a chat marker inside a prompt would make it a different kind of input."""
+    excluded = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+    allowed = torch.tensor([t for t in range(len(tokenizer)) if t not in excluded])
+    picks = torch.randint(len(allowed), (count, length), generator=torch.Generator().manual_seed(seed))
+    return allowed[picks].tolist()
+
+
+def shape_of(spec: Workload, prompts: list[list[int]], threads: int) -> dict:
+    """The shape that ran: prompt lengths in tokens as given to the engine, output tokens per sample, threads."""
+    lengths = [len(p) for p in prompts]
+    return {"prompts": spec.prompts, "num_prompts": spec.num_prompts, "n": spec.n,
+            "input_len": sum(lengths) / len(lengths), "input_len_min": min(lengths), "input_len_max": max(lengths),
+            "output_len": spec.max_tokens, "threads": threads}
+
+
+def shape_words(shape: dict) -> str:
+    """"8 chat prompts of 45-52 tokens x n=2 x 32 output tokens, 2 threads" """
+    low, high = shape["input_len_min"], shape["input_len_max"]
+    length = f"{low}" if low == high else f"{low}-{high} (mean {shape['input_len']:.1f})"
+    return (f"{shape['num_prompts']} {shape['prompts']} prompts of {length} tokens x n={shape['n']} x "
+            f"{shape['output_len']} output tokens, {shape['threads']} thread{'s' * (shape['threads'] > 1)}")
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None):
+    """torch's intra-op threads set to `threads` (None: left as they are) for the block; yields the count."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(check_positive("--threads", threads))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
 
 
 def rl_prompts(count: int) -> list[list[dict]]:
@@ -90,20 +179,28 @@ def engine_config(mode: str, workload: Workload, model: str, dtype: str, device:
                         **options)
 
 
+def model_dir(model: str) -> str:
+    """The Hugging Face directory of --model ("default": the prepared default model)."""
+    from fp8engine.weights.default_model import default_model_path
+    return default_model_path() if model == "default" else model
+
+
 def _bf16_kv_bytes(model: str, tokens: int) -> int:
     from transformers import AutoConfig
-
-    from fp8engine.weights.default_model import default_model_path
-    cfg = AutoConfig.from_pretrained(default_model_path() if model == "default" else model)
+    cfg = AutoConfig.from_pretrained(model_dir(model))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return tokens * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
 
 
-def run_engine(mode: str, workload: Workload, model: str, dtype: str, device: str, progress: bool) -> dict:
+def sampling_params(workload: Workload) -> SamplingParams:
+    return SamplingParams(n=workload.n, temperature=workload.temperature, max_tokens=workload.max_tokens,
+                          ignore_eos=True, seed=0, logprobs=0)
+
+
+def run_engine(mode: str, workload: Workload, prompts: list[list[int]], model: str, dtype: str, device: str,
+               progress: bool) -> dict:
     engine = LLMEngine(engine_config(mode, workload, model, dtype, device))
-    prompts = prompts_for(engine.tokenizer, workload.num_prompts)
-    params = SamplingParams(n=workload.n, temperature=workload.temperature, max_tokens=workload.max_tokens,
-                            ignore_eos=True, seed=0, logprobs=0)
+    params = sampling_params(workload)
     engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up: kernels built, caches touched
     engine.update_weights({})  # a new weight version, as after an RL sync: KV scales recalibrate
     recal_before = engine.kv_scales.seconds_total
@@ -122,24 +219,19 @@ def run_engine(mode: str, workload: Workload, model: str, dtype: str, device: st
             "linear_backend": stats.linear_backend, "attention_backend": stats.attention_backend}
 
 
-def run_hf(workload: Workload, model: str, dtype: str, progress: bool) -> dict:
-    """Hugging Face `generate` on the same prompts, left-padded into one batch, n samples each."""
+def run_hf(workload: Workload, prompts: list[list[int]], model: str, dtype: str) -> dict:
+    """Hugging Face `generate` on the same prompt ids, left-padded into one batch, n samples each."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from fp8engine.weights.default_model import default_model_path
-    path = default_model_path() if model == "default" else model
+    path = model_dir(model)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    texts = [p if isinstance(p, str) else
-             tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-             for p in prompts_for(tokenizer, workload.num_prompts)]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
     sample = workload.temperature > 0
     kwargs = dict(do_sample=sample, temperature=workload.temperature if sample else None, top_p=None, top_k=None,
                   max_new_tokens=workload.max_tokens, min_new_tokens=workload.max_tokens,
                   num_return_sequences=workload.n, pad_token_id=tokenizer.pad_token_id or 0)
     with torch.inference_mode():
-        hf.generate(**tokenizer(texts[:1], return_tensors="pt", add_special_tokens=False), max_new_tokens=2)
+        hf.generate(**{k: v[:1] for k, v in batch.items()}, max_new_tokens=2, pad_token_id=kwargs["pad_token_id"])
         start = time.perf_counter()
         out = hf.generate(**batch, **kwargs)
         seconds = time.perf_counter() - start
@@ -147,36 +239,62 @@ def run_hf(workload: Workload, model: str, dtype: str, progress: bool) -> dict:
     return {"mode": "hf", "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds}
 
 
-def run(workload: str, modes: list[str], baseline: str | None = None, model: str = "default",
-        dtype: str = "bfloat16", device: str = "auto", progress: bool = True, rounds: int = 1) -> dict:
+def run(workload: str | Workload, modes: list[str], baseline: str | None = None, model: str = "default",
+        dtype: str = "bfloat16", device: str = "auto", progress: bool = True, rounds: int = 1,
+        threads: int | None = None, gguf: str | None = None, llama_bin: str | None = None) -> dict:
     """Every mode once per round; rounds alternate the order (first to last, then last to first), and
-    each mode reports its median round, so a slow spell of the machine does not land on one mode."""
-    if workload not in WORKLOADS:
+    each mode reports its median round, so a slow spell of the machine does not land on one mode.
+
+    workload: a WORKLOADS name or a Workload (see `shaped`). threads: torch threads for every run (None:
+    as set). baseline "hf" adds Hugging Face generate, "llama.cpp" llama-batched-bench from `llama_bin`
+    on `gguf` (see benchmarks/llama_cpp.py), each once, after the modes; ratios are against the first mode."""
+    spec = WORKLOADS.get(workload) if isinstance(workload, str) else workload
+    if spec is None:
         raise ValueError(f"unknown workload {workload!r}; choose from {sorted(WORKLOADS)}")
     unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown modes {unknown}; choose from {list(MODES)}")
+    if unknown or not modes:
+        raise ValueError(f"unknown modes {unknown or modes}; choose from {list(MODES)}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    spec = WORKLOADS[workload]
+    if threads is not None:
+        check_positive("--threads", threads)
+    llama = _llama_cpp_runner(baseline, gguf, llama_bin)  # a missing binary fails here, before the modes run
     model = workload_model(spec, model)
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for i in range(rounds):
-        for m in modes if i % 2 == 0 else modes[::-1]:
-            runs[m].append(run_engine(m, spec, model, dtype, device, progress))
-    results = [_median_run(runs[m]) for m in modes]
-    if baseline == "hf":
-        results.append(run_hf(spec, model, dtype, progress))
-    elif baseline is not None:
-        raise ValueError(f"unknown baseline {baseline!r}; the only baseline is 'hf'")
+    with torch_threads(threads) as threads:
+        from transformers import AutoTokenizer
+        prompts = prompt_ids(spec, AutoTokenizer.from_pretrained(model_dir(model)))
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
+        for i in range(rounds):
+            for m in modes if i % 2 == 0 else modes[::-1]:
+                runs[m].append(run_engine(m, spec, prompts, model, dtype, device, progress))
+        results = [median_run(runs[m]) for m in modes]
+        shape = shape_of(spec, prompts, threads)
+        if baseline == "hf":
+            results.append(run_hf(spec, prompts, model, dtype))
+        elif llama is not None:
+            results.append(llama(round(shape["input_len"]), spec.max_tokens, spec.num_prompts * spec.n, threads,
+                                 shared_prompt=spec.num_prompts == 1))
+        machine = machine_info()
     first = results[0]["output_tok_s"]
     for r in results:
         r["ratio_vs_first"] = r["output_tok_s"] / first
-    return {"workload": asdict(spec), "model": model, "dtype": dtype, "rounds": rounds, "machine": machine_info(),
-            "results": results}
+    return {"workload": asdict(spec), "shape": shape, "model": model, "dtype": dtype, "rounds": rounds,
+            "machine": machine, "results": results}
 
 
-def _median_run(runs: list[dict]) -> dict:
+def _llama_cpp_runner(baseline: str | None, gguf: str | None, llama_bin: str | None):
+    """llama_cpp.run bound to the binary and GGUF, for baseline "llama.cpp"; None for the others."""
+    if baseline is not None and baseline not in BASELINES:
+        raise ValueError(f"unknown baseline {baseline!r}; choose from {', '.join(BASELINES)}")
+    if baseline != "llama.cpp":
+        if gguf is not None or llama_bin is not None:
+            raise ValueError("--gguf and --llama-bin are for --baseline llama.cpp")
+        return None
+    from fp8engine.benchmarks import llama_cpp
+    return llama_cpp.runner(gguf, llama_bin)
+
+
+def median_run(runs: list[dict]) -> dict:
     """The run with the median throughput (the lower middle one for an even count), with every round's."""
     ordered = sorted(runs, key=lambda r: r["output_tok_s"])
     median = dict(ordered[(len(ordered) - 1) // 2])
@@ -184,24 +302,36 @@ def _median_run(runs: list[dict]) -> dict:
     return median
 
 
+def table(rows: list[dict], cols: list[tuple[str, str]]) -> list[str]:
+    """Right-aligned columns: a header line, then a line per row ("-" where a row lacks a column)."""
+    cells = [[fmt.format(r[c]) if c in r else "-" for c, fmt in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, (c, _) in enumerate(cols)]
+    return ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [[c for c, _ in cols], *cells]]
+
+
 def format_table(report: dict) -> str:
     cols = [("mode", "{}"), ("output_tok_s", "{:.1f}"), ("ratio_vs_first", "{:.2f}x"),
             ("preemptions_total", "{}"), ("preemptions_per_seq_mean", "{:.2f}"),
             ("preemptions_per_seq_max", "{}"), ("kv_capacity_tokens", "{}"), ("recalibration_share", "{:.2%}"),
             ("seconds", "{:.1f}")]
-    rows = [[fmt.format(r[c]) if c in r else "-" for c, fmt in cols] for r in report["results"]]
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, (c, _) in enumerate(cols)]
-    line = lambda cells: "  ".join(cell.rjust(w) for cell, w in zip(cells, widths))  # noqa: E731
-    w = report["workload"]
-    head = (f"workload {w['name']}: {w['num_prompts']} prompts x n={w['n']} x {w['max_tokens']} tokens, "
-            f"{report['dtype']}, torch {report['machine']['torch']}, {report['machine']['processor']}")
+    head = (f"workload {report['workload']['name']}: {shape_words(report['shape'])}, {report['dtype']}, "
+            f"torch {report['machine']['torch']}, {report['machine']['processor']}")
     rounds = report.get("rounds", 1)
     if rounds > 1:
         head += f"; median of {rounds} rounds in alternating order"
         per_round = [f"{r['mode']} " + "/".join(f"{x:.0f}" for x in r["output_tok_s_rounds"])
                      for r in report["results"] if "output_tok_s_rounds" in r]
         head += "\ntok/s per round: " + ", ".join(per_round)
-    return "\n".join([head, line([c for c, _ in cols])] + [line(r) for r in rows])
+    notes = [_llama_cpp_note(r["llama_cpp"]) for r in report["results"] if "llama_cpp" in r]
+    return "\n".join([head, *table(report["results"], cols), *notes])
+
+
+def _llama_cpp_note(run: dict) -> str:
+    prefill = f"{run['pp']} tokens" + (" shared by all" if run["prompt_shared"] else " each")
+    return (f"llama.cpp: llama-batched-bench, {run['pl']} sequences, prompt {prefill}, {run['tg']} generated each, "
+            f"{run['n_threads']} threads; its own speeds: prefill {run['speed_pp']:.1f} tok/s ({run['t_pp']:.2f} s), "
+            f"decode {run['speed_tg']:.1f} tok/s ({run['t_tg']:.2f} s); output tok/s = B*TG / (T_PP + T_TG), "
+            f"no sampling")
 
 
 def save_json(report: dict, path: str) -> None:

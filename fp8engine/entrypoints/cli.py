@@ -90,7 +90,18 @@ def _print_text(outs, summary: dict) -> None:
           f"({s['kv_cache_dtype']}); linear {s['linear_backend']}, attention {s['attention_backend']}")
 
 
+# flags that shape or extend a throughput workload, and mean nothing to sync, serve and soak
+THROUGHPUT_FLAGS = {"num_prompts": "--num-prompts", "n": "--n", "input_len": "--input-len",
+                    "output_len": "--output-len", "threads": "--threads", "replicas": "--replicas",
+                    "gguf": "--gguf", "llama_bin": "--llama-bin"}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    from fp8engine.benchmarks.throughput import WORKLOADS
+    given = [flag for dest, flag in THROUGHPUT_FLAGS.items() if getattr(args, dest) is not None]
+    if args.workload not in WORKLOADS and given:
+        raise ValueError(f"{', '.join(given)}: for the throughput workloads ({', '.join(WORKLOADS)}), "
+                         f"not --workload {args.workload}")
     if args.workload == "serve":
         from fp8engine.benchmarks import serve_load
         report = serve_load.run_side_by_side(concurrency=args.concurrency, num_requests=args.num_requests,
@@ -107,18 +118,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = weight_sync.run(model=args.model, modes=args.modes)
         print(weight_sync.format_table(report))
     else:
-        from fp8engine.benchmarks import throughput
-        report = throughput.run(args.workload, args.modes, args.baseline, args.model, args.dtype, args.device,
-                                progress=not args.no_progress, rounds=args.rounds)
-        print(throughput.format_table(report))
-        if args.plot:
-            from fp8engine.benchmarks.plot import plot_report
-            plot_report(report, args.plot)
+        report = bench_throughput(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
         print(f"wrote {args.json}")
     return 0
+
+
+def bench_throughput(args: argparse.Namespace) -> dict:
+    """A throughput workload in the shape the flags give: engine modes side by side (and a baseline), or
+    with --replicas the first mode through RolloutCluster at each replica count."""
+    from fp8engine.benchmarks import throughput
+    spec = throughput.shaped(args.workload, args.num_prompts, args.n, args.input_len, args.output_len,
+                             args.prompt_kind)
+    if args.replicas is not None:
+        if args.baseline is not None or args.plot:
+            raise ValueError("--replicas compares replica counts of one mode; it takes neither --baseline nor --plot")
+        from fp8engine.benchmarks import replicas
+        report = replicas.run(spec, args.modes[0], args.replicas, args.model, args.dtype, args.device,
+                              threads=args.threads, rounds=args.rounds)
+        print(replicas.format_table(report))
+        return report
+    report = throughput.run(spec, args.modes, args.baseline, args.model, args.dtype, args.device,
+                            progress=not args.no_progress, rounds=args.rounds, threads=args.threads,
+                            gguf=args.gguf, llama_bin=args.llama_bin)
+    print(throughput.format_table(report))
+    if args.plot:
+        from fp8engine.benchmarks.plot import plot_report
+        plot_report(report, args.plot)
+    return report
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

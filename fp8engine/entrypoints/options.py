@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
-from fp8engine.benchmarks.throughput import MODES, WORKLOADS
+from fp8engine.benchmarks.throughput import BASELINES, MODES, PROMPT_KINDS, WORKLOADS
 from fp8engine.config import EngineConfig
 from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
 
@@ -166,6 +166,14 @@ def _choice_list(choices: tuple) -> Callable[[str], list]:
     return _argument_type(parse, "choice list")
 
 
+def _int_list(text: str) -> list[int]:
+    """"1,2,4" -> [1, 2, 4]."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or not all(re.fullmatch(r"[+-]?\d+", v) for v in values):
+        raise ValueError(f"{text!r} is not a comma-separated list of integers (e.g. 1,2)")
+    return [int(v) for v in values]
+
+
 def _engine_option(f: dataclasses.Field) -> Option:
     flag = "--" + f.name.replace("_", "-")
     optional = isinstance(f.type, types.UnionType) and type(None) in f.type.__args__
@@ -238,12 +246,33 @@ OPTIONS: tuple[Option, ...] = (
            "and cache flushes (soak)", "quick", choices=(*WORKLOADS, "sync", "serve", "soak")),
     Option(("--modes",), "modes", "bench", ("bench",), "engine modes, run side by side", "bf16",
            choices=tuple(MODES), many=True),
-    Option(("--baseline",), "baseline", "bench", ("bench",), "also run Hugging Face generate on the same "
-           "prompts", choices=(None, "hf")),
+    Option(("--num-prompts",), "num_prompts", "bench", ("bench",), "throughput workloads: prompts in the batch; "
+           "none = the workload's", convert=int),
+    Option(("--n",), "n", "bench", ("bench",), "throughput workloads: samples per prompt; none = the workload's",
+           convert=int),
+    Option(("--prompts",), "prompt_kind", "bench", ("bench",), "throughput workloads: chat (arithmetic word "
+           "problems, each its own length) or random (seeded random token ids, --input-len of them, no special "
+           "tokens)", "chat", choices=PROMPT_KINDS),
+    Option(("--input-len",), "input_len", "bench", ("bench",), "--prompts random: prompt tokens", convert=int),
+    Option(("--output-len",), "output_len", "bench", ("bench",), "throughput workloads: output tokens per sample "
+           "(max_tokens, EOS ignored); none = the workload's", convert=int),
+    Option(("--threads",), "threads", "bench", ("bench",), "throughput workloads: torch threads of the engine "
+           "runs and the baselines (with --replicas: per replica); none = torch's default (with --replicas: "
+           "that over the largest count)", convert=int),
+    Option(("--baseline",), "baseline", "bench", ("bench",), "also run Hugging Face generate (hf) or llama.cpp's "
+           "llama-batched-bench (llama.cpp; needs --gguf and --llama-bin) on the same shape",
+           choices=(None, *BASELINES)),
+    Option(("--gguf",), "gguf", "bench", ("bench",), "--baseline llama.cpp: the model as a GGUF file",
+           metavar="FILE"),
+    Option(("--llama-bin",), "llama_bin", "bench", ("bench",), "--baseline llama.cpp: the directory holding "
+           "llama-batched-bench (or its bin/), from a llama.cpp build", metavar="DIR"),
+    Option(("--replicas",), "replicas", "bench", ("bench",), "throughput workloads: run through RolloutCluster "
+           "(Ray) with each of these replica counts of --threads threads, side by side, the first of --modes",
+           convert=_argument_type(_int_list, "int list"), metavar="K[,K...]"),
     Option(("--json",), "json", "bench", ("bench",), "write the report to FILE as JSON", metavar="FILE"),
     Option(("--plot",), "plot", "bench", ("bench",), "draw the report into FILE (PNG)", metavar="FILE"),
-    Option(("--rounds",), "rounds", "bench", ("bench",), "run every mode this many times in alternating "
-           "order and report the median", 1, int),
+    Option(("--rounds",), "rounds", "bench", ("bench",), "run every mode (or replica count) this many times in "
+           "alternating order and report the median", 1, int),
     Option(("--no-progress",), "no_progress", "bench", ("bench",), "no progress bars", False,
            action="store_true"),
     Option(("--concurrency", "--clients"), "concurrency", "bench", ("bench",),
