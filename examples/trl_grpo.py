@@ -71,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="plot the runs of these --json files side by side into --png instead of training")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--bf16", action="store_true",
+                   help="TRL trains in BF16 mixed precision (GRPOConfig(bf16=True): autocast, float32 master)")
+    p.add_argument("--no-stop", dest="stop", action="store_false",
+                   help="completions do not stop at a newline: every one runs to --max-tokens (or EOS), the "
+                        "long-rollout regime; the reward still reads the first integer")
     args = p.parse_args(argv)
     if args.compare and not args.png:
         p.error("--compare needs --png")
@@ -87,9 +92,12 @@ def newline_token_ids(tokenizer) -> list[int]:
     return [i for i, text in enumerate(texts) if "\n" in text]
 
 
-def load_policy(path: str):
-    """The float32 policy (as TRL loads a model path), a newline ending a completion like EOS does."""
+def load_policy(path: str, stop_at_newline: bool = True):
+    """The float32 policy (as TRL loads a model path); with stop_at_newline a newline ends a completion
+    like EOS does."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if not stop_at_newline:
+        return model
     eos = model.generation_config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     model.generation_config.eos_token_id = eos + newline_token_ids(AutoTokenizer.from_pretrained(path))
@@ -106,11 +114,12 @@ def build_trainer(args: argparse.Namespace, rollouts, output_dir: str, steps: "S
         output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=args.prompts * args.n,
         num_generations=args.n, max_completion_length=args.max_tokens, temperature=1.0,
         learning_rate=args.lr, lr_scheduler_type="constant", logging_steps=1, report_to="none",
-        save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=False, activation_checkpointing=False,
+        save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=args.bf16, activation_checkpointing=False,
         vllm_importance_sampling_mode=args.is_mode, vllm_importance_sampling_clip_max=args.is_clip,
         seed=args.seed, disable_tqdm=True)
-    policy = load_policy(default_model_path())
-    rollout_func = None if rollouts is None else make_rollout_func(rollouts, SamplingParams(stop=["\n"]))
+    policy = load_policy(default_model_path(), stop_at_newline=args.stop)
+    params = SamplingParams(stop=["\n"] if args.stop else None)
+    rollout_func = None if rollouts is None else make_rollout_func(rollouts, params)
     trainer = GRPOTrainer(model=policy, reward_funcs=addition_reward, args=config,
                           train_dataset=Dataset.from_dict({"prompt": prompts, "answer": answers}),
                           rollout_func=rollout_func, callbacks=[steps])
@@ -174,7 +183,7 @@ def print_row(r: dict) -> None:
 
 def run_label(config: dict) -> str:
     if config.get("generation", "fp8engine") == "trl":
-        return "TRL generation (transformers, float32)"
+        return f"TRL generation (transformers, {'BF16 autocast' if config.get('bf16') else 'float32'})"
     where = "server" if config.get("server") else config["rollout"].upper()
     return f"fp8engine {where} rollouts, TRL's IS {config['is_mode']} C={config['is_clip']:g}"
 
