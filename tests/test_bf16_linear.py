@@ -52,7 +52,7 @@ def _assert_one_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33])
 @pytest.mark.parametrize("n,k", [(37, 100), (1, 1), (48, 576), (130, 31), (64, 257)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_float32_reference(ops, m, n, k, with_bias):
+def test_matches_float32_reference(ops, gemm, m, n, k, with_bias):
     torch.manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k).to(BF16), torch.randn(n, k).to(BF16)
     bias = torch.randn(n).to(BF16) if with_bias else None
@@ -159,6 +159,14 @@ def test_gemm_split_over_threads_gives_the_same_bits(ops, gemm, threads):
         torch.set_num_threads(before)
     assert torch.equal(one, many)
     _assert_one_rounding(many, x, w, bias)
+
+
+def test_the_wrapper_takes_the_kernel_where_it_beats_torch(ops, monkeypatch):
+    monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "avx512")
+    assert [bf16_linear_cpu.use_kernel(m) for m in (1, 4, 5, 256, 257)] == [True, True, False, False, False]
+    if AMX:
+        monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "amx")
+        assert [bf16_linear_cpu.use_kernel(m) for m in (1, 4, 5, 256, 257)] == [True, True, True, True, False]
 
 
 def test_the_environment_picks_the_gemm(ops, monkeypatch):

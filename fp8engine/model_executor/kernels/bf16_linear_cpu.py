@@ -2,6 +2,7 @@
 F.linear (its reference) everywhere else, including other devices and dtypes (on CUDA with batch_invariant,
 the Triton GEMM of dense_triton)."""
 
+import functools
 import os
 
 import torch
@@ -16,6 +17,9 @@ from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel, load_cpu_ops
 # (12.4 vs 18.4 ms at M = 16, 37.8 vs 43.5 at M = 128) although the kernel's GEMM ties or beats it
 # when the weights are cache-hot (fp8engine/benchmarks/fp8_linear_micro.py).
 _STREAM_MAX_M = 4
+# With AMX tiles (an Emerald Rapids Xeon, 1 thread) the kernel's GEMM takes 0.35-0.85x torch's time from M = 2 to
+# 128 (default model shapes, weights cache-hot or streamed from L3), 0.9-1.0x at 256 and 1.1-1.2x from 512 on.
+_AMX_MAX_M = 256
 
 
 # torch's GEMM (oneDNN) picks its blocking by shape. Fed one shape only, rows in chunks of this many (the last
@@ -54,13 +58,20 @@ def kernel_ops():
 
 
 def kernel_gemm() -> str:
-    """The GEMM the kernel runs for batch_invariant: "amx" or "avx512" (FP8ENGINE_BF16_GEMM overrides)."""
+    """The GEMM the kernel runs for batch_invariant and large M: "amx" (where the build, CPU and OS allow AMX
+    tiles) or "avx512"; FP8ENGINE_BF16_GEMM=amx|avx512 overrides."""
+    return _kernel_gemm(os.environ.get("FP8ENGINE_BF16_GEMM"))
+
+
+@functools.cache
+def _kernel_gemm(choice: str | None) -> str:
     return load_cpu_ops().bf16_linear_gemm()
 
 
 def use_kernel(m: int) -> bool:
-    """Static choice by the number of rows: the kernel for M <= 4 (decode), torch above."""
-    return m <= _STREAM_MAX_M
+    """Static choice by the number of rows: the kernel for M <= 4 (decode), or up to 256 rows where its GEMM
+    runs on AMX tiles; torch above."""
+    return m <= _STREAM_MAX_M or (m <= _AMX_MAX_M and kernel_gemm() == "amx")
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
