@@ -145,6 +145,17 @@ def test_gemm_rows_do_not_depend_on_the_batch(ops, gemm, k, n):
             assert torch.equal(ops.bf16_linear(batch, w, bias, True)[at], alone[0]), (row, size, at)
 
 
+def test_gemm_large_m_in_chunks_gives_the_same_bits(ops, gemm):
+    """AMX splits M into chunks of ~1 MiB of packed activations (336 rows at K = 1536): a row's bits do not
+    change with the chunk it falls in."""
+    torch.manual_seed(8)
+    x, w, bias = torch.randn(700, 1536).to(BF16), (torch.randn(40, 1536) * 0.05).to(BF16), torch.randn(40)
+    full = ops.bf16_linear(x, w, bias, True)
+    _assert_one_rounding(full, x, w, bias)
+    for row in (0, 335, 336, 699):
+        assert torch.equal(ops.bf16_linear(x[row:row + 1], w, bias, True)[0], full[row]), row
+
+
 @pytest.mark.parametrize("threads", [2, 3])
 def test_gemm_split_over_threads_gives_the_same_bits(ops, gemm, threads):
     # 130 rows are 5 AMX tiles of 32 (3 AVX-512 tiles of 48), uneven over the threads: M is split too.
