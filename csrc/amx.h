@@ -6,6 +6,11 @@
 
 #pragma once
 
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <string>
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define FP8E_AMX 1
 
@@ -65,3 +70,25 @@ struct TileScope {
 }  // namespace fp8e
 
 #endif  // __AMX_TILE__ && __AMX_BF16__
+
+namespace fp8e {
+
+// Whether a GEMM runs on AMX tiles: where the build, the CPU and the OS allow them, unless the environment
+// variable `env` (FP8ENGINE_FP8_GEMM, FP8ENGINE_BF16_GEMM) says avx512|amx; read on every call, so tests
+// cover both paths.
+inline bool use_amx(const char* env) {
+#ifdef FP8E_AMX
+  const bool usable = amx_usable();
+#else
+  const bool usable = false;
+#endif
+  const char* value = std::getenv(env);
+  const std::string choice = value != nullptr ? value : "";
+  TORCH_CHECK(choice.empty() || choice == "avx512" || choice == "amx", env, " must be 'avx512' or 'amx', got '",
+              choice, "'");
+  TORCH_CHECK(choice != "amx" || usable, env,
+              "=amx, but this build, CPU or OS does not allow AMX tiles (amx_bf16, amx_tile)");
+  return choice.empty() ? usable : choice == "amx";
+}
+
+}  // namespace fp8e

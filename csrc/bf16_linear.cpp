@@ -3,15 +3,19 @@
 // only the summation order differs).
 //
 // The weight is read in place from its [N, K] row-major tensor: weight updates write into it every
-// RL step, so a packed copy would have to be rebuilt and would double the memory. Large M reuses the
-// FP8 kernel's GEMM (linear_common.h) with weight tiles copied to L1 instead of converted from E4M3;
-// small M streams weight rows against a few activation rows. Without AVX512-BF16 the op is not
-// registered and the Python wrapper uses torch.
+// RL step, so a packed copy would have to be rebuilt and would double the memory. Large M runs a GEMM:
+// on AMX tiles where the CPU has them (weight rows loaded straight into tiles), else the FP8 kernel's
+// AVX-512 GEMM (linear_common.h) with weight tiles copied to L1 instead of converted from E4M3; small M
+// streams weight rows against a few activation rows. Without AVX512-BF16 the op is not registered and
+// the Python wrapper uses torch.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <string>
+
+#include "amx.h"
 #include "linear_common.h"
 
 #ifdef FP8E_BF16_KERNELS
@@ -103,10 +107,17 @@ void linear_small_m(const Problem& p, at::BFloat16* y) {
 constexpr int64_t kTileN = 48;
 constexpr int64_t kBlockK = 256;
 
-// xp[pair][m] holds the bf16 pair (x[m, 2 pair], x[m, 2 pair + 1]) per 32-bit lane; zero past M and K.
+// Activations packed as bf16 pairs, one 32-bit lane per row, zero past M and K: the pairs of 16-row vector
+// mv and 32-k chunk c, 16 pairs ld() floats apart, from at(c, mv). The AVX-512 GEMM reads the pairs of all
+// rows side by side; AMX (`tiles`) reads each chunk of a vector as one B tile, a vector's chunks in a row.
 struct PackedX {
-  int64_t mpad = 0;
+  int64_t mpad = 0, kchunks = 0;
+  bool tiles = false;
   Buffer<float> xp;
+  int64_t ld() const { return tiles ? 16 : mpad; }
+  float* at(int64_t c, int64_t mv) const {
+    return xp.get() + (tiles ? (mv * kchunks + c) * 256 : c * 16 * mpad + mv * 16);
+  }
 };
 
 // One 16-row x 32-k tile: each row's 16 pairs are one vector, so a 32-bit transpose packs them.
@@ -119,15 +130,15 @@ void pack_tile(const uint16_t* src, int64_t ldx, int64_t rows, int64_t cols, flo
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ld_dst, r[i]);
 }
 
-PackedX pack_activations(const Problem& p) {
-  PackedX out{cdiv(p.m, 16) * 16, nullptr};
-  const int64_t mvecs = out.mpad / 16, kchunks = cdiv(p.k, 32);
-  out.xp = alloc_buffer<float>(kchunks * 16 * out.mpad);
-  at::parallel_for(0, mvecs * kchunks, 16, [&](int64_t begin, int64_t end) {
+PackedX pack_activations(const Problem& p, bool tiles) {
+  PackedX out{cdiv(p.m, 16) * 16, cdiv(p.k, 32), tiles, nullptr};
+  const int64_t mvecs = out.mpad / 16;
+  out.xp = alloc_buffer<float>(out.kchunks * 16 * out.mpad);
+  at::parallel_for(0, mvecs * out.kchunks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t mv = t / kchunks, c = t % kchunks;
+      const int64_t mv = t / out.kchunks, c = t % out.kchunks;
       pack_tile(p.x + mv * 16 * p.ldx + c * 32, p.ldx, std::min<int64_t>(16, p.m - mv * 16), p.k - c * 32,
-                out.xp.get() + c * 16 * out.mpad + mv * 16, out.mpad);
+                out.at(c, mv), out.ld());
     }
   });
   return out;
@@ -151,10 +162,10 @@ void gemm_task(const Problem& p, const PackedX& x, const GemmTask& t, uint16_t* 
     const int64_t pairs = cdiv(std::min(kBlockK, p.k - k0), 2);
     for (int64_t mv = t.mv0; mv < t.mv1; mv += kMaxMv) {
       const int mvs = static_cast<int>(std::min<int64_t>(kMaxMv, t.mv1 - mv));
-      const float* xp = x.xp.get() + k0 / 2 * x.mpad + mv * 16;
+      const float* xp = x.at(k0 / 32, mv);
       const int nr = micro_nr(mvs);
       for (int64_t j0 = 0; j0 < kTileN; j0 += nr)
-        kMicro<false>[mvs](wb + j0 * kBlockK, kBlockK, xp, x.mpad, pairs, nullptr, nullptr,
+        kMicro<false>[mvs](wb + j0 * kBlockK, kBlockK, xp, x.ld(), pairs, nullptr, nullptr,
                            ct + j0 * ldc + (mv - t.mv0) * 16, ldc, k0 == 0);
     }
   }
@@ -162,7 +173,7 @@ void gemm_task(const Problem& p, const PackedX& x, const GemmTask& t, uint16_t* 
 }
 
 void linear_large_m(const Problem& p, at::BFloat16* y) {
-  const PackedX x = pack_activations(p);
+  const PackedX x = pack_activations(p, false);
   const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kTileN);
   const int64_t chunks = m_chunks(n_tiles, mvecs, at::get_num_threads());
   at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -176,10 +187,160 @@ void linear_large_m(const Problem& p, at::BFloat16* y) {
   });
 }
 
-constexpr int64_t kSmallM = 7;  // up to here streaming the weights per 4 rows beats padding M to 16
+#ifdef FP8E_AMX
 
-// batch_invariant: always the large-M path, whose per-row arithmetic does not depend on M or on the row's
-// place in the batch (the small-M path sums in another order; see fp8_linear.cpp).
+// ---- AMX -------------------------------------------------------------------------------------------
+//
+// Weight rows are A tiles read in place (16 rows x 32 k, rows ldw apart); the packed activations are B
+// tiles (16 pairs x 16 activation rows). A task owns kAmxTileN weight rows and a range of activation
+// vectors, and goes over them in groups of 2 x 2 C tiles (32 weight rows x 32 activation rows), each
+// group's C tiles summing all of K, 32 k after 32 k, before one rounding to bf16. An output's arithmetic
+// depends only on its weight row, its activation row and K, never on M or the row's place: batch
+// invariant by construction. Tile loads must not read past K or N, so a ragged K's last chunk, and a task
+// of fewer than kAmxTileN rows, come from zero-padded copies.
+
+constexpr int64_t kAmxTileN = 32;
+
+// A task's A operand: chunks [0, steps) from a (rows lda apart), then, where K is ragged, the last chunk
+// from tail ([kAmxTileN][32]).
+struct AmxWeights {
+  const uint16_t* a;
+  int64_t lda, steps;
+  const uint16_t* tail;
+};
+
+// pad: kAmxTileN x 32 * kchunks bf16 of scratch for the copies.
+AmxWeights amx_weights(const Problem& p, int64_t n0, int64_t kchunks, uint16_t* pad) {
+  const int64_t rows = std::min(kAmxTileN, p.n - n0);
+  const uint16_t* w = p.w + n0 * p.ldw;
+  if (rows == kAmxTileN && p.k % 32 == 0) return {w, p.ldw, kchunks, nullptr};
+  const int64_t steps = rows == kAmxTileN ? p.k / 32 : kchunks;
+  const int64_t ld = rows == kAmxTileN ? 32 : 32 * kchunks, c0 = rows == kAmxTileN ? steps : 0;
+  for (int64_t r = 0; r < kAmxTileN; ++r)
+    for (int64_t c = c0; c < kchunks; ++c)
+      _mm512_storeu_si512(pad + r * ld + 32 * (c - c0),
+                          r < rows ? _mm512_maskz_loadu_epi16(tail_mask32(p.k - 32 * c), w + r * p.ldw + 32 * c)
+                                   : _mm512_setzero_si512());
+  return rows == kAmxTileN ? AmxWeights{w, p.ldw, steps, pad} : AmxWeights{pad, ld, steps, nullptr};
+}
+
+// Prefetches a B tile (16 lines) to L1.
+void prefetch_tile(const float* b) {
+  for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(b + 16 * line), _MM_HINT_T0);
+}
+
+// One 32-k step of a group of NA x NB C tiles; tiles 0-3 C, 4-5 A, 6-7 B. The activations stream from L2, once
+// per task, and the tile loads wait on them: the next step's B tiles (past the last step, the next vector's
+// first) are prefetched, which takes 10-15% off from M = 16 to 512 (1 core of an Emerald Rapids Xeon).
+template <int NA, int NB>
+void amx_step(const uint16_t* a, int64_t lda, const float* x0, const float* x1) {
+  prefetch_tile(x0 + 256);
+  if constexpr (NB == 2) prefetch_tile(x1 + 256);
+  _tile_loadd(4, a, lda * 2);
+  _tile_loadd(6, x0, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  if constexpr (NB == 2) {
+    _tile_loadd(7, x1, 64);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  if constexpr (NA == 2) {
+    _tile_loadd(5, a + 16 * lda, lda * 2);
+    _tile_dpbf16ps(2, 5, 6);
+  }
+  if constexpr (NA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
+}
+
+// C tile i * NB + j (weight rows 16 i, activation vector j) over all of K, stored to c.
+template <int NA, int NB>
+void amx_group(const AmxWeights& wt, const float* x0, const float* x1, float (*c)[256]) {
+  _tile_zero(0);
+  if constexpr (NB == 2) _tile_zero(1);
+  if constexpr (NA == 2) _tile_zero(2);
+  if constexpr (NA == 2 && NB == 2) _tile_zero(3);
+  int64_t s = 0;
+  for (; s < wt.steps; ++s) amx_step<NA, NB>(wt.a + 32 * s, wt.lda, x0 + 256 * s, x1 + 256 * s);
+  if (wt.tail != nullptr) amx_step<NA, NB>(wt.tail, 32, x0 + 256 * s, x1 + 256 * s);
+  _tile_stored(0, c[0], 64);
+  if constexpr (NB == 2) _tile_stored(1, c[1], 64);
+  if constexpr (NA == 2) _tile_stored(2, c[NB], 64);
+  if constexpr (NA == 2 && NB == 2) _tile_stored(3, c[NB + 1], 64);
+}
+
+// y[m, n0 + n] = bf16(c tiles + bias) for activation vectors mv, mv + 1 (nb of them) and na x 16 weight rows:
+// C rows are weight rows, so each 16 x 16 tile is transposed; an output row's 32 values go out in one store.
+void amx_write(const Problem& p, int64_t n0, int64_t mv, int na, int nb, const float (*c)[256], at::BFloat16* y) {
+  const __mmask16 mask_lo = tail_mask16(p.n - n0), mask_hi = tail_mask16(p.n - n0 - 16);
+  const __m512 bias_lo = p.bias ? _mm512_maskz_loadu_ps(mask_lo, p.bias + n0) : _mm512_setzero_ps();
+  const __m512 bias_hi = p.bias && na == 2 ? _mm512_maskz_loadu_ps(mask_hi, p.bias + n0 + 16) : _mm512_setzero_ps();
+  for (int j = 0; j < nb; ++j) {
+    __m512 lo[16], hi[16];
+    for (int k = 0; k < 16; ++k) lo[k] = _mm512_load_ps(c[j] + 16 * k);
+    transpose16x16(lo);
+    if (na == 2) {
+      for (int k = 0; k < 16; ++k) hi[k] = _mm512_load_ps(c[nb + j] + 16 * k);
+      transpose16x16(hi);
+    }
+    const int64_t m = (mv + j) * 16;
+    const int rows = static_cast<int>(std::min<int64_t>(16, p.m - m));
+    for (int k = 0; k < rows; ++k) {
+      at::BFloat16* out = y + (m + k) * p.n + n0;
+      if (na == 2) {
+        store_rows(out, _mm512_add_ps(lo[k], bias_lo), _mm512_add_ps(hi[k], bias_hi), mask_hi);
+      } else {
+        store_row(out, _mm512_add_ps(lo[k], bias_lo), mask_lo);
+      }
+    }
+  }
+}
+
+void amx_task(const Problem& p, const PackedX& x, const GemmTask& t, uint16_t* pad, at::BFloat16* y) {
+  const AmxWeights wt = amx_weights(p, t.n0, x.kchunks, pad);
+  const int na = p.n - t.n0 > 16 ? 2 : 1;
+  alignas(64) float c[4][256];
+  for (int64_t mv = t.mv0; mv < t.mv1; mv += 2) {
+    const int nb = mv + 1 < t.mv1 ? 2 : 1;
+    const float* x0 = x.at(0, mv);
+    const float* x1 = x.at(0, mv + nb - 1);
+    if (na == 2) {
+      nb == 2 ? amx_group<2, 2>(wt, x0, x1, c) : amx_group<2, 1>(wt, x0, x1, c);
+    } else {
+      nb == 2 ? amx_group<1, 2>(wt, x0, x1, c) : amx_group<1, 1>(wt, x0, x1, c);
+    }
+    amx_write(p, t.n0, mv, na, nb, c, y);
+  }
+}
+
+// Activation vectors per M chunk: about 1 MiB of packed activations, which stays in L2 while a thread's tasks go
+// over the weight tiles for that chunk (at M = 2048 streaming all of them from L3 for every tile took 1.5-2x
+// the time). A thread's tasks are consecutive: a chunk's tiles, then the next chunk's.
+int64_t amx_chunk_vecs(const PackedX& x) { return std::max<int64_t>(2, (int64_t(1) << 20) / (x.kchunks * 1024)); }
+
+void linear_amx(const Problem& p, at::BFloat16* y) {
+  const PackedX x = pack_activations(p, true);
+  const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kAmxTileN);
+  const int64_t chunks = std::max(m_chunks(n_tiles, mvecs, at::get_num_threads()), cdiv(mvecs, amx_chunk_vecs(x)));
+  at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
+    const TileScope tiles;
+    auto pad = alloc_buffer<uint16_t>(kAmxTileN * 32 * x.kchunks);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t c = i / n_tiles, tile = i % n_tiles;
+      amx_task(p, x, GemmTask{tile * kAmxTileN, c * mvecs / chunks, (c + 1) * mvecs / chunks}, pad.get(), y);
+    }
+  });
+}
+
+#endif  // FP8E_AMX
+
+constexpr char kGemmEnv[] = "FP8ENGINE_BF16_GEMM";  // avx512|amx, see use_amx
+// Up to here the small-M path beats the GEMM: streaming the weights per 4 rows beats padding M to 16 (AVX-512);
+// against AMX tiles only at 1 row (default model shapes, 1 core of an Emerald Rapids Xeon: 0.8-0.97x the
+// tiles' time at M = 1, 1.0-1.2x at M = 2).
+constexpr int64_t kSmallM = 7;
+constexpr int64_t kSmallMAmx = 1;
+
+// The small-M path sums a row's products in another order than the GEMMs, which give every row the same
+// arithmetic whatever M is and wherever the row sits: batch_invariant takes a GEMM for every M (AMX tiles
+// or AVX-512, chosen by the CPU, never by M).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                        bool batch_invariant) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_linear: CPU tensors only");
@@ -200,18 +361,27 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
                   static_cast<const uint16_t*>(w.data_ptr()), w.stride(0),
                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
   auto* out = y.data_ptr<at::BFloat16>();
-  if (m <= kSmallM && !batch_invariant) {
+  const bool amx = use_amx(kGemmEnv);
+  if (!batch_invariant && m <= (amx ? kSmallMAmx : kSmallM)) {
     linear_small_m(p, out);
+  } else if (amx) {
+#ifdef FP8E_AMX
+    linear_amx(p, out);
+#endif
   } else {
     linear_large_m(p, out);
   }
   return y;
 }
 
+// The GEMM bf16_linear runs for batch_invariant (and large M): "amx" or "avx512".
+std::string bf16_linear_gemm() { return use_amx(kGemmEnv) ? "amx" : "avx512"; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias, bool batch_invariant=False) -> Tensor");
+  m.def("bf16_linear_gemm() -> str", TORCH_FN(bf16_linear_gemm));
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
 }
 

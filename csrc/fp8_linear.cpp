@@ -25,6 +25,7 @@ namespace {
 using namespace fp8e;
 
 constexpr int64_t kBlock = 128;
+constexpr char kGemmEnv[] = "FP8ENGINE_FP8_GEMM";  // avx512|amx, see use_amx
 constexpr float kFp8Max = 448.f;
 constexpr float kMinAmax = 1e-12f;
 
@@ -801,23 +802,6 @@ void linear_amx(const Problem& p, const T* xin, bool ue8m0, T* y) {
 
 #endif  // FP8E_AMX
 
-// Whether the GEMM runs on AMX tiles: where the build, the CPU and the OS allow them, unless
-// FP8ENGINE_FP8_GEMM=avx512|amx says otherwise (read on every call, so tests cover both paths).
-bool use_amx() {
-#ifdef FP8E_AMX
-  const bool usable = amx_usable();
-#else
-  const bool usable = false;
-#endif
-  const char* env = std::getenv("FP8ENGINE_FP8_GEMM");
-  const std::string choice = env != nullptr ? env : "";
-  TORCH_CHECK(choice.empty() || choice == "avx512" || choice == "amx",
-              "FP8ENGINE_FP8_GEMM must be 'avx512' or 'amx', got '", choice, "'");
-  TORCH_CHECK(choice != "amx" || usable,
-              "FP8ENGINE_FP8_GEMM=amx, but this build, CPU or OS does not allow AMX tiles (amx_bf16, amx_tile)");
-  return choice.empty() ? usable : choice == "amx";
-}
-
 // Up to here the small-M path beats the GEMM: re-converting weights per 4 rows beats padding to 16 (AVX-512);
 // against AMX tiles only at 1 and 2 rows (default model shapes, 1 or 2 cores of an Emerald Rapids Xeon: at
 // M = 2 it takes 0.9x the tiles' time, at M = 3 1.04x-1.2x).
@@ -830,7 +814,7 @@ constexpr int64_t kSmallMAmx = 2;
 // one of them for every M (which one depends on the CPU, not on M).
 template <typename T>
 void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant) {
-  const bool amx = use_amx();
+  const bool amx = use_amx(kGemmEnv);
   if (!batch_invariant && p.m <= (amx ? kSmallMAmx : kSmallM)) {
     linear_small_m(p, x, ue8m0, y);
   } else if (amx) {
@@ -923,7 +907,7 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at
 
 std::string fp8_cpu_backend() {
 #ifdef FP8E_BF16_KERNELS
-  return use_amx() ? "cpp-amx" : "cpp-avx512bf16";
+  return use_amx(kGemmEnv) ? "cpp-amx" : "cpp-avx512bf16";
 #else
   return "cpp-scalar";
 #endif

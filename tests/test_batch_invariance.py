@@ -95,15 +95,18 @@ def test_kernels_take_one_path_for_every_batch_size():
                            fp8_linear_cpu.fp8_block_linear_cpu(xf, w_q, w_s, batch_invariant=True)[:1])
 
 
-@pytest.mark.parametrize("gemm", ["cpp", "chunked"])
+@pytest.mark.parametrize("gemm", ["amx", "avx512", "chunked"])
 def test_bf16_linear_rows_do_not_depend_on_the_batch(gemm, monkeypatch):
-    """Both batch-invariant BF16 GEMMs: the C++ kernel (AVX-512 BF16) and, the default on AMX machines, torch's
-    GEMM fed fixed 64-row chunks. A plain torch GEMM is not invariant: its blocking follows M."""
+    """Each batch-invariant BF16 GEMM: the C++ kernel's on AMX tiles (the default on AMX machines) or AVX-512
+    BF16, and torch's GEMM fed fixed 64-row chunks. A plain torch GEMM is not invariant: its blocking follows M."""
     from fp8engine.model_executor.kernels import bf16_linear_cpu
-    from tests.conftest import require_cpu_op
-    if gemm == "cpp":
+    from tests.conftest import cpu_flags, require_cpu_op
+    if gemm == "amx" and not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        pytest.skip("this CPU has no AMX tiles")
+    if gemm != "chunked":
         require_cpu_op("bf16_linear")
-    monkeypatch.setenv("FP8ENGINE_BI_GEMM", gemm)
+        monkeypatch.setenv("FP8ENGINE_BF16_GEMM", gemm)
+    monkeypatch.setenv("FP8ENGINE_BI_GEMM", "chunked" if gemm == "chunked" else "cpp")
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(1536, 576, generator=gen) * 0.05).bfloat16()
     x = torch.randn(130, 576, generator=gen).bfloat16()
@@ -119,12 +122,19 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch(gemm, monkeypatch):
 def test_the_backend_name_says_which_gemm_runs(monkeypatch):
     from fp8engine.model_executor import backends
     from fp8engine.model_executor.kernels import bf16_linear_cpu
-    from tests.conftest import require_cpu_op
+    from tests.conftest import cpu_flags, require_cpu_op
     require_cpu_op("bf16_linear")
-    for choice, name in (("cpp", "cpp-bf16"), ("chunked", "torch-bf16-fixed-chunks")):
+    amx = {"amx_bf16", "amx_tile"} <= cpu_flags()
+    monkeypatch.delenv("FP8ENGINE_BF16_GEMM", raising=False)
+    for choice, name in (("cpp", "cpp-bf16-amx" if amx else "cpp-bf16-avx512"), ("chunked", "torch-bf16-fixed-chunks")):
         monkeypatch.setenv("FP8ENGINE_BI_GEMM", choice)
-        assert bf16_linear_cpu.tile_gemm() is (choice == "chunked")
+        assert bf16_linear_cpu.chunked_gemm() is (choice == "chunked")
         assert backends.fp8_linear(EngineConfig(batch_invariant=True))[0] == name
+    monkeypatch.setenv("FP8ENGINE_BI_GEMM", "cpp")
+    monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "avx512")
+    assert backends.fp8_linear(EngineConfig(batch_invariant=True))[0] == "cpp-bf16-avx512"
     monkeypatch.delenv("FP8ENGINE_BI_GEMM")
-    amx = {"amx_bf16", "amx_tile"} <= bf16_linear_cpu.cpu_flags()
-    assert backends.fp8_linear(EngineConfig(batch_invariant=True))[0] == ("torch-bf16-fixed-chunks" if amx else "cpp-bf16")
+    assert backends.fp8_linear(EngineConfig(batch_invariant=True))[0] == "cpp-bf16-avx512"
+    monkeypatch.setenv("FP8ENGINE_BI_GEMM", "tiles")
+    with pytest.raises(ValueError, match="FP8ENGINE_BI_GEMM must be one of"):
+        bf16_linear_cpu.chunked_gemm()

@@ -1,19 +1,31 @@
-"""The C++ BF16 linear kernel (csrc/bf16_linear.cpp) against the float32 product rounded once to bf16."""
+"""The C++ BF16 linear kernel (csrc/bf16_linear.cpp) against the float32 product rounded once to bf16.
+
+Its GEMM (batch_invariant, and large M) runs on AVX-512 BF16 dot products, or on AMX tiles where the CPU has
+them; tests that take the `gemm` fixture run on each one this machine has (FP8ENGINE_BF16_GEMM picks it)."""
 
 import pytest
 import torch
 
 from fp8engine.model_executor.kernels import bf16_linear_cpu
 from fp8engine.model_executor.layers.linear import Linear
-from tests.conftest import require_cpu_op
+from tests.conftest import cpu_flags, require_cpu_op
 
 BF16 = torch.bfloat16
+AMX = {"amx_bf16", "amx_tile"} <= cpu_flags()
 
 
 @pytest.fixture(scope="module")
 def ops():
     require_cpu_op("bf16_linear")
     return bf16_linear_cpu.kernel_ops()
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def gemm(request, monkeypatch):
+    if request.param == "amx" and not AMX:
+        pytest.skip("this CPU has no AMX tiles")
+    monkeypatch.setenv("FP8ENGINE_BF16_GEMM", request.param)
+    return request.param
 
 
 def _padded(rows: int, cols: int, pad: int) -> torch.Tensor:
@@ -40,7 +52,7 @@ def _assert_one_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33])
 @pytest.mark.parametrize("n,k", [(37, 100), (1, 1), (48, 576), (130, 31), (64, 257)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_float32_reference(ops, m, n, k, with_bias):
+def test_matches_float32_reference(ops, gemm, m, n, k, with_bias):
     torch.manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k).to(BF16), torch.randn(n, k).to(BF16)
     bias = torch.randn(n).to(BF16) if with_bias else None
@@ -93,3 +105,100 @@ def test_linear_layer_sees_in_place_weight_updates(ops):
         layer.weight.copy_(torch.randn(32, 64))
         layer.bias.copy_(torch.randn(32))
         _assert_one_rounding(layer(x), x, layer.weight, layer.bias)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 33, 130])
+@pytest.mark.parametrize("n,k", [(37, 100), (1, 1), (48, 576), (130, 31), (64, 257), (100, 1536), (960, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_matches_float32_reference(ops, gemm, m, n, k, with_bias):
+    """batch_invariant takes the GEMM for every M: ragged M, N (tasks of fewer rows than a tile) and K."""
+    torch.manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k).to(BF16), torch.randn(n, k).to(BF16)
+    bias = torch.randn(n).to(BF16) if with_bias else None
+    _assert_one_rounding(ops.bf16_linear(x, w, bias, True), x, w, bias)
+
+
+@pytest.mark.parametrize("m,n", [(1, 96), (40, 100), (130, 33)])
+def test_gemm_does_not_read_past_k(ops, gemm, m, n):
+    torch.manual_seed(m + n)
+    x, w = _padded(m, 333, 7), _padded(n, 333, 13)
+    bias = torch.randn(n)
+    _assert_one_rounding(ops.bf16_linear(x, w, bias, True), x, w, bias)
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (100, 130)])
+def test_gemm_rows_do_not_depend_on_the_batch(ops, gemm, k, n):
+    """With batch_invariant a row's output is the same bits alone and anywhere in batches of any size (its
+    16-row activation vector padded or shared, one or two vectors per tile group), with bias."""
+    gen = torch.Generator().manual_seed(k + n)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
+    bias = torch.randn(n, generator=gen).to(BF16)
+    x = torch.randn(70, k, generator=gen).to(BF16)
+    full = ops.bf16_linear(x, w, bias, True)
+    _assert_one_rounding(full, x, w, bias)
+    for row in (0, 17, 69):
+        alone = ops.bf16_linear(x[row:row + 1], w, bias, True)
+        assert torch.equal(alone[0], full[row]), row
+        for size, at in ((3, 1), (3, 2), (17, 0), (17, 16), (64, 40), (130, 5), (130, 129)):
+            batch = torch.randn(size, k, generator=gen).to(BF16)
+            batch[at] = x[row]
+            assert torch.equal(ops.bf16_linear(batch, w, bias, True)[at], alone[0]), (row, size, at)
+
+
+def test_gemm_large_m_in_chunks_gives_the_same_bits(ops, gemm):
+    """AMX splits M into chunks of ~1 MiB of packed activations (336 rows at K = 1536): a row's bits do not
+    change with the chunk it falls in."""
+    torch.manual_seed(8)
+    x, w, bias = torch.randn(700, 1536).to(BF16), (torch.randn(40, 1536) * 0.05).to(BF16), torch.randn(40)
+    full = ops.bf16_linear(x, w, bias, True)
+    _assert_one_rounding(full, x, w, bias)
+    for row in (0, 335, 336, 699):
+        assert torch.equal(ops.bf16_linear(x[row:row + 1], w, bias, True)[0], full[row]), row
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_gemm_split_over_threads_gives_the_same_bits(ops, gemm, threads):
+    # 130 rows are 5 AMX tiles of 32 (3 AVX-512 tiles of 48), uneven over the threads: M is split too.
+    torch.manual_seed(7)
+    x, w, bias = torch.randn(40, 300).to(BF16), torch.randn(130, 300).to(BF16), torch.randn(130)
+    one = ops.bf16_linear(x, w, bias, True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        many = ops.bf16_linear(x, w, bias, True)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+    _assert_one_rounding(many, x, w, bias)
+
+
+def test_the_wrapper_takes_the_kernel_where_it_beats_torch(ops, monkeypatch):
+    monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "avx512")
+    assert [bf16_linear_cpu.use_kernel(m) for m in (1, 4, 5, 256, 257)] == [True, True, False, False, False]
+    if AMX:
+        monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "amx")
+        assert [bf16_linear_cpu.use_kernel(m) for m in (1, 4, 5, 256, 257)] == [True, True, True, True, False]
+
+
+def test_the_environment_picks_the_gemm(ops, monkeypatch):
+    """The GEMMs sum in different orders: AMX all of K in one running sum, AVX-512 per 256-k block, then the
+    blocks. 256 products of 2^-22 vanish next to a running 256 but not in a block of their own."""
+    x = torch.ones(1, 768, dtype=BF16)
+    w = torch.zeros(1, 768)
+    w[0, 0], w[0, 256:512], w[0, 512] = 256.0, 2.0 ** -22, -256.0
+    w = w.to(BF16)
+    monkeypatch.delenv("FP8ENGINE_BF16_GEMM", raising=False)
+    assert ops.bf16_linear_gemm() == ("amx" if AMX else "avx512")
+    monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "avx512")
+    assert ops.bf16_linear_gemm() == "avx512"
+    assert ops.bf16_linear(x, w, None, True).item() == 2.0 ** -14
+    monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "tiles")
+    with pytest.raises(RuntimeError, match="FP8ENGINE_BF16_GEMM must be 'avx512' or 'amx', got 'tiles'"):
+        ops.bf16_linear(x, w, None, True)
+    monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "amx")
+    if AMX:
+        assert ops.bf16_linear_gemm() == "amx"
+        assert ops.bf16_linear(x, w, None, True).item() == 0.0
+    else:
+        with pytest.raises(RuntimeError, match="does not allow AMX tiles"):
+            ops.bf16_linear_gemm()

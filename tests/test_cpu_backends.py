@@ -38,9 +38,11 @@ def test_engine_stats_name_the_kernels_that_run_and_count_steps_requests_tokens(
     if not cpu_can_build("paged_attention") or not cpu_can_build("bf16_linear"):
         pytest.skip("this machine cannot build the AVX-512 kernels")
     monkeypatch.delenv("FP8ENGINE_FP8_GEMM", raising=False)
+    monkeypatch.delenv("FP8ENGINE_BF16_GEMM", raising=False)
     prompts = [[1000, 1001, 1002, 1003, 1004], [2000, 2001, 2002]]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    for options, linear in ((dict(), "cpp-bf16-gemv+torch"), (dict(quantization="fp8"), _fp8_backend()),
+    dense = "cpp-bf16-gemv+amx+torch" if {"amx_bf16", "amx_tile"} <= cpu_flags() else "cpp-bf16-gemv+torch"
+    for options, linear in ((dict(), dense), (dict(quantization="fp8"), _fp8_backend()),
                             (dict(dtype="float32"), "torch")):
         engine = make_engine(num_kv_blocks=16, **options)
         engine.generate(prompts, params)

@@ -321,8 +321,12 @@ def markdown_table() -> str:
 
 LINEAR_BACKENDS = {
     "cpp-bf16-gemv+torch": "a C++ GEMV for up to 4 rows (decode), torch's GEMM above",
-    "cpp-bf16": "the C++ BF16 GEMM for every batch size (batch invariant)",
+    "cpp-bf16-gemv+amx+torch": "a C++ GEMV for 1 row, the C++ GEMM on AMX tiles up to 256 rows, torch's GEMM above",
+    "cpp-bf16-amx": "the C++ BF16 GEMM on AMX tiles for every batch size (batch invariant)",
+    "cpp-bf16-avx512": "the C++ BF16 GEMM on AVX-512 BF16 for every batch size (batch invariant)",
+    "torch-bf16-fixed-chunks": "torch's GEMM fed fixed 64-row chunks (batch invariant)",
     "torch": "torch's matmul",
+    "cpp-amx": "the C++ FP8 kernel (AMX tiles)",
     "cpp-avx512bf16": "the C++ FP8 kernel (AVX-512 BF16 dot products)",
     "cpp-scalar": "the C++ FP8 kernel (scalar)",
     "torch-reference": "the plain-torch FP8 reference (no C++ kernel built)",

@@ -36,16 +36,19 @@ def fp8_linear(config: EngineConfig):
 
 
 def _dense_linear_backend(config: EngineConfig) -> str:
-    """BF16 on CPU: the C++ GEMV for decode-sized batches (M <= 4) and torch's GEMM above; when batch
-    invariant, the C++ GEMM for every M, or on AMX machines torch's GEMM in fixed-shape chunks
-    (bf16_linear_cpu.tile_gemm); on CUDA when batch invariant the Triton GEMM; torch otherwise."""
+    """BF16 on CPU: the C++ GEMV for decode-sized batches (M <= 4; with AMX tiles M = 1, then the C++ GEMM on
+    the tiles up to M = 256) and torch's GEMM above; when batch invariant, the C++ GEMM for every M (on AMX
+    tiles or AVX-512, by CPU), or torch's GEMM in fixed-shape chunks (bf16_linear_cpu.chunked_gemm); on CUDA
+    when batch invariant the Triton GEMM; torch otherwise."""
     if config.device == "cuda" and config.batch_invariant:
         return "triton-bf16"
     from fp8engine.model_executor.kernels import bf16_linear_cpu
     if config.device == "cpu" and config.dtype == "bfloat16" and bf16_linear_cpu.kernel_ops() is not None:
         if config.batch_invariant:
-            return "torch-bf16-fixed-chunks" if bf16_linear_cpu.tile_gemm() else "cpp-bf16"
-        return "cpp-bf16-gemv+torch"
+            if bf16_linear_cpu.chunked_gemm():
+                return "torch-bf16-fixed-chunks"
+            return f"cpp-bf16-{bf16_linear_cpu.kernel_gemm()}"
+        return "cpp-bf16-gemv+amx+torch" if bf16_linear_cpu.kernel_gemm() == "amx" else "cpp-bf16-gemv+torch"
     return "torch"
 
 

@@ -2,12 +2,13 @@
 F.linear (its reference) everywhere else, including other devices and dtypes (on CUDA with batch_invariant,
 the Triton GEMM of dense_triton)."""
 
+import functools
 import os
 
 import torch
 from torch.nn import functional as F
 
-from fp8engine.model_executor.kernels.cpu_ops import cpu_flags, cpu_kernel, load_cpu_ops
+from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel, load_cpu_ops
 
 # Rows the kernel takes in one pass over the weight. Measured on a 2-core Zen 5 with every layer's
 # weights coming from DRAM, as in a model forward (30 layers of the default model): at M = 1 the
@@ -16,22 +17,26 @@ from fp8engine.model_executor.kernels.cpu_ops import cpu_flags, cpu_kernel, load
 # (12.4 vs 18.4 ms at M = 16, 37.8 vs 43.5 at M = 128) although the kernel's GEMM ties or beats it
 # when the weights are cache-hot (fp8engine/benchmarks/fp8_linear_micro.py).
 _STREAM_MAX_M = 4
+# With AMX tiles (an Emerald Rapids Xeon, 1 thread) the kernel's GEMM takes 0.35-0.85x torch's time from M = 2 to
+# 128 (default model shapes, weights cache-hot or streamed from L3), 0.9-1.0x at 256 and 1.1-1.2x from 512 on.
+_AMX_MAX_M = 256
 
 
-# Batch invariant on a CPU with AMX tiles (Sapphire Rapids and later): torch's GEMM (oneDNN) runs on the tile
-# unit, several times the C++ kernel's AVX-512 rate from M = 16 up, but picks its blocking by shape. Fed one
-# shape only, rows in chunks of this many (the last padded with zeros), a row's result cannot depend on the
-# others: every chunk is the same computation, and within one a row's sums do not mix with other rows.
+# torch's GEMM (oneDNN) picks its blocking by shape. Fed one shape only, rows in chunks of this many (the last
+# padded with zeros), a row's result cannot depend on the others: every chunk is the same computation, and
+# within one a row's sums do not mix with other rows.
 BATCH_INVARIANT_ROWS = 64
+_BI_GEMMS = ("cpp", "chunked")
 
 
-def tile_gemm() -> bool:
-    """Whether batch-invariant BF16 linears take torch's GEMM in fixed-shape chunks (AMX) instead of the C++
-    kernel. FP8ENGINE_BI_GEMM=cpp|chunked overrides the choice."""
-    choice = os.environ.get("FP8ENGINE_BI_GEMM")
-    if choice in ("cpp", "chunked"):
-        return choice == "chunked"
-    return {"amx_bf16", "amx_tile"} <= cpu_flags() and torch.backends.mkldnn.is_available()
+def chunked_gemm() -> bool:
+    """Whether batch-invariant BF16 linears take torch's GEMM in fixed-shape chunks (FP8ENGINE_BI_GEMM=chunked)
+    instead of the C++ kernel (FP8ENGINE_BI_GEMM=cpp, the default), whose GEMM runs on AMX tiles where the CPU
+    has them and on AVX-512 BF16 elsewhere (FP8ENGINE_BF16_GEMM=amx|avx512 overrides that)."""
+    choice = os.environ.get("FP8ENGINE_BI_GEMM", "cpp")
+    if choice not in _BI_GEMMS:
+        raise ValueError(f"FP8ENGINE_BI_GEMM must be one of {_BI_GEMMS}, got {choice!r}")
+    return choice == "chunked"
 
 
 def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -52,23 +57,35 @@ def kernel_ops():
     return load_cpu_ops() if cpu_kernel("bf16_linear") is not None else None
 
 
+def kernel_gemm() -> str:
+    """The GEMM the kernel runs for batch_invariant and large M: "amx" (where the build, CPU and OS allow AMX
+    tiles) or "avx512"; FP8ENGINE_BF16_GEMM=amx|avx512 overrides."""
+    return _kernel_gemm(os.environ.get("FP8ENGINE_BF16_GEMM"))
+
+
+@functools.cache
+def _kernel_gemm(choice: str | None) -> str:
+    return load_cpu_ops().bf16_linear_gemm()
+
+
 def use_kernel(m: int) -> bool:
-    """Static choice by the number of rows: the kernel for M <= 4 (decode), torch above."""
-    return m <= _STREAM_MAX_M
+    """Static choice by the number of rows: the kernel for M <= 4 (decode), or up to 256 rows where its GEMM
+    runs on AMX tiles; torch above."""
+    return m <= _STREAM_MAX_M or (m <= _AMX_MAX_M and kernel_gemm() == "amx")
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 batch_invariant: bool = False) -> torch.Tensor:
     """y = x @ weight^T + bias; x: [..., K], weight: [N, K] (read in place), y: [..., N] in x's dtype.
 
-    batch_invariant: the kernel for every M, on the one path whose row results do not depend on the
-    batch (torch's GEMM picks its blocking by shape); needs bf16 on a CPU with the kernel. On CUDA: the
-    Triton GEMM of dense_triton, one launch for every M."""
+    batch_invariant: the kernel for every M, on a GEMM whose row results do not depend on the batch (torch's
+    picks its blocking by shape), or torch's in fixed-shape chunks (chunked_gemm); needs bf16 on a CPU with
+    the kernel. On CUDA: the Triton GEMM of dense_triton, one launch for every M."""
     n, k = weight.shape
     if batch_invariant and x.is_cuda:
         from fp8engine.model_executor.kernels.dense_triton import linear_triton
         return linear_triton(x, weight, bias)
-    if batch_invariant and x.device.type == "cpu" and x.dtype == torch.bfloat16 and tile_gemm():
+    if batch_invariant and x.device.type == "cpu" and x.dtype == torch.bfloat16 and chunked_gemm():
         return chunked_linear(x.reshape(-1, k), weight, bias).reshape(*x.shape[:-1], n)
     if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
             or weight.stride(-1) != 1 or x.numel() == 0 or not (batch_invariant or use_kernel(x.numel() // k))):
