@@ -206,6 +206,31 @@ def test_llama_cpp_comes_last_and_is_compared_with_the_first_mode(llama_bin, tmp
     assert "shared by all" in throughput.format_table(report)
 
 
+def test_llama_cpp_runs_in_every_round_alternating_with_the_modes(llama_bin, tmp_path, monkeypatch):
+    """Three rounds: the baseline is one more mode in the alternating order (a drifting machine shifts it as
+    it shifts the modes), and its row is its median round."""
+    calls = []
+
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+        calls.append(mode)
+        return {"mode": mode, "output_tokens": 8, "seconds": 1.0, "output_tok_s": 8.0}
+
+    def fake_llama(*args, **kwargs):
+        calls.append("llama.cpp")
+        speed = [50.0, 30.0, 40.0][calls.count("llama.cpp") - 1]
+        return {"mode": "llama.cpp", "output_tokens": 8, "seconds": 8 / speed, "output_tok_s": speed}
+
+    monkeypatch.setattr(throughput, "run_engine", fake_run_engine)
+    monkeypatch.setattr(llama_cpp, "runner", lambda gguf, llama_bin: fake_llama)
+    spec = throughput.shaped("quick", num_prompts=1, n=1, output_len=8)
+    report = throughput.run(spec, ["bf16", "fp8-kv"], "llama.cpp", threads=1, rounds=3,
+                            gguf=str(tmp_path / "model.gguf"), llama_bin=str(llama_bin / "bin"))
+    assert calls == ["bf16", "fp8-kv", "llama.cpp", "llama.cpp", "fp8-kv", "bf16", "bf16", "fp8-kv", "llama.cpp"]
+    row = report["results"][2]
+    assert (row["mode"], row["output_tok_s"], row["output_tok_s_rounds"]) == ("llama.cpp", 40.0, [50.0, 30.0, 40.0])
+    assert row["ratio_vs_first"] == 5.0
+
+
 def test_parse_reads_llama_cpp_markdown_table_and_json_lines():
     table = textwrap.dedent("""\
         main: n_kv_max = 4096, n_batch = 2048, n_ubatch = 512, flash_attn = 0, is_pp_shared = 0, n_gpu_layers = 99

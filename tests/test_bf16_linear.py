@@ -202,3 +202,16 @@ def test_the_environment_picks_the_gemm(ops, monkeypatch):
     else:
         with pytest.raises(RuntimeError, match="does not allow AMX tiles"):
             ops.bf16_linear_gemm()
+
+
+def test_without_the_kernel_batch_invariant_linears_take_torch_in_fixed_chunks(monkeypatch):
+    """A build without the C++ kernel still keeps a row's bits independent of the batch: torch's GEMM fed one
+    shape only (chunks of BATCH_INVARIANT_ROWS rows)."""
+    monkeypatch.setattr(bf16_linear_cpu, "cpu_kernel", lambda name: None)
+    monkeypatch.setenv("FP8ENGINE_BI_GEMM", "cpp")
+    torch.manual_seed(5)
+    x, w = torch.randn(150, 576).to(BF16), torch.randn(192, 576).to(BF16)
+    batched = bf16_linear_cpu.bf16_linear(x, w, None, batch_invariant=True)
+    assert torch.equal(batched, bf16_linear_cpu.chunked_linear(x, w, None))
+    for i in (0, 63, 64, 149):
+        assert torch.equal(bf16_linear_cpu.bf16_linear(x[i:i + 1], w, None, batch_invariant=True)[0], batched[i])

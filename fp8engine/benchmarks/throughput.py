@@ -7,6 +7,7 @@ machines are noisy and absolute figures move between runs. Every runner gets the
 
 import contextlib
 import dataclasses
+import functools
 import json
 import platform
 import time
@@ -247,7 +248,8 @@ def run(workload: str | Workload, modes: list[str], baseline: str | None = None,
 
     workload: a WORKLOADS name or a Workload (see `shaped`). threads: torch threads for every run (None:
     as set). baseline "hf" adds Hugging Face generate, "llama.cpp" llama-batched-bench from `llama_bin`
-    on `gguf` (see benchmarks/llama_cpp.py), each once, after the modes; ratios are against the first mode."""
+    on `gguf` (see benchmarks/llama_cpp.py), in every round after the modes like one more mode (memory-bound
+    decode on a shared machine drifts by tens of percent within minutes); ratios are against the first mode."""
     spec = WORKLOADS.get(workload) if isinstance(workload, str) else workload
     if spec is None:
         raise ValueError(f"unknown workload {workload!r}; choose from {sorted(WORKLOADS)}")
@@ -263,17 +265,20 @@ def run(workload: str | Workload, modes: list[str], baseline: str | None = None,
     with torch_threads(threads) as threads:
         from transformers import AutoTokenizer
         prompts = prompt_ids(spec, AutoTokenizer.from_pretrained(model_dir(model)))
-        runs: dict[str, list[dict]] = {m: [] for m in modes}
-        for i in range(rounds):
-            for m in modes if i % 2 == 0 else modes[::-1]:
-                runs[m].append(run_engine(m, spec, prompts, model, dtype, device, progress))
-        results = [median_run(runs[m]) for m in modes]
         shape = shape_of(spec, prompts, threads)
+        runners = {m: functools.partial(run_engine, m, spec, prompts, model, dtype, device, progress) for m in modes}
         if baseline == "hf":
-            results.append(run_hf(spec, prompts, model, dtype))
+            runners["hf"] = functools.partial(run_hf, spec, prompts, model, dtype)
         elif llama is not None:
-            results.append(llama(round(shape["input_len"]), spec.max_tokens, spec.num_prompts * spec.n, threads,
-                                 shared_prompt=spec.num_prompts == 1))
+            runners["llama.cpp"] = functools.partial(llama, round(shape["input_len"]), spec.max_tokens,
+                                                     spec.num_prompts * spec.n, threads,
+                                                     shared_prompt=spec.num_prompts == 1)
+        order = list(runners)
+        runs: dict[str, list[dict]] = {m: [] for m in order}
+        for i in range(rounds):
+            for m in order if i % 2 == 0 else order[::-1]:
+                runs[m].append(runners[m]())
+        results = [median_run(runs[m]) for m in order]
         machine = machine_info()
     first = results[0]["output_tok_s"]
     for r in results:

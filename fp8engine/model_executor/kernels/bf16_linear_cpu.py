@@ -91,7 +91,9 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             or weight.stride(-1) != 1 or x.numel() == 0 or not (batch_invariant or use_kernel(x.numel() // k))):
         return F.linear(x, weight, bias)
     kernel = cpu_kernel("bf16_linear")
-    if kernel is None:
+    if kernel is None:  # without the kernel, batch invariance comes from torch's GEMM in fixed-shape chunks
+        if batch_invariant:
+            return chunked_linear(x.reshape(-1, k), weight, bias).reshape(*x.shape[:-1], n)
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
