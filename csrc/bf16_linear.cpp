@@ -31,6 +31,7 @@ struct Problem {
   const uint16_t* w;  // [N, K] bf16, rows ldw apart
   int64_t ldw;
   const float* bias;  // [N] or nullptr
+  int64_t terms = 1;  // AMX only: x holds `terms` groups of m rows (m a multiple of 16), y[i] = sum of their rows i
   float bias_at(int64_t row) const { return bias ? bias[row] : 0.f; }
 };
 
@@ -71,22 +72,25 @@ void gemv_tile(const Problem& p, int64_t m0, int64_t n0, float (&res)[kGemvAcc])
   hsum8(tot + 8, res + 8);
 }
 
-template <int MR>
-void gemv_rows(const Problem& p, int64_t m0, int64_t n0, at::BFloat16* y) {
+template <int MR, typename OutT>
+void gemv_rows(const Problem& p, int64_t m0, int64_t n0, OutT* y) {
   constexpr int NR = gemv_nr(MR);
   for (int64_t nj = n0; nj < std::min(p.n, n0 + kGemvRows); nj += NR) {
     float res[kGemvAcc];
     gemv_tile<MR, NR>(p, m0, nj, res);
     for (int j = 0; j < NR && nj + j < p.n; ++j)
-      for (int i = 0; i < MR; ++i) y[(m0 + i) * p.n + nj + j] = at::BFloat16(res[i * NR + j] + p.bias_at(nj + j));
+      for (int i = 0; i < MR; ++i) y[(m0 + i) * p.n + nj + j] = OutT(res[i * NR + j] + p.bias_at(nj + j));
   }
 }
 
-using GemvRowsFn = void (*)(const Problem&, int64_t, int64_t, at::BFloat16*);
-constexpr GemvRowsFn kGemvRowsFn[kGemvMaxRows + 1] = {nullptr, gemv_rows<1>, gemv_rows<2>, gemv_rows<3>,
-                                                      gemv_rows<4>};
+template <typename OutT>
+using GemvRowsFn = void (*)(const Problem&, int64_t, int64_t, OutT*);
+template <typename OutT>
+constexpr GemvRowsFn<OutT> kGemvRowsFn[kGemvMaxRows + 1] = {nullptr, gemv_rows<1, OutT>, gemv_rows<2, OutT>,
+                                                            gemv_rows<3, OutT>, gemv_rows<4, OutT>};
 
-void linear_small_m(const Problem& p, at::BFloat16* y) {
+template <typename OutT>
+void linear_small_m(const Problem& p, OutT* y) {
   const int64_t groups = cdiv(p.n, kGemvRows);
   const int64_t rows_per_pass = cdiv(p.m, cdiv(p.m, kGemvMaxRows));  // balanced passes over the weights
   // Keep a task at >= ~64 KiB of weights so tiny layers are not split across threads.
@@ -94,7 +98,7 @@ void linear_small_m(const Problem& p, at::BFloat16* y) {
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       for (int64_t m0 = 0; m0 < p.m; m0 += rows_per_pass)
-        kGemvRowsFn[std::min(rows_per_pass, p.m - m0)](p, m0, g * kGemvRows, y);
+        kGemvRowsFn<OutT>[std::min(rows_per_pass, p.m - m0)](p, m0, g * kGemvRows, y);
   });
 }
 
@@ -131,13 +135,14 @@ void pack_tile(const uint16_t* src, int64_t ldx, int64_t rows, int64_t cols, flo
 }
 
 PackedX pack_activations(const Problem& p, bool tiles) {
-  PackedX out{cdiv(p.m, 16) * 16, cdiv(p.k, 32), tiles, nullptr};
+  const int64_t rows = p.m * p.terms;
+  PackedX out{cdiv(rows, 16) * 16, cdiv(p.k, 32), tiles, nullptr};
   const int64_t mvecs = out.mpad / 16;
   out.xp = alloc_buffer<float>(out.kchunks * 16 * out.mpad);
   at::parallel_for(0, mvecs * out.kchunks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mv = t / out.kchunks, c = t % out.kchunks;
-      pack_tile(p.x + mv * 16 * p.ldx + c * 32, p.ldx, std::min<int64_t>(16, p.m - mv * 16), p.k - c * 32,
+      pack_tile(p.x + mv * 16 * p.ldx + c * 32, p.ldx, std::min<int64_t>(16, rows - mv * 16), p.k - c * 32,
                 out.at(c, mv), out.ld());
     }
   });
@@ -154,7 +159,8 @@ void copy_weight_block(const Problem& p, int64_t n0, int64_t k0, uint16_t* wb) {
   }
 }
 
-void gemm_task(const Problem& p, const PackedX& x, const GemmTask& t, uint16_t* wb, float* ct, at::BFloat16* y) {
+template <typename OutT>
+void gemm_task(const Problem& p, const PackedX& x, const GemmTask& t, uint16_t* wb, float* ct, OutT* y) {
   const int64_t ldc = (t.mv1 - t.mv0) * 16;
   if (p.n - t.n0 < kTileN) std::memset(wb, 0, sizeof(uint16_t) * kTileN * kBlockK);
   for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
@@ -172,7 +178,8 @@ void gemm_task(const Problem& p, const PackedX& x, const GemmTask& t, uint16_t* 
   write_tile(p.m, p.n, kTileN, p.bias, t, ct, ldc, y);
 }
 
-void linear_large_m(const Problem& p, at::BFloat16* y) {
+template <typename OutT>
+void linear_large_m(const Problem& p, OutT* y) {
   const PackedX x = pack_activations(p, false);
   const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kTileN);
   const int64_t chunks = m_chunks(n_tiles, mvecs, at::get_num_threads());
@@ -232,34 +239,36 @@ void prefetch_tile(const float* b) {
 // One 32-k step of a group of NA x NB C tiles; tiles 0-3 C, 4-5 A, 6-7 B. The activations stream from L2, once
 // per task, and the tile loads wait on them: the next step's B tiles (past the last step, the next vector's
 // first) are prefetched, which takes 10-15% off from M = 16 to 512 (1 core of an Emerald Rapids Xeon).
+// With `terms` > 1 each activation row is the sum of that many bf16 rows packed tstride floats apart (the
+// float32 head's exact split): the A tiles, loaded once, multiply each term's B tiles into the same C tiles.
 template <int NA, int NB>
-void amx_step(const uint16_t* a, int64_t lda, const float* x0, const float* x1) {
-  prefetch_tile(x0 + 256);
-  if constexpr (NB == 2) prefetch_tile(x1 + 256);
+void amx_step(const uint16_t* a, int64_t lda, const float* x0, const float* x1, int terms, int64_t tstride) {
   _tile_loadd(4, a, lda * 2);
-  _tile_loadd(6, x0, 64);
-  _tile_dpbf16ps(0, 4, 6);
-  if constexpr (NB == 2) {
-    _tile_loadd(7, x1, 64);
-    _tile_dpbf16ps(1, 4, 7);
+  if constexpr (NA == 2) _tile_loadd(5, a + 16 * lda, lda * 2);
+  for (int t = 0; t < terms; ++t, x0 += tstride, x1 += tstride) {
+    prefetch_tile(x0 + 256);
+    if constexpr (NB == 2) prefetch_tile(x1 + 256);
+    _tile_loadd(6, x0, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB == 2) {
+      _tile_loadd(7, x1, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NA == 2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (NA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
   }
-  if constexpr (NA == 2) {
-    _tile_loadd(5, a + 16 * lda, lda * 2);
-    _tile_dpbf16ps(2, 5, 6);
-  }
-  if constexpr (NA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
 }
 
 // C tile i * NB + j (weight rows 16 i, activation vector j) over all of K, stored to c.
 template <int NA, int NB>
-void amx_group(const AmxWeights& wt, const float* x0, const float* x1, float (*c)[256]) {
+void amx_group(const AmxWeights& wt, const float* x0, const float* x1, int terms, int64_t tstride, float (*c)[256]) {
   _tile_zero(0);
   if constexpr (NB == 2) _tile_zero(1);
   if constexpr (NA == 2) _tile_zero(2);
   if constexpr (NA == 2 && NB == 2) _tile_zero(3);
   int64_t s = 0;
-  for (; s < wt.steps; ++s) amx_step<NA, NB>(wt.a + 32 * s, wt.lda, x0 + 256 * s, x1 + 256 * s);
-  if (wt.tail != nullptr) amx_step<NA, NB>(wt.tail, 32, x0 + 256 * s, x1 + 256 * s);
+  for (; s < wt.steps; ++s) amx_step<NA, NB>(wt.a + 32 * s, wt.lda, x0 + 256 * s, x1 + 256 * s, terms, tstride);
+  if (wt.tail != nullptr) amx_step<NA, NB>(wt.tail, 32, x0 + 256 * s, x1 + 256 * s, terms, tstride);
   _tile_stored(0, c[0], 64);
   if constexpr (NB == 2) _tile_stored(1, c[1], 64);
   if constexpr (NA == 2) _tile_stored(2, c[NB], 64);
@@ -268,7 +277,8 @@ void amx_group(const AmxWeights& wt, const float* x0, const float* x1, float (*c
 
 // y[m, n0 + n] = bf16(c tiles + bias) for activation vectors mv, mv + 1 (nb of them) and na x 16 weight rows:
 // C rows are weight rows, so each 16 x 16 tile is transposed; an output row's 32 values go out in one store.
-void amx_write(const Problem& p, int64_t n0, int64_t mv, int na, int nb, const float (*c)[256], at::BFloat16* y) {
+template <typename OutT>
+void amx_write(const Problem& p, int64_t n0, int64_t mv, int na, int nb, const float (*c)[256], OutT* y) {
   const __mmask16 mask_lo = tail_mask16(p.n - n0), mask_hi = tail_mask16(p.n - n0 - 16);
   const __m512 bias_lo = p.bias ? _mm512_maskz_loadu_ps(mask_lo, p.bias + n0) : _mm512_setzero_ps();
   const __m512 bias_hi = p.bias && na == 2 ? _mm512_maskz_loadu_ps(mask_hi, p.bias + n0 + 16) : _mm512_setzero_ps();
@@ -283,7 +293,7 @@ void amx_write(const Problem& p, int64_t n0, int64_t mv, int na, int nb, const f
     const int64_t m = (mv + j) * 16;
     const int rows = static_cast<int>(std::min<int64_t>(16, p.m - m));
     for (int k = 0; k < rows; ++k) {
-      at::BFloat16* out = y + (m + k) * p.n + n0;
+      OutT* out = y + (m + k) * p.n + n0;
       if (na == 2) {
         store_rows(out, _mm512_add_ps(lo[k], bias_lo), _mm512_add_ps(hi[k], bias_hi), mask_hi);
       } else {
@@ -293,18 +303,21 @@ void amx_write(const Problem& p, int64_t n0, int64_t mv, int na, int nb, const f
   }
 }
 
-void amx_task(const Problem& p, const PackedX& x, const GemmTask& t, uint16_t* pad, at::BFloat16* y) {
+template <typename OutT>
+void amx_task(const Problem& p, const PackedX& x, const GemmTask& t, uint16_t* pad, OutT* y) {
   const AmxWeights wt = amx_weights(p, t.n0, x.kchunks, pad);
   const int na = p.n - t.n0 > 16 ? 2 : 1;
+  const int terms = static_cast<int>(p.terms);
+  const int64_t tstride = p.m / 16 * x.kchunks * 256;  // term t's vector mv is term 0's vector mv + t * m / 16
   alignas(64) float c[4][256];
   for (int64_t mv = t.mv0; mv < t.mv1; mv += 2) {
     const int nb = mv + 1 < t.mv1 ? 2 : 1;
     const float* x0 = x.at(0, mv);
     const float* x1 = x.at(0, mv + nb - 1);
     if (na == 2) {
-      nb == 2 ? amx_group<2, 2>(wt, x0, x1, c) : amx_group<2, 1>(wt, x0, x1, c);
+      nb == 2 ? amx_group<2, 2>(wt, x0, x1, terms, tstride, c) : amx_group<2, 1>(wt, x0, x1, terms, tstride, c);
     } else {
-      nb == 2 ? amx_group<1, 2>(wt, x0, x1, c) : amx_group<1, 1>(wt, x0, x1, c);
+      nb == 2 ? amx_group<1, 2>(wt, x0, x1, terms, tstride, c) : amx_group<1, 1>(wt, x0, x1, terms, tstride, c);
     }
     amx_write(p, t.n0, mv, na, nb, c, y);
   }
@@ -313,12 +326,16 @@ void amx_task(const Problem& p, const PackedX& x, const GemmTask& t, uint16_t* p
 // Activation vectors per M chunk: about 1 MiB of packed activations, which stays in L2 while a thread's tasks go
 // over the weight tiles for that chunk (at M = 2048 streaming all of them from L3 for every tile took 1.5-2x
 // the time). A thread's tasks are consecutive: a chunk's tiles, then the next chunk's.
-int64_t amx_chunk_vecs(const PackedX& x) { return std::max<int64_t>(2, (int64_t(1) << 20) / (x.kchunks * 1024)); }
+int64_t amx_chunk_vecs(const PackedX& x, int64_t terms) {
+  return std::max<int64_t>(2, (int64_t(1) << 20) / (x.kchunks * 1024 * terms));
+}
 
-void linear_amx(const Problem& p, at::BFloat16* y) {
+template <typename OutT>
+void linear_amx(const Problem& p, OutT* y) {
   const PackedX x = pack_activations(p, true);
-  const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kAmxTileN);
-  const int64_t chunks = std::max(m_chunks(n_tiles, mvecs, at::get_num_threads()), cdiv(mvecs, amx_chunk_vecs(x)));
+  const int64_t mvecs = x.mpad / 16 / p.terms, n_tiles = cdiv(p.n, kAmxTileN);
+  const int64_t chunks =
+      std::max(m_chunks(n_tiles, mvecs, at::get_num_threads()), cdiv(mvecs, amx_chunk_vecs(x, p.terms)));
   at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
     const TileScope tiles;
     auto pad = alloc_buffer<uint16_t>(kAmxTileN * 32 * x.kchunks);
@@ -338,11 +355,25 @@ constexpr char kGemmEnv[] = "FP8ENGINE_BF16_GEMM";  // avx512|amx, see use_amx
 constexpr int64_t kSmallM = 7;
 constexpr int64_t kSmallMAmx = 1;
 
+template <typename OutT>
+void linear_impl(const Problem& p, OutT* out, bool batch_invariant) {
+  const bool amx = use_amx(kGemmEnv);
+  if (!batch_invariant && p.m <= (amx ? kSmallMAmx : kSmallM)) {
+    linear_small_m(p, out);
+  } else if (amx) {
+#ifdef FP8E_AMX
+    linear_amx(p, out);
+#endif
+  } else {
+    linear_large_m(p, out);
+  }
+}
+
 // The small-M path sums a row's products in another order than the GEMMs, which give every row the same
 // arithmetic whatever M is and wherever the row sits: batch_invariant takes a GEMM for every M (AMX tiles
-// or AVX-512, chosen by the CPU, never by M).
+// or AVX-512, chosen by the CPU, never by M). float32_out: y in float32, the sums not rounded to bf16.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                       bool batch_invariant) {
+                       bool batch_invariant, bool float32_out) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "bf16_linear: x and w must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
@@ -355,22 +386,42 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bf16_linear: bias must be [N]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor y = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor y = at::empty({m, n}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16)
+                                       .memory_format(at::MemoryFormat::Contiguous));
   if (m == 0 || n == 0) return y;
   const Problem p{m, n, k, static_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
                   static_cast<const uint16_t*>(w.data_ptr()), w.stride(0),
                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
-  auto* out = y.data_ptr<at::BFloat16>();
-  const bool amx = use_amx(kGemmEnv);
-  if (!batch_invariant && m <= (amx ? kSmallMAmx : kSmallM)) {
-    linear_small_m(p, out);
-  } else if (amx) {
-#ifdef FP8E_AMX
-    linear_amx(p, out);
-#endif
+  if (float32_out) {
+    linear_impl(p, y.data_ptr<float>(), batch_invariant);
   } else {
-    linear_large_m(p, out);
+    linear_impl(p, y.data_ptr<at::BFloat16>(), batch_invariant);
   }
+  return y;
+}
+
+// y [m, N] float32 = sum over t < terms of x[t * m + i] . w: x [terms * m, K] bf16 holds the terms of each
+// row in `terms` groups of m rows, m a multiple of 16 (the float32 LM head's exact three-way bf16 split). AMX
+// tiles only: per 32-k step the terms' products go into one running float32 sum, in a fixed order that
+// depends only on the row (batch invariant).
+at::Tensor bf16_linear_terms_f32(const at::Tensor& x, const at::Tensor& w, int64_t terms) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_linear_terms_f32: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "bf16_linear_terms_f32: x and w must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 2 && w.stride(1) == 1,
+              "bf16_linear_terms_f32: x [rows, K] and w [N, K] need unit inner strides");
+  TORCH_CHECK(terms >= 1 && x.size(0) % (16 * terms) == 0, "bf16_linear_terms_f32: x's ", x.size(0),
+              " rows are not ", terms, " groups of a multiple of 16 rows");
+  const int64_t m = x.size(0) / terms, k = x.size(1), n = w.size(0);
+  TORCH_CHECK(w.size(1) == k && k > 0, "bf16_linear_terms_f32: x has K=", k, " but w is ", w.sizes());
+  TORCH_CHECK(use_amx(kGemmEnv), "bf16_linear_terms_f32 needs AMX tiles (bf16_linear_gemm() == 'amx')");
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) return y;
+#ifdef FP8E_AMX
+  const Problem p{m, n, k, static_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
+                  static_cast<const uint16_t*>(w.data_ptr()), w.stride(0), nullptr, terms};
+  linear_amx(p, y.data_ptr<float>());
+#endif
   return y;
 }
 
@@ -380,9 +431,12 @@ std::string bf16_linear_gemm() { return use_amx(kGemmEnv) ? "amx" : "avx512"; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
-  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias, bool batch_invariant=False) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias, bool batch_invariant=False, bool float32_out=False) "
+        "-> Tensor");
   m.def("bf16_linear_gemm() -> str", TORCH_FN(bf16_linear_gemm));
+  m.def("bf16_linear_terms_f32(Tensor x, Tensor w, int terms) -> Tensor");
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
+  m.impl("bf16_linear_terms_f32", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_terms_f32));
 }
 
 #endif  // FP8E_BF16_KERNELS

@@ -215,3 +215,69 @@ def test_without_the_kernel_batch_invariant_linears_take_torch_in_fixed_chunks(m
     assert torch.equal(batched, bf16_linear_cpu.chunked_linear(x, w, None))
     for i in (0, 63, 64, 149):
         assert torch.equal(bf16_linear_cpu.bf16_linear(x[i:i + 1], w, None, batch_invariant=True)[0], batched[i])
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_float32_out_is_the_sum_before_its_rounding_to_bf16(ops, gemm, m, batch_invariant):
+    torch.manual_seed(m)
+    x, w, bias = torch.randn(m, 200).to(BF16), torch.randn(70, 200).to(BF16), torch.randn(70).to(BF16)
+    y32 = ops.bf16_linear(x, w, bias, batch_invariant, True)
+    assert y32.dtype == torch.float32
+    assert torch.equal(y32.to(BF16), ops.bf16_linear(x, w, bias, batch_invariant))
+
+
+def _float32_head_inputs(m: int, n: int = 300, k: int = 576):
+    torch.manual_seed(m + n)
+    return torch.randn(m, k), (torch.randn(n, k) * 0.05).to(BF16)
+
+
+@pytest.mark.skipif(not AMX, reason="the float32 head's split runs on AMX tiles")
+def test_split_float32_head_is_as_accurate_as_float32_and_batch_invariant(ops):
+    """x = hi + mid + lo in bf16 exactly, so the tiles' float32 sums are as close to the exact product as the
+    float32 FMA kernel's; a row's bits do not depend on the rows beside it or on the 256-row chunks."""
+    from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
+    x, w = _float32_head_inputs(300)
+    exact = x.double() @ w.double().T
+    y = bf16_linear_cpu.split_float32_linear(x, w)
+    fma = cpu_kernel("lm_head_f32")(x, w)
+    err, fma_err = (y.double() - exact).abs(), (fma.double() - exact).abs()
+    scale = x.double().abs() @ w.double().abs().T
+    assert y.dtype == torch.float32 and y.shape == (300, 300)
+    assert (err <= 2.0 ** -21 * scale).all()
+    assert err.mean() <= 2 * fma_err.mean()
+    bf16_err = (ops.bf16_linear(x.to(BF16), w, None, True, True).double() - exact).abs()
+    assert err.mean() * 100 < bf16_err.mean()  # what the split is for: a bf16 input would lose ~2^-9 of x
+    for i in (0, 15, 16, 255, 256, 299):
+        assert torch.equal(bf16_linear_cpu.split_float32_linear(x[i:i + 1], w)[0], y[i])
+    assert torch.equal(bf16_linear_cpu.split_float32_linear(x[250:270], w), y[250:270])
+
+
+@pytest.mark.skipif(not AMX, reason="the kernel needs AMX tiles")
+def test_terms_kernel_sums_the_terms_of_each_row(ops):
+    torch.manual_seed(3)
+    t = torch.randn(2, 16, 96).to(BF16)
+    w = torch.randn(40, 96).to(BF16)
+    y = ops.bf16_linear_terms_f32(t.view(32, 96), w, 2)
+    exact = (t.double().sum(0)) @ w.double().T
+    assert y.shape == (16, 40) and ((y.double() - exact).abs() <= 1e-4 * (1 + exact.abs())).all()
+    assert torch.equal(ops.bf16_linear_terms_f32(t[:1].reshape(16, 96), w, 1),
+                       ops.bf16_linear(t[0], w, None, True, True))
+    with pytest.raises(RuntimeError, match="x's 24 rows are not 2 groups of a multiple of 16 rows"):
+        ops.bf16_linear_terms_f32(torch.zeros(24, 96, dtype=BF16), w, 2)
+
+
+def test_the_environment_picks_the_float32_head(ops, monkeypatch):
+    from fp8engine.model_executor.layers.embedding import lm_head_fp32
+    x, w = _float32_head_inputs(4, 50, 64)
+    monkeypatch.setenv("FP8ENGINE_FP32_HEAD", "fma")
+    assert not bf16_linear_cpu.split_float32_head()
+    from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
+    assert torch.equal(lm_head_fp32(x, w), cpu_kernel("lm_head_f32")(x, w))
+    monkeypatch.setenv("FP8ENGINE_FP32_HEAD", "tiles")
+    assert bf16_linear_cpu.split_float32_head() == AMX
+    if AMX:
+        assert torch.equal(lm_head_fp32(x, w), bf16_linear_cpu.split_float32_linear(x, w))
+    monkeypatch.setenv("FP8ENGINE_FP32_HEAD", "fp64")
+    with pytest.raises(ValueError, match=r"FP8ENGINE_FP32_HEAD must be one of \('tiles', 'fma'\), got 'fp64'"):
+        bf16_linear_cpu.split_float32_head()

@@ -99,3 +99,42 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return kernel(x2, weight, bias, batch_invariant).reshape(*x.shape[:-1], n)
+
+
+# Rows of the float32 head per call: bounds the bf16 terms (3 x rows x K) a scored prompt stages at once.
+SPLIT_ROWS = 256
+_FP32_HEADS = ("tiles", "fma")
+
+
+def split_float32_head() -> bool:
+    """Whether the float32 LM head runs on AMX tiles (split_float32_linear) rather than the float32 FMA kernel
+    (csrc/lm_head.cpp): where the kernel's GEMM is on tiles, unless FP8ENGINE_FP32_HEAD=fma."""
+    choice = os.environ.get("FP8ENGINE_FP32_HEAD", "tiles")
+    if choice not in _FP32_HEADS:
+        raise ValueError(f"FP8ENGINE_FP32_HEAD must be one of {_FP32_HEADS}, got {choice!r}")
+    return choice == "tiles" and cpu_kernel("bf16_linear_terms_f32") is not None and kernel_gemm() == "amx"
+
+
+def split_float32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ weight [N, K] bf16 ^T in float32, on AMX tiles.
+
+    x = hi + mid + lo exactly (three bf16 terms of 8 significant bits hold float32's 24, barring underflow
+    below 2^-126); a bf16 weight times a bf16 term is exact in float32, and the kernel adds each 32-k step's
+    products of the three terms into one float32 running sum per output (csrc/bf16_linear.cpp,
+    bf16_linear_terms_f32), in an order that depends only on the row: batch invariant, as accurate as a
+    float32 product, at about three times the BF16 head's tile work and its weight traffic."""
+    m, k = x.shape
+    kernel = cpu_kernel("bf16_linear_terms_f32")
+    out = []
+    for start in range(0, m, SPLIT_ROWS):
+        rows = x[start:start + SPLIT_ROWS]
+        r = rows.shape[0]
+        terms = torch.zeros(3, -(-r // 16) * 16, k, dtype=torch.bfloat16)
+        terms[0, :r] = hi = rows.to(torch.bfloat16)
+        rest = rows - hi.float()
+        terms[1, :r] = mid = rest.to(torch.bfloat16)
+        terms[2, :r] = rest - mid.float()
+        out.append(kernel(terms.view(-1, k), weight, 3)[:r])
+    if not out:
+        return x.new_empty(0, weight.shape[0])
+    return out[0] if len(out) == 1 else torch.cat(out)

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fp8engine.model_executor.kernels import bf16_linear_cpu
 from fp8engine.model_executor.kernels.bf16_linear_cpu import bf16_linear
 from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
 
@@ -40,13 +41,17 @@ class LMHead(nn.Module):
 
 def lm_head_fp32(hidden: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """float32 logits of hidden [M, K] against weight [V, K] in the model dtype, every product and sum in
-    float32: the C++ kernel on CPU (batch invariant), the Triton GEMM on CUDA when batch_invariant, torch
-    elsewhere."""
+    float32: on CPU the BF16 GEMM on AMX tiles over an exact three-way bf16 split of the float32 input
+    (bf16_linear_cpu.split_float32_linear) or the float32 FMA kernel (both batch invariant), the Triton GEMM
+    on CUDA when batch_invariant, torch elsewhere."""
     if batch_invariant and hidden.is_cuda:
         from fp8engine.model_executor.kernels.dense_triton import linear_triton
         return linear_triton(hidden, weight, out_dtype=torch.float32)
-    kernel = cpu_kernel("lm_head_f32") if hidden.device.type == "cpu" else None
     x = hidden.float()
+    if (hidden.device.type == "cpu" and hidden.dim() == 2 and weight.dtype == torch.bfloat16
+            and weight.stride(-1) == 1 and bf16_linear_cpu.split_float32_head()):
+        return bf16_linear_cpu.split_float32_linear(x, weight)
+    kernel = cpu_kernel("lm_head_f32") if hidden.device.type == "cpu" else None
     if kernel is None or hidden.dim() != 2:
         return F.linear(x, weight.float())
     return kernel(x.contiguous(), weight if weight.is_contiguous() else weight.contiguous())
