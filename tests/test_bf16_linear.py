@@ -276,8 +276,10 @@ def test_the_environment_picks_the_float32_head(ops, monkeypatch):
     assert torch.equal(lm_head_fp32(x, w), cpu_kernel("lm_head_f32")(x, w))
     monkeypatch.setenv("FP8ENGINE_FP32_HEAD", "tiles")
     assert bf16_linear_cpu.split_float32_head() == AMX
-    if AMX:
+    if AMX:  # the tiles above 2 rows, and for every row count when batch invariant
         assert torch.equal(lm_head_fp32(x, w), bf16_linear_cpu.split_float32_linear(x, w))
+        assert torch.equal(lm_head_fp32(x[:1], w, batch_invariant=True), bf16_linear_cpu.split_float32_linear(x[:1], w))
+        assert torch.equal(lm_head_fp32(x[:2], w), cpu_kernel("lm_head_f32")(x[:2], w))
     monkeypatch.setenv("FP8ENGINE_FP32_HEAD", "fp64")
     with pytest.raises(ValueError, match=r"FP8ENGINE_FP32_HEAD must be one of \('tiles', 'fma'\), got 'fp64'"):
         bf16_linear_cpu.split_float32_head()
