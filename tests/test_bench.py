@@ -340,3 +340,18 @@ def test_a_stream_whose_chunks_change_weight_version_counts_as_mixed():
     tally = soak.Tally()
     asyncio.run(soak._read_events(httpx.Response(200, content=body.encode()), tally, 0.0, None))
     assert (tally.mixed_version_choices, tally.versions_seen, tally.output_tokens, tally.completed) == (1, {3, 4}, 4, 1)
+
+
+def test_a_malformed_event_counts_as_a_stream_error_and_the_soak_goes_on():
+    """An event a line-splitting client cuts in two (U+2028 in raw JSON, as the server once sent it) is an
+    error the soak reports, not one that ends it; the server's own events now survive such a client."""
+    from fp8engine.entrypoints.server import _event
+    cut = 'data: {"choices":[{"index":0,"text":"a\u2028b","weight_version":1,"token_ids":[5]}]}'
+    tally = soak.Tally()
+    asyncio.run(soak._read_events(httpx.Response(200, content=(cut + "\n\n").encode()), tally, 0.0, None))
+    assert (tally.stream_errors["malformed event"], tally.completed) == (1, 0)
+    whole = _event({"choices": [{"index": 0, "text": "a\u2028b\x85", "weight_version": 1, "token_ids": [5]}]})
+    tally = soak.Tally()
+    body = (whole + "data: [DONE]\n\n").encode()
+    asyncio.run(soak._read_events(httpx.Response(200, content=body), tally, 0.0, None))
+    assert (dict(tally.stream_errors), tally.completed, tally.output_tokens) == ({}, 1, 1)

@@ -211,7 +211,12 @@ async def _read_events(response: httpx.Response, tally: Tally, start: float, sto
                 return
             if not line.startswith("data: "):
                 continue
-            chunk = json.loads(line[len("data: "):])
+            try:
+                chunk = json.loads(line[len("data: "):])
+            except json.JSONDecodeError as exc:  # an event cut or garbled on the way: the server's fault
+                tally.stream_errors["malformed event"] += 1
+                tally.note(f"malformed event ({exc}): {line[:200]!r}")
+                return
             if "error" in chunk:
                 tally.stream_errors[str(chunk["error"].get("code") or chunk["error"].get("type"))] += 1
                 tally.note(f"in-stream error: {chunk['error'].get('message')}")

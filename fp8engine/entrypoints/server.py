@@ -470,8 +470,15 @@ async def _sse_events(stream: RequestStream, builder: ResponseBuilder, timer: "T
     yield "data: [DONE]\n\n"
 
 
+# Characters JSON leaves raw with ensure_ascii=False that str.splitlines (and so httpx's aiter_lines and other
+# line-splitting SSE clients) takes for line ends: a sampled token that decodes to one cut an event in two
+# during a soak. Escaped, the event stays one line and the JSON the same value.
+_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(',', ':'))}\n\n"
+    data = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
 
 
 async def _final_outputs(stream: RequestStream, timer: "Timer") -> dict[int, RequestOutput]:
