@@ -85,15 +85,12 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if batch_invariant and x.is_cuda:
         from fp8engine.model_executor.kernels.dense_triton import linear_triton
         return linear_triton(x, weight, bias)
-    if batch_invariant and x.device.type == "cpu" and x.dtype == torch.bfloat16 and chunked_gemm():
+    kernel = cpu_kernel("bf16_linear") if x.device.type == "cpu" else None
+    # Chosen, or without the kernel: batch invariance from torch's GEMM in fixed-shape chunks.
+    if batch_invariant and x.device.type == "cpu" and x.dtype == torch.bfloat16 and (chunked_gemm() or kernel is None):
         return chunked_linear(x.reshape(-1, k), weight, bias).reshape(*x.shape[:-1], n)
-    if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or weight.stride(-1) != 1 or x.numel() == 0 or not (batch_invariant or use_kernel(x.numel() // k))):
-        return F.linear(x, weight, bias)
-    kernel = cpu_kernel("bf16_linear")
-    if kernel is None:  # without the kernel, batch invariance comes from torch's GEMM in fixed-shape chunks
-        if batch_invariant:
-            return chunked_linear(x.reshape(-1, k), weight, bias).reshape(*x.shape[:-1], n)
+    if (kernel is None or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.stride(-1) != 1
+            or x.numel() == 0 or not (batch_invariant or use_kernel(x.numel() // k))):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
