@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig
 
 from fp8engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
-from fp8engine.model_executor import backends
+from fp8engine.model_executor import backends, fused_decoder
 from fp8engine.model_executor.layers.attention import AttentionMetadata
 from fp8engine.model_executor.models import model_class
 from fp8engine.model_executor.models.llama import LinearFactory
@@ -60,6 +60,7 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         self.routed_experts = self._allocate_routed_experts()
         self._attach_cache(self.kv_cache, self.routed_experts)
+        self.model.fused = fused_decoder.build(self.model, config, self.attention.name)
 
     @property
     def kv_dtype(self) -> torch.dtype:

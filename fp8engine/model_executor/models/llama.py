@@ -116,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)
+        self.fused = None  # the decoder layers in one C++ call (model_executor/fused_decoder.py), set by the runner
 
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
@@ -129,9 +130,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(positions, x, residual, meta)
+        if self.fused is not None and self.fused.usable(x):
+            x, residual = self.fused(x, positions, meta)
+        else:
+            residual = None
+            for layer in self.model.layers:
+                x, residual = layer(positions, x, residual, meta)
         if self.lm_head.fp32:  # float32 from the final norm on: the head's input is not rounded to bf16
             return self.model.norm.forward_float32(x, residual)
         return self.model.norm(x, residual)[0]

@@ -1,0 +1,183 @@
+// The decoder layers of a dense Llama-family model (Llama, Qwen2, Qwen3) in one call from Python.
+//
+// A layer is the same chain of fp8engine ops that fp8engine/model_executor/models/llama.py calls: RMSNorm
+// with the residual, the fused QKV projection, the optional per-head q/k RMSNorm, RoPE in place, the
+// KV-cache write, paged attention, o_proj, RMSNorm, gate/up, SiLU-and-mul, down. Each op is called through
+// the dispatcher with the arguments the Python layer passes, in the same order, so the result is the Python
+// path's bit for bit (tests/test_fused_decoder.py); what goes is the Python around them: at batch 1 on a
+// 2-vCPU VM about two fifths of a decode step was module calls, attribute lookups and op-call overhead,
+// during which the other thread waited.
+//
+// A DecoderPlan holds the layers' parameters (the module's own tensors: weight updates write into them in
+// place, so the plan sees every update) and the dimensions; the KV caches and scales, which calibration
+// and scratch forwards swap, come with each call.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// The ops a layer calls, looked up once (a plan cannot be built where one is missing, e.g. without AVX-512).
+struct Ops {
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&,
+                                                              double)>
+      rms_norm = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&,
+                                                            double)>("fp8engine::rms_norm");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
+                                      const OptTensor&, bool)>
+      fp8_linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
+                                      const OptTensor&, bool)>("fp8engine::fp8_block_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool)> bf16_linear =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool)>("fp8engine::bf16_linear");
+  c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
+      rotary = find_op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "fp8engine::rotary_embedding_");
+  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                double, double)>
+      write_kv = find_op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, double,
+                              double)>("fp8engine::write_kv_cache");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const at::Tensor&, const at::Tensor&, double, double, double, double, int64_t)>
+      attention = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     const at::Tensor&, const at::Tensor&, double, double, double, double, int64_t)>(
+          "fp8engine::paged_attention");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
+      find_op<at::Tensor(const at::Tensor&)>("fp8engine::silu_and_mul");
+};
+
+// One projection as layers/linear.py calls it: FP8 (weight E4M3 + block scales, optional row -> scale-row map)
+// or the model dtype through the BF16 kernel.
+struct Proj {
+  at::Tensor weight;
+  OptTensor scale, bias, scale_rows;
+  bool ue8m0 = false;
+
+  at::Tensor operator()(const Ops& ops, const at::Tensor& x, bool batch_invariant) const {
+    if (scale) return ops.fp8_linear.call(x, weight, *scale, bias, ue8m0, scale_rows, batch_invariant);
+    return ops.bf16_linear.call(x, weight, bias, batch_invariant, false);
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  OptTensor q_norm, k_norm;
+  Proj qkv, o, gate_up, down;
+};
+
+// Per layer, `tensors` holds 20 entries: input_layernorm, post_attention_layernorm, q_norm, k_norm weights,
+// then (weight, scale, bias, scale_rows) of qkv_proj, o_proj, gate_up_proj and down_proj; None where absent
+// (a BF16 projection has no scale). dims: heads, kv heads, head_dim, fixed attention partition (0: adaptive).
+constexpr int64_t kPerLayer = 20;
+
+class DecoderPlan : public torch::CustomClassHolder {
+ public:
+  DecoderPlan(std::vector<OptTensor> tensors, at::Tensor cos, at::Tensor sin, std::vector<int64_t> dims, double eps,
+              double attn_scale, bool ue8m0, bool batch_invariant)
+      : cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), attn_scale_(attn_scale),
+        batch_invariant_(batch_invariant) {
+    TORCH_CHECK(tensors.size() % kPerLayer == 0 && !tensors.empty(), "DecoderPlan: ", kPerLayer,
+                " tensors per layer expected, got ", tensors.size());
+    TORCH_CHECK(dims.size() == 4, "DecoderPlan: dims [heads, kv_heads, head_dim, partition] expected");
+    heads_ = dims[0], kv_heads_ = dims[1], head_dim_ = dims[2], partition_ = dims[3];
+    for (size_t i = 0; i < tensors.size(); i += kPerLayer) {
+      auto at_ = [&](size_t j) { return tensors[i + j]; };
+      auto proj = [&](size_t j) {
+        TORCH_CHECK(at_(j).has_value(), "DecoderPlan: a projection weight is missing");
+        return Proj{*at_(j), at_(j + 1), at_(j + 2), at_(j + 3), ue8m0};
+      };
+      TORCH_CHECK(at_(0).has_value() && at_(1).has_value(), "DecoderPlan: a layer norm weight is missing");
+      layers_.push_back(Layer{*at_(0), *at_(1), at_(2), at_(3), proj(4), proj(8), proj(12), proj(16)});
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [T, hidden] (the embeddings) -> (output of the last layer, its residual), which the final norm adds.
+  // kv_caches: k and v cache of each layer; scales: k, v and q scale of each layer (q 0: not full FP8).
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, const at::Tensor& positions,
+                                             std::vector<at::Tensor> kv_caches, std::vector<double> scales,
+                                             const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
+                                             const at::Tensor& seq_lens, const at::Tensor& block_tables) const {
+    const int64_t n = num_layers();
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == 2 * n && static_cast<int64_t>(scales.size()) == 3 * n,
+                "DecoderPlan.forward: ", 2 * n, " caches and ", 3 * n, " scales expected");
+    const Ops& ops = get_ops();
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    OptTensor residual;
+    for (int64_t i = 0; i < n; ++i) {
+      const Layer& l = layers_[i];
+      auto [h, summed] = ops.rms_norm.call(x, residual, l.input_norm, eps_);
+      residual = residual ? summed : x;
+      const at::Tensor qkv = l.qkv(ops, h, batch_invariant_);
+      const int64_t t = qkv.size(0);
+      at::Tensor q = qkv.narrow(-1, 0, q_size).reshape({t, heads_, head_dim_});
+      at::Tensor k = qkv.narrow(-1, q_size, kv_size).reshape({t, kv_heads_, head_dim_});
+      const at::Tensor v = qkv.narrow(-1, q_size + kv_size, kv_size).reshape({t, kv_heads_, head_dim_}).contiguous();
+      if (l.q_norm) {
+        q = std::get<0>(ops.rms_norm.call(q, std::nullopt, *l.q_norm, eps_));
+        k = std::get<0>(ops.rms_norm.call(k, std::nullopt, *l.k_norm, eps_));
+      }
+      ops.rotary.call(q, k, cos_, sin_, positions);
+      const double k_scale = scales[3 * i], v_scale = scales[3 * i + 1], q_scale = scales[3 * i + 2];
+      at::Tensor& k_cache = kv_caches[2 * i];
+      at::Tensor& v_cache = kv_caches[2 * i + 1];
+      TORCH_CHECK(q_scale == 0 || (k_cache.scalar_type() == at::kFloat8_e4m3fn && q_scale > 0),
+                  "full-FP8 attention needs an FP8 KV cache and a positive fp8_q_scale");
+      ops.write_kv.call(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+      const at::Tensor attn = ops.attention.call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                                 attn_scale_, k_scale, v_scale, q_scale, partition_);
+      const at::Tensor o = l.o(ops, attn.reshape({t, -1}), batch_invariant_);
+      auto [h2, summed2] = ops.rms_norm.call(o, residual, l.post_norm, eps_);
+      residual = summed2;
+      x = l.down(ops, ops.silu_and_mul.call(l.gate_up(ops, h2, batch_invariant_)), batch_invariant_);
+    }
+    return {x, *residual};
+  }
+
+ private:
+  static const Ops& get_ops() {
+    static const Ops ops;
+    return ops;
+  }
+
+  std::vector<Layer> layers_;
+  at::Tensor cos_, sin_;
+  int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, partition_ = 0;
+  double eps_ = 0, attn_scale_ = 0;
+  bool batch_invariant_ = false;
+};
+
+// Whether every op a plan calls is registered (the attention and layer ops need AVX-512, the BF16 linear
+// AVX512-BF16); Python builds a plan only then.
+bool decoder_plan_supported() {
+  try {
+    (void)Ops();
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
+  m.class_<DecoderPlan>("DecoderPlan")
+      .def(torch::init<std::vector<OptTensor>, at::Tensor, at::Tensor, std::vector<int64_t>, double, double, bool,
+                       bool>())
+      .def("num_layers", &DecoderPlan::num_layers)
+      .def("forward", &DecoderPlan::forward);
+  m.def("decoder_plan_supported() -> bool", TORCH_FN(decoder_plan_supported));
+}
