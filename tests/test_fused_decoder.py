@@ -1,0 +1,117 @@
+"""The decoder layers in one C++ call (model_executor/fused_decoder.py, csrc/decoder.cpp) give the Python
+layers' tokens and logprobs bit for bit, in every precision mode, with q/k norms and biases, batch invariant
+or not; and the engine takes that path only where it applies."""
+
+import pytest
+import torch
+
+from fp8engine import SamplingParams
+from fp8engine.model_executor import fused_decoder
+from tests.conftest import make_engine, require_cpu_op
+from tests.tiny_models import tiny_dir  # noqa: F401 (fixture)
+
+MODES = {
+    "bf16": dict(),
+    "fp8-linear": dict(quantization="fp8"),
+    "fp8-kv": dict(kv_cache_dtype="fp8_e4m3"),
+    "full-fp8": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", fp8_attention=True),
+}
+PROMPTS = [list(range(100, 131)), list(range(700, 709)), list(range(2000, 2050)), [5, 6, 7]]
+PARAMS = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=11 + i, logprobs=0)
+          for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(autouse=True)
+def _needs_plan():
+    require_cpu_op("decoder_plan_supported")
+
+
+def run(engine, fused: bool, prompts=PROMPTS, params=PARAMS):
+    """Tokens and logprobs of the prompts, with the engine's plan on or off (prefix cache flushed first)."""
+    model = engine.runner.model
+    saved = model.fused
+    model.fused = saved if fused else None
+    engine.flush_prefix_cache()
+    try:
+        outs = engine.generate(prompts, params)
+    finally:
+        model.fused = saved
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def counting(engine) -> list[int]:
+    """A counter of the fused forwards the engine makes from now on."""
+    calls = [0]
+    plan = engine.runner.model.fused
+    inner = plan.plan.forward
+
+    def forward(*args):
+        calls[0] += 1
+        return inner(*args)
+    plan.plan = type("Counted", (), {"forward": staticmethod(forward)})()
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama-yarn", "qwen2", "qwen3"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fused_layers_match_the_python_layers(tiny_dir, tiny_qwen3_dir, arch, mode):  # noqa: F811
+    model = tiny_qwen3_dir if arch == "qwen3" else tiny_dir(arch)
+    engine = make_engine(model, **MODES[mode])
+    assert engine.runner.model.fused is not None
+    python = run(engine, fused=False)  # first: the KV-scale calibration (recompute) happens here
+    calls = counting(engine)
+    fused = run(engine, fused=True)
+    assert calls[0] >= 10  # one prefill step, then a decode step per token
+    assert fused == python
+    assert all(len(tokens) == 10 for tokens, _ in fused)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8-linear"])
+def test_fused_layers_match_when_batch_invariant(tiny_dir, mode):  # noqa: F811
+    engine = make_engine(tiny_dir("llama-yarn"), batch_invariant=True, **MODES[mode])
+    calls = counting(engine)
+    fused = run(engine, fused=True)
+    assert calls[0] >= 10
+    assert run(engine, fused=False) == fused
+
+
+def test_default_model_decode_matches(default_dir):
+    """The default model: hidden 576 (partial FP8 blocks, per-shard scale rows for q/k/v), tied head."""
+    engine = make_engine(quantization="fp8")
+    calls = counting(engine)
+    one = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=5, logprobs=0)]
+    fused = run(engine, True, PROMPTS[:1], one)
+    assert calls[0] == 6  # the prefill and 5 decode steps
+    assert run(engine, False, PROMPTS[:1], one) == fused
+
+
+def test_calibration_and_the_bf16_kernel_limit_take_the_python_layers(tiny_dir, monkeypatch):  # noqa: F811
+    engine = make_engine(tiny_dir("qwen2"), kv_cache_dtype="fp8_e4m3")
+    fused = engine.runner.model.fused
+    x = torch.zeros(3, 128, dtype=torch.bfloat16)
+    assert fused.usable(x)
+    fused.attn[1].observer = lambda *args: None  # what KVScaleManager.calibrating sets
+    assert not fused.usable(x)
+    fused.attn[1].observer = None
+    # BF16 linears: the plan calls the C++ kernel, so rows where the Python layer would take torch's GEMM do not
+    monkeypatch.setattr("fp8engine.model_executor.kernels.bf16_linear_cpu.use_kernel", lambda m: m <= 2)
+    assert fused.usable(x[:2]) and not fused.usable(x)
+    assert not fused.usable(x.float())
+
+
+def test_where_the_plan_is_not_built(tiny_dir, monkeypatch):  # noqa: F811
+    assert make_engine(tiny_dir("qwen3_moe"), quantization="fp8").runner.model.fused is None
+    assert make_engine(tiny_dir("qwen2"), dtype="float32").runner.model.fused is None
+    monkeypatch.setenv(fused_decoder.FUSED_ENV, "0")
+    assert make_engine(tiny_dir("qwen2")).runner.model.fused is None
+    monkeypatch.setenv(fused_decoder.FUSED_ENV, "yes")
+    with pytest.raises(ValueError, match="FP8ENGINE_FUSED_DECODER must be 0 or 1, got 'yes'"):
+        make_engine(tiny_dir("qwen2"))
+
+
+def test_plan_checks_its_inputs():
+    cos = torch.zeros(8, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="20 tensors per layer expected, got 3"):
+        torch.classes.fp8engine.DecoderPlan([None] * 3, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False)
+    with pytest.raises(RuntimeError, match="a layer norm weight is missing"):
+        torch.classes.fp8engine.DecoderPlan([None] * 20, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False)
