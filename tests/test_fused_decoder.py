@@ -2,8 +2,11 @@
 layers' tokens and logprobs bit for bit, in every precision mode, with q/k norms and biases, batch invariant
 or not; and the engine takes that path only where it applies."""
 
+import glob
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fp8engine import SamplingParams
 from fp8engine.model_executor import fused_decoder
@@ -115,3 +118,25 @@ def test_plan_checks_its_inputs():
         torch.classes.fp8engine.DecoderPlan([None] * 3, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False)
     with pytest.raises(RuntimeError, match="a layer norm weight is missing"):
         torch.classes.fp8engine.DecoderPlan([None] * 20, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8-linear"])
+def test_plan_sees_weight_updates(tiny_dir, mode):  # noqa: F811
+    """update_weights writes into the tensors the plan holds: after an update the fused path gives the new
+    weights' outputs, bit for bit the Python layers' ones."""
+    model = tiny_dir("llama-yarn")
+    engine = make_engine(model, **MODES[mode])
+    before = run(engine, fused=True)
+    state = {}
+    for path in glob.glob(f"{model}/*.safetensors"):
+        state |= load_file(path)
+    gen = torch.Generator().manual_seed(5)
+    update = {name: t + torch.randn(t.shape, generator=gen).to(t.dtype) * 0.05
+              for name, t in state.items() if "layers.1." in name and t.dim() == 2}
+    assert any("down_proj" in name for name in update)
+    engine.update_weights(update)
+    calls = counting(engine)
+    after = run(engine, fused=True)
+    assert calls[0] >= 10
+    assert after != before
+    assert run(engine, fused=False) == after
