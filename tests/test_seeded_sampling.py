@@ -20,6 +20,22 @@ def test_uniforms_are_pinned_and_pure():
     assert torch.equal(sampling_uniforms([2**64 - 1, 2**64], [0, 0], [0, 0]), got[[4, 0]])  # seeds mod 2**64
 
 
+def test_int_and_tensor_hashes_agree(monkeypatch):
+    """A few rows hash on Python ints, more on tensors: the same bits either way, huge and negative seeds too."""
+    gen = torch.Generator().manual_seed(0)
+    seeds = torch.randint(-2**62, 2**62, (300,), generator=gen).tolist() + [2**64 - 1, -1, 0, 2**70 + 5]
+    indices = torch.randint(0, 64, (304,), generator=gen).tolist()
+    positions = torch.randint(0, 2**20, (304,), generator=gen).tolist()
+    by_tensor = sampling_uniforms(seeds, indices, positions)  # 304 rows: the tensor hash
+    rows = sampler_mod._INT_HASH_MAX_ROWS
+    by_int = torch.cat([sampling_uniforms(seeds[i:i + rows], indices[i:i + rows], positions[i:i + rows])
+                        for i in range(0, 304, rows)])
+    assert by_int.dtype == torch.float32 and torch.equal(by_int, by_tensor)
+    monkeypatch.setattr(sampler_mod, "_INT_HASH_MAX_ROWS", 0)  # the pinned values through the tensor hash too
+    got = sampling_uniforms([0, 0, 0, 7, -1], [0, 0, 1, 3, 0], [0, 5, 5, 40, 0])
+    assert (got * 2**24).tolist() == [16509320, 2468166, 15451785, 5045796, 1236514]
+
+
 def test_changing_any_coordinate_changes_the_uniform():
     grid = torch.cartesian_prod(torch.arange(10), torch.arange(4), torch.arange(25)).tolist()
     values = sampling_uniforms(*map(list, zip(*grid)))
