@@ -38,7 +38,7 @@ def _proj(linear: Linear) -> list:
 class FusedDecoder:
     """Runs a model's decoder layers through one DecoderPlan; `usable` says when a step may take it."""
 
-    def __init__(self, model, config: EngineConfig, attention_name: str):
+    def __init__(self, model, config: EngineConfig):
         layers = model.model.layers
         first = layers[0].self_attn
         tensors = []
@@ -97,4 +97,9 @@ def build(model, config: EngineConfig, attention_name: str) -> FusedDecoder | No
             return None
     elif any(m.is_fp8 for m in linears) or config.torch_dtype != torch.bfloat16 or cpu_kernel("bf16_linear") is None:
         return None
-    return FusedDecoder(model, config, attention_name)
+    # One eps and one RoPE table for all layers, as the plan takes them (models/llama.py builds them so)
+    norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                             layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]
+    if len({n.eps for n in norms}) != 1 or len({id(layer.self_attn.rotary) for layer in layers}) != 1:
+        return None
+    return FusedDecoder(model, config)
