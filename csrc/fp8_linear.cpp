@@ -752,7 +752,6 @@ void amx_block(const uint16_t* a, const float* x0, const float* x1, int64_t step
   if constexpr (NA == 2 && NB == 2) _tile_stored(3, c[NB + 1], 64);
 }
 
-// C tiles and accumulators have two buffers each: group-block i's tiles are scaled while i + 1 computes.
 // Block b of the task's rows into dst ([kAmxTileN][kBlock] bf16), prefetching block b + 1's pieces: for a
 // task with one group of activation vectors (M <= 32), which uses each block once, converting it just before
 // its tile steps into one of two 8 KiB slots keeps the bf16 in L1, where the whole tile (40 KiB at K = 576,
@@ -773,6 +772,7 @@ void convert_weight_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, i
   }
 }
 
+// C tiles and accumulators have two buffers each: group-block i's tiles are scaled while i + 1 computes.
 template <typename OutT>
 void amx_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const GemmTask& t, uint16_t* wb, float* sw,
               OutT* y) {
