@@ -576,7 +576,9 @@ class LLMEngine:
             num_generation_tokens_total=self._counters["generation_tokens"],
             num_steps_total=self._counters["steps"], num_requests_finished=self._counters["finished"],
             kv_cache_dtype=self.config.kv_cache_dtype, linear_backend=self.runner.linear_backend,
-            attention_backend=self.runner.attention.name, device=self.config.device,
+            attention_backend=self.runner.attention.name,
+            decoder_backend="cpp-plan" if getattr(self.runner.model, "fused", None) is not None else "python",
+            device=self.config.device,
             last_weight_update_seconds=self.last_weight_update_seconds,
             kv_recalibration_seconds_total=self.kv_scales.seconds_total)
 

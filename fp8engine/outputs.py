@@ -96,6 +96,7 @@ class EngineStats:
     kv_cache_dtype: str = "auto"
     linear_backend: str = "torch"
     attention_backend: str = "torch"
+    decoder_backend: str = "python"  # "cpp-plan": the decoder layers run as one C++ call (fused_decoder.py)
     device: str = "cpu"
     last_weight_update_seconds: float = 0.0
     kv_recalibration_seconds_total: float = 0.0

@@ -18,6 +18,7 @@ from fp8engine.entrypoints import cli, options
 from fp8engine.entrypoints.cli import build_parser, main
 from fp8engine.entrypoints.options import OPTIONS, engine_config, format_size, parse_size
 from fp8engine.entrypoints.server import ServerSettings
+from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("serve", "generate", "bench")
@@ -202,6 +203,7 @@ def test_generate_jsonl_round_trips_with_the_documented_fields(tmp_path, capsys,
     line = caplog.records[-1].getMessage()
     assert line.startswith("fp8engine: default model (") and "KV cache: 1,024 tokens (64 blocks of 16" in line
     assert re.search(r"linear layers: bfloat16 via .+ \[\S+\]; attention: bfloat16 via .+ \[\S+\]", line)
+    assert re.search(r"decoder layers: .+ \[(cpp-plan|python)\]; KV cache", line)
 
 
 def test_generate_json_reads_stdin(monkeypatch, capsys):
@@ -210,7 +212,9 @@ def test_generate_json_reads_stdin(monkeypatch, capsys):
                  "--temperature", "0", "--num-kv-blocks", "64"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [(s["prompt_index"], s["sample_index"]) for s in doc["samples"]] == [(0, 0), (1, 0)]
+    plan = cpu_kernel("decoder_plan_supported")  # the decoder plan where its ops are built (csrc/decoder.cpp)
     assert doc["summary"]["num_prompts"] == 2
+    assert doc["summary"]["decoder_backend"] == ("cpp-plan" if plan is not None and plan() else "python")
     assert doc["summary"]["num_generated_tokens"] == sum(len(s["token_ids"]) for s in doc["samples"])
 
 

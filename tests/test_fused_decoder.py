@@ -107,7 +107,9 @@ def test_calibration_and_the_bf16_kernel_limit_take_the_python_layers(tiny_dir, 
 
 
 def test_where_the_plan_is_not_built(tiny_dir, monkeypatch):  # noqa: F811
-    assert make_engine(tiny_dir("qwen3_moe"), quantization="fp8").runner.model.fused is None
+    assert make_engine(tiny_dir("qwen2")).get_stats().decoder_backend == "cpp-plan"
+    moe = make_engine(tiny_dir("qwen3_moe"), quantization="fp8")
+    assert moe.runner.model.fused is None and moe.get_stats().decoder_backend == "python"
     assert make_engine(tiny_dir("qwen2"), dtype="float32").runner.model.fused is None
     monkeypatch.setenv(fused_decoder.FUSED_ENV, "0")
     assert make_engine(tiny_dir("qwen2")).runner.model.fused is None

@@ -217,7 +217,8 @@ def run_engine(mode: str, workload: Workload, prompts: list[list[int]], model: s
             "preemptions_per_seq_mean": sum(per_seq) / len(per_seq), "preemptions_per_seq_max": max(per_seq),
             "kv_capacity_tokens": stats.kv_cache_capacity_tokens,
             "recalibration_share": (engine.kv_scales.seconds_total - recal_before) / seconds,
-            "linear_backend": stats.linear_backend, "attention_backend": stats.attention_backend}
+            "linear_backend": stats.linear_backend, "attention_backend": stats.attention_backend,
+            "decoder_backend": stats.decoder_backend}
 
 
 def run_hf(workload: Workload, prompts: list[list[int]], model: str, dtype: str) -> dict:

@@ -32,7 +32,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                    seconds=seconds, output_tok_s=tokens / seconds,
                    num_preemptions_total=stats.num_preemptions_total,
                    kv_cache_capacity_tokens=stats.kv_cache_capacity_tokens, kv_cache_dtype=stats.kv_cache_dtype,
-                   linear_backend=stats.linear_backend, attention_backend=stats.attention_backend)
+                   linear_backend=stats.linear_backend, attention_backend=stats.attention_backend,
+                   decoder_backend=stats.decoder_backend)
     if args.output == "json":
         print(json.dumps({"samples": samples, "summary": summary}, indent=2))
     elif args.output == "jsonl":
@@ -87,7 +88,8 @@ def _print_text(outs, summary: dict) -> None:
     s = summary
     print(f"{s['num_generated_tokens']} tokens in {s['seconds']:.2f} s = {s['output_tok_s']:.1f} tok/s; "
           f"preemptions total {s['num_preemptions_total']}; KV {s['kv_cache_capacity_tokens']} tokens "
-          f"({s['kv_cache_dtype']}); linear {s['linear_backend']}, attention {s['attention_backend']}")
+          f"({s['kv_cache_dtype']}); linear {s['linear_backend']}, attention {s['attention_backend']}, "
+          f"decoder {s['decoder_backend']}")
 
 
 # flags that shape or extend a throughput workload, and mean nothing to sync, serve and soak

@@ -335,6 +335,8 @@ LINEAR_BACKENDS = {
 }
 ATTENTION_BACKENDS = {"cpp": "the C++ paged-attention kernel", "triton": "the Triton paged-attention kernel",
                       "torch": "the plain-torch paged-attention reference"}
+DECODER_BACKENDS = {"cpp-plan": "one C++ call a step (the same ops as the Python layers)",
+                    "python": "the Python layers, op by op"}
 
 
 def start_engine(args: argparse.Namespace):
@@ -357,5 +359,7 @@ def startup_line(engine) -> str:
     attention_words = ATTENTION_BACKENDS.get(stats.attention_backend, stats.attention_backend)
     return (f"fp8engine: {model} on {stats.device}; linear layers: {weights} via {linear_words} "
             f"[{stats.linear_backend}]; attention: {attention} via {attention_words} [{stats.attention_backend}]; "
+            f"decoder layers: {DECODER_BACKENDS.get(stats.decoder_backend, stats.decoder_backend)} "
+            f"[{stats.decoder_backend}]; "
             f"KV cache: {stats.kv_cache_capacity_tokens:,} tokens ({stats.num_kv_blocks_total} blocks of "
             f"{config.block_size}, {kv}) in {engine.runner.kv_cache.nbytes / 2**30:.2f} GiB")
