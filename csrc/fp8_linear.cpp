@@ -604,18 +604,20 @@ PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8
 // stream from DRAM (converting one 128-column block at a time read tile_n short strided pieces and
 // stalled on each, without a software prefetch). The tile stays in L2 for the K blocks and the groups of
 // activation rows that follow.
+// dst[0, 128) = bf16 of w[row, 128 b + c] (zero past K), in lane order.
+void convert_row_block(const Problem& p, const E4m3ToBf16& cvt, int64_t row, int64_t b, uint16_t* dst) {
+  const int64_t k0 = b * kBlock;
+  const uint8_t* src = p.w + row * p.k + k0;
+  __m512i v[4];
+  cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0), src), v[0], v[1]);
+  cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0 - 64), src + 64), v[2], v[3]);
+  for (int i = 0; i < 4; ++i) _mm512_store_si512(dst + 32 * i, v[i]);
+}
+
 void convert_weight_tile(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t tile_n, uint16_t* wb) {
   const int64_t rows = std::min(tile_n, p.n - n0);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < p.nkb; ++b) {
-      const int64_t k0 = b * kBlock;
-      const uint8_t* src = p.w + (n0 + r) * p.k + k0;
-      uint16_t* dst = wb + (b * tile_n + r) * kBlock;
-      __m512i v[4];
-      cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0), src), v[0], v[1]);
-      cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0 - 64), src + 64), v[2], v[3]);
-      for (int i = 0; i < 4; ++i) _mm512_store_si512(dst + 32 * i, v[i]);
-    }
+    for (int64_t b = 0; b < p.nkb; ++b) convert_row_block(p, cvt, n0 + r, b, wb + (b * tile_n + r) * kBlock);
 }
 
 template <typename OutT>
@@ -760,15 +762,11 @@ void amx_block(const uint16_t* a, const float* x0, const float* x1, int64_t step
 // runs on a 2-vCPU Xeon), the same bits.
 void convert_weight_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t rows, int64_t b,
                           uint16_t* dst) {
-  const int64_t k0 = b * kBlock;
   for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* src = p.w + (n0 + r) * p.k + k0;
-    _mm_prefetch(reinterpret_cast<const char*>(src + kBlock), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(src + kBlock + 64), _MM_HINT_T0);
-    __m512i v[4];
-    cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0), src), v[0], v[1]);
-    cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0 - 64), src + 64), v[2], v[3]);
-    for (int i = 0; i < 4; ++i) _mm512_store_si512(dst + r * kBlock + 32 * i, v[i]);
+    const char* next = reinterpret_cast<const char*>(p.w + (n0 + r) * p.k + (b + 1) * kBlock);
+    _mm_prefetch(next, _MM_HINT_T0);
+    _mm_prefetch(next + 64, _MM_HINT_T0);
+    convert_row_block(p, cvt, n0 + r, b, dst + r * kBlock);
   }
 }
 

@@ -63,11 +63,7 @@ class FusedDecoder:
     def usable(self, x: torch.Tensor) -> bool:
         if x.dtype != self.dtype or any(a.observer is not None for a in self.attn):
             return False
-        if not self.bf16_linears:
-            return True
-        if self.batch_invariant:
-            return not bf16_linear_cpu.chunked_gemm()
-        return bf16_linear_cpu.use_kernel(x.shape[0])
+        return not self.bf16_linears or bf16_linear_cpu.kernel_takes(x.shape[0], self.batch_invariant)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

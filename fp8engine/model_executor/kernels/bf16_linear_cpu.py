@@ -74,6 +74,13 @@ def use_kernel(m: int) -> bool:
     return m <= _STREAM_MAX_M or (m <= _AMX_MAX_M and kernel_gemm() == "amx")
 
 
+def kernel_takes(m: int, batch_invariant: bool) -> bool:
+    """Whether bf16_linear gives a bf16 CPU input of m rows to the C++ kernel (when it is built): batch invariant,
+    unless torch's fixed-shape chunks are chosen; otherwise by use_kernel(m). The decoder plan
+    (model_executor/fused_decoder.py) calls the kernel directly, so it runs only where this holds."""
+    return not chunked_gemm() if batch_invariant else use_kernel(m)
+
+
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 batch_invariant: bool = False) -> torch.Tensor:
     """y = x @ weight^T + bias; x: [..., K], weight: [N, K] (read in place), y: [..., N] in x's dtype.
@@ -90,7 +97,7 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if batch_invariant and x.device.type == "cpu" and x.dtype == torch.bfloat16 and (chunked_gemm() or kernel is None):
         return chunked_linear(x.reshape(-1, k), weight, bias).reshape(*x.shape[:-1], n)
     if (kernel is None or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.stride(-1) != 1
-            or x.numel() == 0 or not (batch_invariant or use_kernel(x.numel() // k))):
+            or x.numel() == 0 or not kernel_takes(x.numel() // k, batch_invariant)):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
