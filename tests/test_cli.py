@@ -1,5 +1,5 @@
 """The command line: --help says what every option does and allows, bad values exit 2, sizes take units,
-`generate` reads prompt files and writes JSON, and the README's option table matches --help."""
+`generate` reads prompt files and writes JSON, and docs/cli.md's option table matches --help."""
 
 import argparse
 import dataclasses
@@ -218,12 +218,12 @@ def test_generate_json_reads_stdin(monkeypatch, capsys):
     assert doc["summary"]["num_generated_tokens"] == sum(len(s["token_ids"]) for s in doc["samples"])
 
 
-# ------------------------------------------------------------------ README
+# ------------------------------------------------------------------ docs/cli.md
 def readme_rows() -> dict[tuple[str, tuple[str, ...]], tuple[str, str]]:
-    """(command, option names) -> (default, values) from the README's CLI table."""
-    text = (ROOT / "README.md").read_text()
+    """(command, option names) -> (default, values) from docs/cli.md's option table."""
+    text = (ROOT / "docs" / "cli.md").read_text()
     table = text.split("<!-- cli-options:", 1)[1].split("\n", 1)[1].split("<!-- /cli-options -->")[0]
-    assert table == options.markdown_table(), "README's CLI table is stale: paste options.markdown_table()"
+    assert table == options.markdown_table(), "docs/cli.md's option table is stale: paste options.markdown_table()"
     rows = {}
     for line in table.splitlines():
         if not line.startswith("| `"):
