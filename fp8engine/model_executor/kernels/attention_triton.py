@@ -90,10 +90,15 @@ def _round(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _mma(a, b, acc, INTERPRET: tl.constexpr):
-    """acc + a @ b in float32; float32 operands multiply in IEEE precision, not TF32."""
-    if INTERPRET or a.dtype == tl.float32:
+    """acc + a @ b in float32; float32 operands multiply in IEEE precision, not TF32. The interpreter sums each
+    output's products along K itself: its tl.dot is numpy's matmul, whose BLAS sums a row in an order that can
+    depend on where the row sits in the tile (seen with OpenBLAS on AVX-512 without AMX), and a GPU's MMA never
+    mixes rows."""
+    if INTERPRET:
         a = _upcast(a, tl.float32, INTERPRET)
-        return tl.dot(a, _upcast(b, tl.float32, INTERPRET), acc, input_precision="ieee")
+        return acc + tl.sum(a[:, :, None] * _upcast(b, tl.float32, INTERPRET)[None, :, :], axis=1)
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
 
