@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -13,18 +14,17 @@ from transformers import AutoTokenizer
 
 from fp8engine.config import EngineConfig
 from fp8engine.detokenizer import Detokenizer
-from fp8engine.kvcache.block_manager import BlockManager
 from fp8engine.kvcache.kv_scales import CALIBRATION_TEXT, KVScaleManager
-from fp8engine.model_executor.layers.sampler import SampleRow, sample
 from fp8engine.model_executor.model_runner import ModelRunner
-from fp8engine.outputs import CompletionOutput, EngineStats, RequestOutput, WeightUpdateReport
+from fp8engine.output_processor import OutputProcessor
+from fp8engine.outputs import EngineStats, RequestOutput, WeightUpdateReport
+from fp8engine.request import Request, Scoring
 from fp8engine.sampling_params import SamplingParams
-from fp8engine.scheduler.scheduler import ScheduledSeq, Scheduler
-from fp8engine.scheduler.sequence import Request, Scoring, Sequence, SeqStatus
+from fp8engine.scheduler.scheduler import Scheduler
 from fp8engine.weights import updater
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup
-from fp8engine.weights.loader import read, resolve
+from fp8engine.weights.loader import read, read_kv_scales, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class LLMEngine:
 
     Drive it with `generate(prompts, params)`, or stream with `add_request` / `step`.
     Weights change in place with `update_weights`; every output names its `weight_version`.
+    A step is schedule (scheduler/) -> execute (model_executor/) -> process the outputs (output_processor.py).
     """
 
     def __init__(self, config: EngineConfig):
@@ -58,25 +59,35 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_dir)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.hf_config.vocab_size
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.kv_scales = KVScaleManager(config, self.runner.attn_layers, self.model_dir)
-        if config.batch_invariant:
-            calibration = self._calibration_tokens()
-            self.kv_scales.fixed_calibration = lambda: self.runner.forward_detached(calibration)
+        self.scheduler = Scheduler(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                   config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv_scales = KVScaleManager(config, self.runner.attn_layers, read_kv_scales(self.model_dir))
+        if config.batch_invariant:  # the runner's method, not a closure over self: no engine <-> kv_scales cycle
+            self.kv_scales.fixed_calibration = functools.partial(self.runner.forward_detached,
+                                                                 self._calibration_tokens())
         self.eos_token_ids = self._eos_token_ids()
-        self.requests: dict[str, Request] = {}
+        self.outputs = OutputProcessor(self.scheduler, self.detokenizer, self.eos_token_ids, self.max_model_len,
+                                       self.runner.routed_experts_of, self.runner.kernels.sample_rows)
         self.weight_version = 0
         self.weights_update_group: WeightsUpdateGroup | None = None
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._request_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
-        self._counters = dict(prompt_tokens=0, generation_tokens=0, steps=0, finished=0)
+        self.num_steps = 0
         self.last_weight_update_seconds = 0.0
-        logger.info("fp8engine: %s on %s, %d KV blocks of %d tokens (%s), linear=%s, attention=%s",
-                    self.model_dir, config.device, self.runner.num_blocks, config.block_size,
-                    self.runner.kv_dtype, self.runner.linear_backend, self.runner.attention.name)
+        logger.info("fp8engine: %s on %s, %d KV blocks of %d tokens (%s), kernels: %s", self.model_dir,
+                    config.device, self.runner.num_blocks, config.block_size, self.runner.kv_dtype,
+                    ", ".join(f"{k}={v}" for k, v in self.runner.kernel_names.items()))
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The live requests by id (owned by the output processor)."""
+        return self.outputs.requests
+
+    @property
+    def block_manager(self):
+        """The scheduler's KV block manager."""
+        return self.scheduler.block_manager
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -92,48 +103,32 @@ class LLMEngine:
         if params.return_routed_experts and not self.runner.moe_blocks:
             raise ValueError(f"SamplingParams.return_routed_experts=True needs a MoE model; "
                              f"{self.runner.hf_config.model_type!r} routes no experts")
-        request = Request(request_id, token_ids, params, self.weight_version,
-                          prompt if isinstance(prompt, str) else None, self._request_seed(params))
-        seq = Sequence(request, 0, list(token_ids))
-        request.seqs.append(seq)
-        self.requests[request_id] = request
-        self.scheduler.add(seq)
+        self.outputs.add(Request(request_id, token_ids, params, self.weight_version,
+                                 prompt if isinstance(prompt, str) else None, self._request_seed(params)))
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its blocks are freed. Returns its partial output (None if unknown)."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return None
-        for seq in request.seqs:
-            if not seq.is_finished:
-                seq.finish_reason = "abort"
-                self._finish(seq)
-        request.aborted = True
-        return self._request_output(request)
+        return self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns the outputs of requests that advanced or finished."""
-        return self._step(finished_only=False)
-
-    def _step(self, finished_only: bool) -> list[RequestOutput]:
-        # Building an unfinished output detokenizes everything generated so far, so callers that
-        # only collect finished requests skip it.
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduling step; returns the outputs of requests that advanced or finished (only those that
+        finished with finished_only: an unfinished output detokenizes everything generated so far)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress with work queued (internal error)")
             return outputs
-        self.runner.copy_blocks(self.block_manager.take_pending_copies())
-        with self.kv_scales.calibrating(scheduled):
+        self.runner.copy_blocks(self.scheduler.take_pending_copies())
+        with self.kv_scales.calibrating():
             result = self.runner.execute(scheduled)
-        self._counters["steps"] += 1
-        touched = self._postprocess(scheduled, result)
-        return outputs + [self._emit(r) for r in touched if r.finished or not finished_only]
+        self.num_steps += 1
+        touched = self.outputs.process(scheduled, result)
+        return outputs + [self.outputs.emit(r) for r in touched if r.finished or not finished_only]
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -192,211 +187,12 @@ class LLMEngine:
         progress = _progress(len(ids), use_tqdm)
         wanted = set(ids)
         while wanted - finished.keys():
-            for out in self._step(finished_only=True):
+            for out in self.step(finished_only=True):
                 if out.finished and out.request_id in wanted:
                     finished[out.request_id] = out
                     progress.update(1)
         progress.close()
         return [finished[i] for i in ids]
-
-    # ------------------------------------------------------------------ stepping
-    def _postprocess(self, scheduled: list[ScheduledSeq], result) -> list[Request]:
-        sampling: list[tuple[Sequence, int]] = []  # (sequence, row of the logits it samples from)
-        num_rows = 0
-        touched: dict[str, Request] = {}
-        for item in scheduled:
-            seq = item.seq
-            if seq.needs_prompt_logprobs:
-                self._record_prompt_logprobs(seq, item.num_new_tokens, result.prompt_logits[seq.seq_id])
-            samples = item.samples
-            seq.num_computed_tokens += item.num_new_tokens
-            if seq.num_output_tokens == 0:
-                self._counters["prompt_tokens"] += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if samples:
-                if seq.params.max_tokens == 0:
-                    self._finish_unsampled(seq)
-                else:
-                    sampling += [(s, num_rows) for s in self._fork_if_needed(seq)]
-                num_rows += 1
-            touched[seq.request.request_id] = seq.request
-        if sampling:
-            self._sample(sampling, result.logits)
-        return list(touched.values())
-
-    def _fork_if_needed(self, seq: Sequence) -> list[Sequence]:
-        request = seq.request
-        if seq.index != 0 or len(request.seqs) == request.params.n:
-            return [seq]
-        children, queued = [], []
-        for i in range(1, request.params.n):
-            child = seq.fork(i)
-            if self.block_manager.can_fork(seq):
-                self.block_manager.fork(seq, child)
-                children.append(child)
-            else:  # no block for its tail: it recomputes later, through the prefix cache
-                child.num_computed_tokens, child.status = 0, SeqStatus.WAITING
-                queued.append(child)
-        request.seqs += children + queued
-        self.scheduler.insert_running_after(seq, children)
-        self.scheduler.waiting.extendleft(reversed(queued))
-        return [seq] + children + queued
-
-    def _finish_unsampled(self, seq: Sequence) -> None:
-        """max_tokens=0: the prompt is computed (and scored); every sample ends empty, nothing is drawn."""
-        request = seq.request
-        for i in range(len(request.seqs), request.params.n):
-            child = seq.fork(i)
-            child.status, child.finish_reason = SeqStatus.FINISHED, "length"
-            request.seqs.append(child)
-        seq.finish_reason = "length"
-        self._finish(seq)
-
-    def _finish(self, seq: Sequence) -> None:
-        """End a sequence (finished or aborted); its routed experts are read before its blocks are freed."""
-        if seq.params.return_routed_experts:
-            seq.routed_experts = self.runner.routed_experts_of(seq.block_table, seq.num_computed_tokens)
-        self.scheduler.finish(seq)
-
-    def _sample(self, sampling: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
-        rows = [self._row(s.params, s.request.seed, s.index, s.num_tokens, s.token_ids, s.num_prompt_tokens)
-                for s, _ in sampling]
-        index = [r for _, r in sampling]
-        if index != list(range(logits.shape[0])):  # forks share their parent's row
-            logits = logits[torch.tensor(index, device=logits.device)]
-        result = sample(logits, rows)
-        for i, (seq, _) in enumerate(sampling):
-            self._append_token(seq, result.token_ids[i], result.logprobs[i],
-                               result.top_logprobs[i], result.log_kept_mass[i])
-
-    def _append_token(self, seq: Sequence, token: int, logprob, top, log_kept) -> None:
-        seq.token_ids.append(token)
-        self._counters["generation_tokens"] += 1
-        if seq.params.logprobs is not None:
-            seq.logprobs.append(logprob)
-            if top is not None:
-                seq.top_logprobs.append(top)
-            if log_kept is not None:
-                seq.log_kept_mass.append(log_kept)
-        reason = self._stop_reason(seq, token)
-        if reason is not None:
-            seq.finish_reason = reason
-            self._finish(seq)
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return "stop"
-            if p.stop and self._hit_stop_string(seq):
-                return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        # A stop string that completes with this token lies within its last few tokens (a character
-        # spans at most 4 byte-level tokens): decoding only those keeps the check O(1) per token
-        # instead of O(length), and the whole text is decoded once, on a hit, to cut it.
-        ids = seq.output_token_ids
-        window = 8 + 4 * max(len(s) for s in seq.params.stop)
-        if len(ids) > window:
-            tail = self.detokenizer.decode(ids[-window:])
-            if not any(s in tail for s in seq.params.stop):
-                return False
-        text = self.detokenizer.decode(ids)
-        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
-        if not hits:
-            return False
-        cut, stop = min(hits)
-        seq.text, seq.stop_reason = text[:cut], stop
-        return True
-
-    def _row(self, params: SamplingParams, seed: int, index: int, position: int, token_ids: list[int],
-             num_prompt_tokens: int) -> SampleRow:
-        """The sampler's row for the token after token_ids (its first num_prompt_tokens are the prompt)."""
-        row = SampleRow(params, seed, index, position, self._bans(params, len(token_ids) - num_prompt_tokens))
-        if params.adjusts_logits:
-            row.prompt_token_ids = token_ids[:num_prompt_tokens]
-            row.output_token_ids = token_ids[num_prompt_tokens:]
-        return row
-
-    def _bans(self, p: SamplingParams, num_output_tokens: int) -> tuple[int, ...]:
-        if num_output_tokens >= p.min_tokens:
-            return ()
-        eos = () if p.ignore_eos else tuple(self.eos_token_ids)
-        return eos + tuple(p.stop_token_ids)
-
-    def _record_prompt_logprobs(self, seq: Sequence, n: int, logits: torch.Tensor) -> None:
-        request, start = seq.request, seq.num_computed_tokens
-        if request.scoring is not None:
-            self._record_scores(request, start, n, logits)
-            return
-        if start == 0:
-            request.partial_prompt_logprobs, request.partial_prompt_top_logprobs = [None], [None]
-        targets = seq.token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
-        logp = torch.log_softmax(logits[:len(targets)], dim=-1)
-        chosen = logp[torch.arange(len(targets)), targets].tolist()
-        request.partial_prompt_logprobs += chosen
-        k = seq.params.prompt_logprobs
-        if k:
-            values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            request.partial_prompt_top_logprobs += [dict(zip(i, v)) | {t: c} for i, v, t, c in
-                                                    zip(ids.tolist(), values.tolist(), targets, chosen)]
-        if len(request.partial_prompt_logprobs) == seq.num_prompt_tokens:
-            request.prompt_logprobs = request.partial_prompt_logprobs
-            request.prompt_top_logprobs = request.partial_prompt_top_logprobs if k else None
-
-    def _record_scores(self, request: Request, start: int, n: int, logits: torch.Tensor) -> None:
-        """Rows start..start+n-1 of a scoring request: row j scores response token j + 1 - prompt_len."""
-        scoring = request.scoring
-        if start == 0:  # a preempted request recomputes from the start
-            scoring.logprobs = []
-        first = max(0, scoring.prompt_len - 1 - start)
-        targets = list(range(start + first + 1 - scoring.prompt_len, min(start + n + 1 - scoring.prompt_len,
-                                                                         len(scoring.response))))
-        if targets:
-            prompt = request.prompt_token_ids[:scoring.prompt_len]
-            rows = [self._row(scoring.params, 0, 0, 0, prompt + scoring.response[:i], scoring.prompt_len)
-                    for i in targets]
-            got = sample(logits[first:first + len(targets)], rows, forced=[scoring.response[i] for i in targets])
-            scoring.logprobs += got.logprobs
-        if start + n == len(request.prompt_token_ids):
-            request.prompt_logprobs = scoring.logprobs  # done: nothing to recompute after a preemption
-
-    def _emit(self, request: Request) -> RequestOutput:
-        out = self._request_output(request)
-        if out.finished:
-            self.requests.pop(request.request_id, None)
-            self._counters["finished"] += 1
-        return out
-
-    def _request_output(self, request: Request) -> RequestOutput:
-        outputs = [self._completion(seq) for seq in sorted(request.seqs, key=lambda s: s.index)]
-        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, request.finished,
-                             request.weight_version, request.prompt, request.prompt_logprobs,
-                             request.num_cached_tokens, prompt_top_logprobs=request.prompt_top_logprobs)
-
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        wants = seq.params.logprobs is not None
-        text = seq.text
-        if seq.params.detokenize and not (seq.is_finished and seq.stop_reason in seq.params.stop):
-            text = self.detokenizer.text(seq.detok, seq.output_token_ids)
-        return CompletionOutput(
-            index=seq.index, token_ids=list(seq.output_token_ids), text=text,
-            logprobs=list(seq.logprobs) if wants else None,
-            top_logprobs=list(seq.top_logprobs) if wants and seq.params.logprobs else None,
-            log_kept_mass=list(seq.log_kept_mass) if wants and seq.params.logprobs_mode == "processed" else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            num_preemptions=seq.num_preemptions, seed=seq.request.seed, routed_experts=self._routed_experts(seq))
-
-    def _routed_experts(self, seq: Sequence) -> torch.Tensor | None:
-        if not seq.params.return_routed_experts or seq.is_finished:
-            return seq.routed_experts
-        return self.runner.routed_experts_of(seq.block_table, seq.num_computed_tokens)
 
     # ------------------------------------------------------------------ inputs
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -480,13 +276,13 @@ class LLMEngine:
             raise ValueError(f"in_flight must be 'wait' or 'abort', got {in_flight!r}")
         new_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         start = time.perf_counter()
-        staged = updater.stage(self.runner.model, weights, self.kv_scales, self.runner.block_scales)
+        staged = updater.stage(self.runner.model, weights, self.kv_scales, self.runner.kernels.block_scales)
         scales = self.kv_scales.check_external(kv_scales)
-        num_aborted = self._drain(in_flight)
-        num_quantized = updater.commit(staged, self.runner.quantize_into)
+        num_aborted = self.drain(in_flight)
+        num_quantized = updater.commit(staged, self.runner.kernels.quantize_into)
         self.kv_scales.on_weights_changed(staged.kv_scales | scales)
         if flush_cache:
-            self.block_manager.reset_prefix_cache()
+            self.scheduler.reset_prefix_cache()
         self.weight_version = new_version
         seconds = time.perf_counter() - start
         self.last_weight_update_seconds = seconds
@@ -495,19 +291,21 @@ class LLMEngine:
 
     def check_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Validate weights exactly as update_weights would (names, shapes, dtypes, values); writes nothing."""
-        updater.stage(self.runner.model, weights, self.kv_scales, self.runner.block_scales)
+        updater.stage(self.runner.model, weights, self.kv_scales, self.runner.kernels.block_scales)
 
-    def _drain(self, in_flight: str) -> int:
+    def drain(self, in_flight: str) -> int:
+        """End every unfinished request: "wait" runs them to completion, "abort" aborts them; their final
+        outputs come back from the next `step()`. Returns how many were aborted."""
         if in_flight == "abort":
             ids = list(self.requests)
             self._pending_outputs += [o for o in map(self.abort_request, ids) if o is not None]
             return len(ids)
         while self.requests:
-            self._pending_outputs += self._step(finished_only=True)
+            self._pending_outputs += self.step(finished_only=True)
         return 0
 
     def flush_prefix_cache(self) -> None:
-        self.block_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The engine's own parameter tensors as stored (FP8 weights and their scales)."""
@@ -564,7 +362,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, kernels = self.block_manager, self.runner.kernel_names
         return EngineStats(
             num_preemptions_total=self.scheduler.num_preemptions_total,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -572,12 +370,11 @@ class LLMEngine:
             kv_cache_capacity_tokens=bm.num_blocks * bm.block_size,
             prefix_cache_hit_rate=bm.hit_rate, weight_version=self.weight_version,
             kv_scales=self.kv_scales.current(),
-            num_prompt_tokens_total=self._counters["prompt_tokens"],
-            num_generation_tokens_total=self._counters["generation_tokens"],
-            num_steps_total=self._counters["steps"], num_requests_finished=self._counters["finished"],
-            kv_cache_dtype=self.config.kv_cache_dtype, linear_backend=self.runner.linear_backend,
-            attention_backend=self.runner.attention.name,
-            decoder_backend="cpp-plan" if getattr(self.runner.model, "fused", None) is not None else "python",
+            num_prompt_tokens_total=self.outputs.counters["prompt_tokens"],
+            num_generation_tokens_total=self.outputs.counters["generation_tokens"],
+            num_steps_total=self.num_steps, num_requests_finished=self.outputs.counters["finished"],
+            kv_cache_dtype=self.config.kv_cache_dtype, linear_backend=self.runner.kernels.linear_name,
+            attention_backend=kernels["attention"], decoder_backend=kernels["decoder"], kernels=kernels,
             device=self.config.device,
             last_weight_update_seconds=self.last_weight_update_seconds,
             kv_recalibration_seconds_total=self.kv_scales.seconds_total)

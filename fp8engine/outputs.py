@@ -78,6 +78,7 @@ class EngineStats:
     """A snapshot of the engine's counters and state.
 
     kv_scales: attention layer name -> (k_scale, v_scale), 1.0 with a non-FP8 KV cache.
+    linear_backend, attention_backend, decoder_backend: the names of what runs, from `kernels`.
     """
 
     num_preemptions_total: int
@@ -97,6 +98,7 @@ class EngineStats:
     linear_backend: str = "torch"
     attention_backend: str = "torch"
     decoder_backend: str = "python"  # "cpp-plan": the decoder layers run as one C++ call (fused_decoder.py)
+    kernels: dict[str, str] = field(default_factory=dict)  # every kernel the engine chose (kernel_set.py), by role
     device: str = "cpu"
     last_weight_update_seconds: float = 0.0
     kv_recalibration_seconds_total: float = 0.0

@@ -1,3 +1,4 @@
+import gc
 import os
 import random
 import shutil
@@ -22,6 +23,17 @@ def pytest_sessionstart(session):
             pytest.exit(str(exc), returncode=3)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_memory_after_each_module():
+    """What a module's engines held goes back to the OS when it ends: the engines themselves are freed (nothing
+    in the engine or the server keeps one alive), but glibc keeps freed heap pages mapped until trimmed, so the
+    suite's RSS would grow by the peak of each module in turn."""
+    yield
+    from fp8engine.entrypoints.server import trim_heap
+    gc.collect()
+    trim_heap()
+
+
 @pytest.fixture(autouse=True)
 def _seed_each_test(request):
     """Each test draws from generators seeded by its own id, so its data does not depend on which tests
@@ -37,7 +49,8 @@ def cpu_can_build(op: str) -> bool:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return False
     needs = {"bf16_linear": {"avx512_bf16"}, "fp8_block_linear": set(), "fp8_quantize_weight_": set(),
-             "fp8_block_scales_": set(), "fp8_cpu_backend": set()}.get(op, {"avx512f", "avx512bw", "avx512vl"})
+             "fp8_block_scales_": set(), "fp8_linear_isa": set(), "amx_usable": set()}.get(
+        op, {"avx512f", "avx512bw", "avx512vl"})
     return needs <= cpu_flags()
 
 
@@ -51,6 +64,33 @@ def require_cpu_op(op: str):
             pytest.fail(f"this machine can build the C++ op {op!r} but it did not load: is csrc/ broken?")
         pytest.skip(f"this machine cannot build the C++ op {op!r}")
     return kernel
+
+
+class _OpsWithout:
+    """torch.ops.fp8engine without some ops, as on a CPU or a build that lacks them."""
+
+    def __init__(self, ops, missing: tuple[str, ...]):
+        self._ops, self._missing = ops, set(missing)
+
+    def __getattr__(self, name: str):
+        if name in self._missing:
+            raise AttributeError(name)
+        return getattr(self._ops, name)
+
+
+def ops_without(*missing: str):
+    """A stand-in for cpu_ops.load_cpu_ops whose ops lack `missing` (monkeypatch it into kernel_set.cpu_ops)."""
+    from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
+    ops = _OpsWithout(load_cpu_ops(), missing)
+    return lambda: ops
+
+
+def cpu_kernels(**options):
+    """The kernel set an engine with these EngineConfig options chooses on this machine (layers built in tests
+    are given it)."""
+    from fp8engine import EngineConfig
+    from fp8engine.model_executor import kernel_set
+    return kernel_set.select(EngineConfig(**options))
 
 
 @pytest.fixture(scope="session")

@@ -58,8 +58,9 @@ def test_batch_invariant_needs_bf16_kernels():
 
 
 def test_batch_invariant_refuses_the_torch_fallback(monkeypatch):
-    from fp8engine.model_executor.kernels import attention_cpu
-    monkeypatch.setattr(attention_cpu, "kernel_ops", lambda: None)  # as without a C++ compiler
+    from fp8engine.model_executor import kernel_set
+    from tests.conftest import ops_without
+    monkeypatch.setattr(kernel_set.cpu_ops, "load_cpu_ops", ops_without("paged_attention"))  # as on a CPU without it
     with pytest.raises(ValueError, match="batch_invariant=True needs the C\\+\\+ CPU kernels or the Triton ones.*attention on 'torch'"):
         make_engine(batch_invariant=True)
 
@@ -99,7 +100,7 @@ def test_kernels_take_one_path_for_every_batch_size():
 def test_bf16_linear_rows_do_not_depend_on_the_batch(gemm, monkeypatch):
     """Each batch-invariant BF16 GEMM: the C++ kernel's on AMX tiles (the default on AMX machines) or AVX-512
     BF16, and torch's GEMM fed fixed 64-row chunks. A plain torch GEMM is not invariant: its blocking follows M."""
-    from fp8engine.model_executor.kernels import bf16_linear_cpu
+    from fp8engine.model_executor import kernel_set
     from tests.conftest import cpu_flags, require_cpu_op
     if gemm == "amx" and not {"amx_bf16", "amx_tile"} <= cpu_flags():
         pytest.skip("this CPU has no AMX tiles")
@@ -107,34 +108,39 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch(gemm, monkeypatch):
         require_cpu_op("bf16_linear")
         monkeypatch.setenv("FP8ENGINE_BF16_GEMM", gemm)
     monkeypatch.setenv("FP8ENGINE_BI_GEMM", "chunked" if gemm == "chunked" else "cpp")
+    linear = kernel_set.select(EngineConfig(batch_invariant=True)).dense_linear
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(1536, 576, generator=gen) * 0.05).bfloat16()
     x = torch.randn(130, 576, generator=gen).bfloat16()
-    full = bf16_linear_cpu.bf16_linear(x, w, None, batch_invariant=True)
+    full = linear(x, w, None)
     torch.testing.assert_close(full.float(), (x.float() @ w.float().T).bfloat16().float(), rtol=2 ** -7, atol=1e-3)
     for row in (0, 63, 64, 129):
         for size in (1, 2, 5, 17, 64, 65, 100):
             others = torch.randn(size - 1, 576, generator=gen).bfloat16()
-            got = bf16_linear_cpu.bf16_linear(torch.cat([others, x[row:row + 1]]), w, None, batch_invariant=True)
+            got = linear(torch.cat([others, x[row:row + 1]]), w, None)
             assert torch.equal(got[-1], full[row]), (gemm, row, size)
 
 
 def test_the_backend_name_says_which_gemm_runs(monkeypatch):
-    from fp8engine.model_executor import backends
+    from fp8engine.model_executor import kernel_set
     from fp8engine.model_executor.kernels import bf16_linear_cpu
     from tests.conftest import cpu_flags, require_cpu_op
     require_cpu_op("bf16_linear")
+
+    def linear_name() -> str:
+        return kernel_set.select(EngineConfig(batch_invariant=True)).linear_name
     amx = {"amx_bf16", "amx_tile"} <= cpu_flags()
     monkeypatch.delenv("FP8ENGINE_BF16_GEMM", raising=False)
     for choice, name in (("cpp", "cpp-bf16-amx" if amx else "cpp-bf16-avx512"), ("chunked", "torch-bf16-fixed-chunks")):
         monkeypatch.setenv("FP8ENGINE_BI_GEMM", choice)
-        assert bf16_linear_cpu.chunked_gemm() is (choice == "chunked")
-        assert backends.fp8_linear(EngineConfig(batch_invariant=True))[0] == name
+        assert (kernel_set.select(EngineConfig(batch_invariant=True)).dense_linear is bf16_linear_cpu.chunked_linear) \
+            is (choice == "chunked")
+        assert linear_name() == name
     monkeypatch.setenv("FP8ENGINE_BI_GEMM", "cpp")
     monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "avx512")
-    assert backends.fp8_linear(EngineConfig(batch_invariant=True))[0] == "cpp-bf16-avx512"
+    assert linear_name() == "cpp-bf16-avx512"
     monkeypatch.delenv("FP8ENGINE_BI_GEMM")
-    assert backends.fp8_linear(EngineConfig(batch_invariant=True))[0] == "cpp-bf16-avx512"
+    assert linear_name() == "cpp-bf16-avx512"
     monkeypatch.setenv("FP8ENGINE_BI_GEMM", "tiles")
     with pytest.raises(ValueError, match="FP8ENGINE_BI_GEMM must be one of"):
-        bf16_linear_cpu.chunked_gemm()
+        linear_name()

@@ -1,14 +1,20 @@
 """The C++ BF16 linear kernel (csrc/bf16_linear.cpp) against the float32 product rounded once to bf16.
 
 Its GEMM (batch_invariant, and large M) runs on AVX-512 BF16 dot products, or on AMX tiles where the CPU has
-them; tests that take the `gemm` fixture run on each one this machine has (FP8ENGINE_BF16_GEMM picks it)."""
+them; tests that take the `gemm` fixture run on each one this machine has (the op's `gemm` argument picks it, as
+the engine's kernel set does once at start-up)."""
+
+import functools
 
 import pytest
 import torch
 
+from fp8engine import EngineConfig
+from fp8engine.model_executor import kernel_set
 from fp8engine.model_executor.kernels import bf16_linear_cpu
+from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
 from fp8engine.model_executor.layers.linear import Linear
-from tests.conftest import cpu_flags, require_cpu_op
+from tests.conftest import cpu_flags, ops_without, require_cpu_op
 
 BF16 = torch.bfloat16
 AMX = {"amx_bf16", "amx_tile"} <= cpu_flags()
@@ -17,14 +23,13 @@ AMX = {"amx_bf16", "amx_tile"} <= cpu_flags()
 @pytest.fixture(scope="module")
 def ops():
     require_cpu_op("bf16_linear")
-    return bf16_linear_cpu.kernel_ops()
+    return load_cpu_ops()
 
 
 @pytest.fixture(params=["avx512", "amx"])
-def gemm(request, monkeypatch):
+def gemm(request):
     if request.param == "amx" and not AMX:
         pytest.skip("this CPU has no AMX tiles")
-    monkeypatch.setenv("FP8ENGINE_BF16_GEMM", request.param)
     return request.param
 
 
@@ -56,7 +61,7 @@ def test_matches_float32_reference(ops, gemm, m, n, k, with_bias):
     torch.manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k).to(BF16), torch.randn(n, k).to(BF16)
     bias = torch.randn(n).to(BF16) if with_bias else None
-    _assert_one_rounding(ops.bf16_linear(x, w, bias), x, w, bias)
+    _assert_one_rounding(ops.bf16_linear(x, w, bias, gemm=gemm), x, w, bias)
 
 
 @pytest.mark.parametrize("m", [1, 5, 40])
@@ -99,7 +104,7 @@ def test_wrapper_handles_batch_dims_and_float32(ops):
 
 def test_linear_layer_sees_in_place_weight_updates(ops):
     torch.manual_seed(2)
-    layer = Linear(64, [24, 8], BF16, bias=True)
+    layer = Linear(64, [24, 8], BF16, kernel_set.select(EngineConfig()), bias=True)
     x = torch.randn(3, 64).to(BF16)
     for _ in range(2):  # an RL weight update writes into the same tensor
         layer.weight.copy_(torch.randn(32, 64))
@@ -115,7 +120,7 @@ def test_gemm_matches_float32_reference(ops, gemm, m, n, k, with_bias):
     torch.manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k).to(BF16), torch.randn(n, k).to(BF16)
     bias = torch.randn(n).to(BF16) if with_bias else None
-    _assert_one_rounding(ops.bf16_linear(x, w, bias, True), x, w, bias)
+    _assert_one_rounding(ops.bf16_linear(x, w, bias, True, gemm=gemm), x, w, bias)
 
 
 @pytest.mark.parametrize("m,n", [(1, 96), (40, 100), (130, 33)])
@@ -123,7 +128,7 @@ def test_gemm_does_not_read_past_k(ops, gemm, m, n):
     torch.manual_seed(m + n)
     x, w = _padded(m, 333, 7), _padded(n, 333, 13)
     bias = torch.randn(n)
-    _assert_one_rounding(ops.bf16_linear(x, w, bias, True), x, w, bias)
+    _assert_one_rounding(ops.bf16_linear(x, w, bias, True, gemm=gemm), x, w, bias)
 
 
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (100, 130)])
@@ -134,15 +139,15 @@ def test_gemm_rows_do_not_depend_on_the_batch(ops, gemm, k, n):
     w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
     bias = torch.randn(n, generator=gen).to(BF16)
     x = torch.randn(70, k, generator=gen).to(BF16)
-    full = ops.bf16_linear(x, w, bias, True)
+    full = ops.bf16_linear(x, w, bias, True, gemm=gemm)
     _assert_one_rounding(full, x, w, bias)
     for row in (0, 17, 69):
-        alone = ops.bf16_linear(x[row:row + 1], w, bias, True)
+        alone = ops.bf16_linear(x[row:row + 1], w, bias, True, gemm=gemm)
         assert torch.equal(alone[0], full[row]), row
         for size, at in ((3, 1), (3, 2), (17, 0), (17, 16), (64, 40), (130, 5), (130, 129)):
             batch = torch.randn(size, k, generator=gen).to(BF16)
             batch[at] = x[row]
-            assert torch.equal(ops.bf16_linear(batch, w, bias, True)[at], alone[0]), (row, size, at)
+            assert torch.equal(ops.bf16_linear(batch, w, bias, True, gemm=gemm)[at], alone[0]), (row, size, at)
 
 
 def test_gemm_large_m_in_chunks_gives_the_same_bits(ops, gemm):
@@ -150,10 +155,10 @@ def test_gemm_large_m_in_chunks_gives_the_same_bits(ops, gemm):
     change with the chunk it falls in."""
     torch.manual_seed(8)
     x, w, bias = torch.randn(700, 1536).to(BF16), (torch.randn(40, 1536) * 0.05).to(BF16), torch.randn(40)
-    full = ops.bf16_linear(x, w, bias, True)
+    full = ops.bf16_linear(x, w, bias, True, gemm=gemm)
     _assert_one_rounding(full, x, w, bias)
     for row in (0, 335, 336, 699):
-        assert torch.equal(ops.bf16_linear(x[row:row + 1], w, bias, True)[0], full[row]), row
+        assert torch.equal(ops.bf16_linear(x[row:row + 1], w, bias, True, gemm=gemm)[0], full[row]), row
 
 
 @pytest.mark.parametrize("threads", [2, 3])
@@ -161,23 +166,22 @@ def test_gemm_split_over_threads_gives_the_same_bits(ops, gemm, threads):
     # 130 rows are 5 AMX tiles of 32 (3 AVX-512 tiles of 48), uneven over the threads: M is split too.
     torch.manual_seed(7)
     x, w, bias = torch.randn(40, 300).to(BF16), torch.randn(130, 300).to(BF16), torch.randn(130)
-    one = ops.bf16_linear(x, w, bias, True)
+    one = ops.bf16_linear(x, w, bias, True, gemm=gemm)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        many = ops.bf16_linear(x, w, bias, True)
+        many = ops.bf16_linear(x, w, bias, True, gemm=gemm)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, many)
     _assert_one_rounding(many, x, w, bias)
 
 
-def test_the_wrapper_takes_the_kernel_where_it_beats_torch(ops, monkeypatch):
-    monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "avx512")
-    assert [bf16_linear_cpu.use_kernel(m) for m in (1, 4, 5, 256, 257)] == [True, True, False, False, False]
-    if AMX:
-        monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "amx")
-        assert [bf16_linear_cpu.use_kernel(m) for m in (1, 4, 5, 256, 257)] == [True, True, True, True, False]
+def test_the_wrapper_takes_the_kernel_where_it_beats_torch(ops):
+    takes = functools.partial(bf16_linear_cpu.kernel_takes, batch_invariant=False)
+    assert [takes(m, gemm="avx512") for m in (1, 4, 5, 256, 257)] == [True, True, False, False, False]
+    assert [takes(m, gemm="amx") for m in (1, 4, 5, 256, 257)] == [True, True, True, True, False]
+    assert all(bf16_linear_cpu.kernel_takes(m, True, "avx512") for m in (1, 5, 257))
 
 
 def test_the_environment_picks_the_gemm(ops, monkeypatch):
@@ -188,33 +192,44 @@ def test_the_environment_picks_the_gemm(ops, monkeypatch):
     w[0, 0], w[0, 256:512], w[0, 512] = 256.0, 2.0 ** -22, -256.0
     w = w.to(BF16)
     monkeypatch.delenv("FP8ENGINE_BF16_GEMM", raising=False)
-    assert ops.bf16_linear_gemm() == ("amx" if AMX else "avx512")
+    assert _bf16_gemm() == ("amx" if AMX else "avx512")
     monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "avx512")
-    assert ops.bf16_linear_gemm() == "avx512"
-    assert ops.bf16_linear(x, w, None, True).item() == 2.0 ** -14
+    assert _bf16_gemm() == "avx512"
+    assert kernel_set.select(EngineConfig(batch_invariant=True)).dense_linear(x, w, None).item() == 2.0 ** -14
+    assert ops.bf16_linear(x, w, None, True, gemm="avx512").item() == 2.0 ** -14
     monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "tiles")
-    with pytest.raises(RuntimeError, match="FP8ENGINE_BF16_GEMM must be 'avx512' or 'amx', got 'tiles'"):
-        ops.bf16_linear(x, w, None, True)
+    with pytest.raises(ValueError, match=r"FP8ENGINE_BF16_GEMM must be one of \('auto', 'avx512', 'amx'\), got 'tiles'"):
+        _bf16_gemm()
+    with pytest.raises(RuntimeError, match="gemm must be 'auto', 'avx512' or 'amx', got 'tiles'"):
+        ops.bf16_linear(x, w, None, True, gemm="tiles")
     monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "amx")
     if AMX:
-        assert ops.bf16_linear_gemm() == "amx"
-        assert ops.bf16_linear(x, w, None, True).item() == 0.0
+        assert _bf16_gemm() == "amx"
+        assert ops.bf16_linear(x, w, None, True, gemm="amx").item() == 0.0
     else:
+        with pytest.raises(ValueError, match="does not allow AMX tiles"):
+            _bf16_gemm()
         with pytest.raises(RuntimeError, match="does not allow AMX tiles"):
-            ops.bf16_linear_gemm()
+            ops.bf16_linear(x, w, None, True, gemm="amx")
+
+
+def _bf16_gemm() -> str:
+    return kernel_set.select(EngineConfig()).gemms[1]
 
 
 def test_without_the_kernel_batch_invariant_linears_take_torch_in_fixed_chunks(monkeypatch):
     """A build without the C++ kernel still keeps a row's bits independent of the batch: torch's GEMM fed one
     shape only (chunks of BATCH_INVARIANT_ROWS rows)."""
-    monkeypatch.setattr(bf16_linear_cpu, "cpu_kernel", lambda name: None)
+    monkeypatch.setattr(kernel_set.cpu_ops, "load_cpu_ops", ops_without("bf16_linear"))
     monkeypatch.setenv("FP8ENGINE_BI_GEMM", "cpp")
+    kernels = kernel_set.select(EngineConfig(batch_invariant=True))
+    assert kernels.names["dense_linear"] == "torch-bf16-fixed-chunks"
     torch.manual_seed(5)
     x, w = torch.randn(150, 576).to(BF16), torch.randn(192, 576).to(BF16)
-    batched = bf16_linear_cpu.bf16_linear(x, w, None, batch_invariant=True)
+    batched = kernels.dense_linear(x, w, None)
     assert torch.equal(batched, bf16_linear_cpu.chunked_linear(x, w, None))
     for i in (0, 63, 64, 149):
-        assert torch.equal(bf16_linear_cpu.bf16_linear(x[i:i + 1], w, None, batch_invariant=True)[0], batched[i])
+        assert torch.equal(kernels.dense_linear(x[i:i + 1], w, None)[0], batched[i])
 
 
 @pytest.mark.parametrize("m", [1, 5, 33])
@@ -222,9 +237,9 @@ def test_without_the_kernel_batch_invariant_linears_take_torch_in_fixed_chunks(m
 def test_float32_out_is_the_sum_before_its_rounding_to_bf16(ops, gemm, m, batch_invariant):
     torch.manual_seed(m)
     x, w, bias = torch.randn(m, 200).to(BF16), torch.randn(70, 200).to(BF16), torch.randn(70).to(BF16)
-    y32 = ops.bf16_linear(x, w, bias, batch_invariant, True)
+    y32 = ops.bf16_linear(x, w, bias, batch_invariant, True, gemm=gemm)
     assert y32.dtype == torch.float32
-    assert torch.equal(y32.to(BF16), ops.bf16_linear(x, w, bias, batch_invariant))
+    assert torch.equal(y32.to(BF16), ops.bf16_linear(x, w, bias, batch_invariant, gemm=gemm))
 
 
 def _float32_head_inputs(m: int, n: int = 300, k: int = 576):
@@ -268,18 +283,18 @@ def test_terms_kernel_sums_the_terms_of_each_row(ops):
 
 
 def test_the_environment_picks_the_float32_head(ops, monkeypatch):
-    from fp8engine.model_executor.layers.embedding import lm_head_fp32
+    def head(**options):
+        return kernel_set.select(EngineConfig(lm_head_fp32=True, **options))
     x, w = _float32_head_inputs(4, 50, 64)
     monkeypatch.setenv("FP8ENGINE_FP32_HEAD", "fma")
-    assert not bf16_linear_cpu.split_float32_head()
-    from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
-    assert torch.equal(lm_head_fp32(x, w), cpu_kernel("lm_head_f32")(x, w))
+    assert head().names["lm_head"] == "fp32-fma"
+    assert torch.equal(head().lm_head(x, w), ops.lm_head_f32(x, w))
     monkeypatch.setenv("FP8ENGINE_FP32_HEAD", "tiles")
-    assert bf16_linear_cpu.split_float32_head() == AMX
+    assert (head().names["lm_head"] != "fp32-fma") == AMX
     if AMX:  # the tiles above 2 rows, and for every row count when batch invariant
-        assert torch.equal(lm_head_fp32(x, w), bf16_linear_cpu.split_float32_linear(x, w))
-        assert torch.equal(lm_head_fp32(x[:1], w, batch_invariant=True), bf16_linear_cpu.split_float32_linear(x[:1], w))
-        assert torch.equal(lm_head_fp32(x[:2], w), cpu_kernel("lm_head_f32")(x[:2], w))
+        assert torch.equal(head().lm_head(x, w), bf16_linear_cpu.split_float32_linear(x, w))
+        assert torch.equal(head(batch_invariant=True).lm_head(x[:1], w), bf16_linear_cpu.split_float32_linear(x[:1], w))
+        assert torch.equal(head().lm_head(x[:2], w), ops.lm_head_f32(x[:2], w))
     monkeypatch.setenv("FP8ENGINE_FP32_HEAD", "fp64")
     with pytest.raises(ValueError, match=r"FP8ENGINE_FP32_HEAD must be one of \('tiles', 'fma'\), got 'fp64'"):
-        bf16_linear_cpu.split_float32_head()
+        head()

@@ -6,8 +6,8 @@ import logging
 import pytest
 
 from fp8engine import SamplingParams
-from fp8engine.model_executor.kernels import cpu_ops, fp8_linear_cpu
-from tests.conftest import cpu_can_build, cpu_flags, make_engine
+from fp8engine.model_executor.kernels import cpu_ops
+from tests.conftest import cpu_can_build, cpu_flags, cpu_kernels, make_engine
 
 OPS = ("fp8_block_linear", "fp8_quantize_weight_", "fp8_block_scales_", "bf16_linear", "paged_attention",
        "write_kv_cache", "rms_norm", "rotary_embedding_", "silu_and_mul", "sample_rows")
@@ -31,7 +31,7 @@ def test_fp8_backend_uses_the_best_dot_products_the_cpu_has(monkeypatch):
     if not cpu_can_build("fp8_block_linear"):
         pytest.skip("no C++ compiler")
     monkeypatch.delenv("FP8ENGINE_FP8_GEMM", raising=False)
-    assert fp8_linear_cpu.cpu_fp8_backend() == _fp8_backend()
+    assert cpu_kernels(quantization="fp8").names["fp8_linear"] == _fp8_backend()
 
 
 def test_engine_stats_name_the_kernels_that_run_and_count_steps_requests_tokens(monkeypatch):

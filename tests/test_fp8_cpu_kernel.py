@@ -1,7 +1,8 @@
 """The C++ CPU FP8 kernels (csrc/fp8_linear.cpp) against the torch reference in fp8engine.weights.quant.
 
 The linear's GEMM runs on AVX-512 BF16 dot products, or on AMX tiles where the CPU has them; tests that
-take the `gemm` fixture run on each one this machine has (FP8ENGINE_FP8_GEMM picks it)."""
+take the `gemm` fixture run on each one this machine has (the op's `gemm` argument picks it, as the engine's
+kernel set does once at start-up)."""
 
 import functools
 import zlib
@@ -9,6 +10,8 @@ import zlib
 import pytest
 import torch
 
+from fp8engine import EngineConfig
+from fp8engine.model_executor import kernel_set
 from fp8engine.model_executor.kernels import fp8_linear_cpu
 from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
 from fp8engine.weights import quant
@@ -25,10 +28,9 @@ def ops():
 
 
 @pytest.fixture(params=["avx512", "amx"])
-def gemm(request, monkeypatch):
+def gemm(request):
     if request.param == "amx" and not AMX:
         pytest.skip("this CPU has no AMX tiles")
-    monkeypatch.setenv("FP8ENGINE_FP8_GEMM", request.param)
     return request.param
 
 
@@ -45,20 +47,30 @@ def _assert_same_quant(got: tuple[torch.Tensor, torch.Tensor], expected: tuple[t
     assert torch.equal(got[1].view(torch.int32), expected[1].view(torch.int32))
 
 
+def _fp8_backend() -> str:
+    return kernel_set.select(EngineConfig(quantization="fp8")).names["fp8_linear"]
+
+
 def test_backend_name_follows_the_gemm(ops, monkeypatch):
     monkeypatch.delenv("FP8ENGINE_FP8_GEMM", raising=False)
-    assert fp8_linear_cpu.cpu_fp8_backend() in (("cpp-amx",) if AMX else ("cpp-avx512bf16", "cpp-scalar"))
+    assert _fp8_backend() in (("cpp-amx",) if AMX else ("cpp-avx512bf16", "cpp-scalar"))
     monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "avx512")
-    assert fp8_linear_cpu.cpu_fp8_backend() in ("cpp-avx512bf16", "cpp-scalar")
+    assert _fp8_backend() in ("cpp-avx512bf16", "cpp-scalar")
     monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "tiles")
-    with pytest.raises(RuntimeError, match="FP8ENGINE_FP8_GEMM must be 'avx512' or 'amx', got 'tiles'"):
-        fp8_linear_cpu.cpu_fp8_backend()
+    with pytest.raises(ValueError, match=r"FP8ENGINE_FP8_GEMM must be one of \('auto', 'avx512', 'amx'\), got 'tiles'"):
+        _fp8_backend()
+    with pytest.raises(RuntimeError, match="gemm must be 'auto', 'avx512' or 'amx', got 'tiles'"):
+        ops.fp8_block_linear(torch.ones(1, 128), *quant.quantize_weight_blockwise(torch.ones(1, 128)), None, False,
+                             gemm="tiles")
     monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "amx")
     if AMX:
-        assert fp8_linear_cpu.cpu_fp8_backend() == "cpp-amx"
+        assert _fp8_backend() == "cpp-amx"
     else:
+        with pytest.raises(ValueError, match="does not allow AMX tiles"):
+            _fp8_backend()
         with pytest.raises(RuntimeError, match="does not allow AMX tiles"):
-            fp8_linear_cpu.cpu_fp8_backend()
+            ops.fp8_block_linear(torch.ones(1, 128), *quant.quantize_weight_blockwise(torch.ones(1, 128)), None,
+                                 False, gemm="amx")
 
 
 @pytest.mark.parametrize("shape", [(128, 128), (200, 300), (192, 576), (576, 1536), (1, 5), (257, 129)])
@@ -156,13 +168,13 @@ def _weights(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return quant.quantize_weight_blockwise(torch.randn(n, k) * torch.rand(n, 1))
 
 
-def _check_linear(ops, m: int, k: int, n: int, dtype: torch.dtype, scale_fmt: str | None,
+def _check_linear(ops, gemm: str, m: int, k: int, n: int, dtype: torch.dtype, scale_fmt: str | None,
                   batch_invariant: bool = False):
     w_q, w_s = _weights(n, k)
     torch.manual_seed(m * 7919 + k * 31 + n)
     x = (torch.randn(m, k) * torch.logspace(-2, 1, k)).to(dtype)
     bias = torch.randn(n).to(dtype)
-    y = ops.fp8_block_linear(x, w_q, w_s, bias, scale_fmt == "ue8m0", None, batch_invariant)
+    y = ops.fp8_block_linear(x, w_q, w_s, bias, scale_fmt == "ue8m0", None, batch_invariant, gemm)
     _assert_linear_close(y, quant.fp8_block_linear_ref(x, w_q, w_s, bias, scale_fmt=scale_fmt))
 
 
@@ -170,8 +182,8 @@ def _check_linear(ops, m: int, k: int, n: int, dtype: torch.dtype, scale_fmt: st
 @pytest.mark.parametrize("k", [100, 576, 1536])
 @pytest.mark.parametrize("n", [192, 576, 1536])
 def test_block_linear_matches_reference(ops, gemm, m, k, n):
-    _check_linear(ops, m, k, n, torch.float32, None)
-    _check_linear(ops, m, k, n, torch.bfloat16, "ue8m0")
+    _check_linear(ops, gemm, m, k, n, torch.float32, None)
+    _check_linear(ops, gemm, m, k, n, torch.bfloat16, "ue8m0")
 
 
 @pytest.mark.parametrize("k, n, dtype, scale_fmt", [(100, 1536, torch.bfloat16, None),
@@ -179,7 +191,7 @@ def test_block_linear_matches_reference(ops, gemm, m, k, n):
                                                     (1536, 192, torch.bfloat16, "ue8m0"),
                                                     (576, 1536, torch.float32, None)])
 def test_block_linear_matches_reference_m128(ops, gemm, k, n, dtype, scale_fmt):
-    _check_linear(ops, 128, k, n, dtype, scale_fmt)
+    _check_linear(ops, gemm, 128, k, n, dtype, scale_fmt)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 16, 33, 64, 100, 300])
@@ -188,8 +200,8 @@ def test_block_linear_matches_reference_m128(ops, gemm, k, n, dtype, scale_fmt):
 def test_gemm_matches_reference_for_every_m(ops, gemm, m, k, n, batch_invariant):
     """Each GEMM (batch_invariant: for every M; else from the small-M path's limit up) on K tails (576, 100),
     N off the 128 grid and odd numbers of 16-row activation vectors."""
-    _check_linear(ops, m, k, n, torch.bfloat16, None, batch_invariant)
-    _check_linear(ops, m, k, n, torch.float32, "ue8m0", batch_invariant)
+    _check_linear(ops, gemm, m, k, n, torch.bfloat16, None, batch_invariant)
+    _check_linear(ops, gemm, m, k, n, torch.float32, "ue8m0", batch_invariant)
 
 
 @pytest.mark.parametrize("m", [2, 20])
@@ -202,7 +214,7 @@ def test_activation_rounding_through_identity_weight(ops, gemm, m):
     x = mids[torch.randint(len(mids), (m, k))] * (torch.randint(0, 2, (m, k)) * 2 - 1)
     x[:, ::128] = 448.0
     w_q, w_s = quant.quantize_weight_blockwise(torch.eye(k))
-    y = ops.fp8_block_linear(x, w_q, w_s, None, False)
+    y = ops.fp8_block_linear(x, w_q, w_s, None, False, gemm=gemm)
     ref = quant.fp8_block_linear_ref(x, w_q, w_s)
     torch.testing.assert_close(y, ref, rtol=1e-6, atol=0)
 
@@ -213,7 +225,7 @@ def test_block_linear_partial_and_tiny_shapes(ops, gemm, batch_invariant):
     for m, n, k in [(5, 7, 33), (9, 1, 129), (16, 130, 64), (33, 49, 257), (1, 1, 1)]:
         w_q, w_s = quant.quantize_weight_blockwise(torch.randn(n, k))
         x = torch.randn(m, k, dtype=torch.bfloat16)
-        _assert_linear_close(ops.fp8_block_linear(x, w_q, w_s, None, False, None, batch_invariant),
+        _assert_linear_close(ops.fp8_block_linear(x, w_q, w_s, None, False, None, batch_invariant, gemm),
                              quant.fp8_block_linear_ref(x, w_q, w_s))
 
 
@@ -227,7 +239,7 @@ def test_block_linear_split_over_rows(ops, gemm, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        y = ops.fp8_block_linear(x, w_q, w_s, None, False)
+        y = ops.fp8_block_linear(x, w_q, w_s, None, False, gemm=gemm)
     finally:
         torch.set_num_threads(before)
     _assert_linear_close(y, quant.fp8_block_linear_ref(x, w_q, w_s))
@@ -235,9 +247,9 @@ def test_block_linear_split_over_rows(ops, gemm, threads):
 
 def test_block_linear_zero_rows_and_zero_input(ops, gemm):
     w_q, w_s = quant.quantize_weight_blockwise(torch.randn(64, 256))
-    assert ops.fp8_block_linear(torch.empty(0, 256), w_q, w_s, None, False).shape == (0, 64)
+    assert ops.fp8_block_linear(torch.empty(0, 256), w_q, w_s, None, False, gemm=gemm).shape == (0, 64)
     bias = torch.randn(64)
-    y = ops.fp8_block_linear(torch.zeros(3, 256), w_q, w_s, bias, False)
+    y = ops.fp8_block_linear(torch.zeros(3, 256), w_q, w_s, bias, False, gemm=gemm)
     assert torch.equal(y, bias.expand(3, 64))
 
 
@@ -256,25 +268,25 @@ def test_wrapper_batch_dims_and_noncontiguous_input(ops):
     torch.testing.assert_close(y16, ref16, rtol=2.0 ** -10, atol=1e-3)
 
 
-def test_wrapper_falls_back_to_the_reference(monkeypatch):
-    """Without the C++ ops every entry point runs the torch reference (spied on: an exact-equality check
-    alone would also pass on the kernel, which equals the reference on these inputs)."""
+def test_without_the_kernels_the_kernel_set_runs_the_reference(monkeypatch):
+    """Without the C++ ops the kernel set's FP8 entry points are the torch reference (spied on: an exact-equality
+    check alone would also pass on the kernel, which equals the reference on these inputs)."""
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(130, 200, generator=gen)
     w_q, w_s = quant.quantize_weight_blockwise(w)
     x = torch.randn(4, 200, generator=gen).bfloat16()
     want = quant.fp8_block_linear_ref(x, w_q, w_s)
-    monkeypatch.setattr(fp8_linear_cpu, "kernel_ops", lambda: None)
-    monkeypatch.setattr(fp8_linear_cpu, "cpu_kernel", lambda name: None)
+    monkeypatch.setattr(kernel_set.cpu_ops, "load_cpu_ops", lambda: None)
     calls = []
     for name in ("fp8_block_linear_ref", "quantize_weight_into"):
         real = getattr(quant, name)
         monkeypatch.setattr(quant, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    assert fp8_linear_cpu.cpu_fp8_backend() == "torch-reference"
-    assert fp8_linear_cpu.block_scales_cpu(w) is None
-    assert torch.equal(fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s), want)
+    kernels = kernel_set.select(EngineConfig(quantization="fp8"))
+    assert kernels.names["fp8_linear"] == "torch-reference"
+    assert kernels.block_scales is None
+    assert torch.equal(kernels.fp8_linear(x, w_q, w_s), want)
     out_q, out_s = torch.empty_like(w_q), torch.empty_like(w_s)
-    fp8_linear_cpu.quantize_weight_into_cpu(w, out_q, out_s)
+    kernels.quantize_into(w, out_q, out_s)
     _assert_same_quant((out_q, out_s), (w_q, w_s))
     assert calls == ["fp8_block_linear_ref", "quantize_weight_into"]
 
@@ -292,14 +304,14 @@ def test_scale_rows_serve_stacked_shard_grids_in_one_call(ops, gemm, m, batch_in
     rows = torch.cat([torch.arange(n, dtype=torch.int32) // 128 + off
                       for n, off in zip((576, 192, 192), (0, 5, 7))])
     x = torch.randn(m, 576, generator=gen).bfloat16()
-    linear = functools.partial(fp8_linear_cpu.fp8_block_linear_cpu, batch_invariant=batch_invariant)
+    linear = functools.partial(fp8_linear_cpu.fp8_block_linear_cpu, batch_invariant=batch_invariant, gemm=gemm)
     want = torch.cat([linear(x, q, s) for q, s in quantized], dim=-1)
     assert torch.equal(linear(x, w_q, w_s, scale_rows=rows), want)
     _assert_linear_close(want, quant.fp8_block_linear_ref(x, w_q, w_s, scale_rows=rows))
     assert torch.equal(quant.fp8_block_linear_ref(x, w_q, w_s, scale_rows=rows),
                        torch.cat([quant.fp8_block_linear_ref(x, q, s) for q, s in quantized], dim=-1))
     with pytest.raises(RuntimeError, match="scale_rows must index rows"):
-        fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s, scale_rows=rows + 2)
+        fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s, scale_rows=rows + 2, gemm=gemm)
 
 
 @pytest.mark.parametrize("k, n", [(576, 1536), (1536, 576), (100, 130)])
@@ -314,7 +326,7 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch(ops, gemm, k, n):
     x = torch.randn(70, k, generator=gen).bfloat16()
 
     def linear(batch: torch.Tensor) -> torch.Tensor:
-        return ops.fp8_block_linear(batch, w_q, w_s, bias, False, rows, True)
+        return ops.fp8_block_linear(batch, w_q, w_s, bias, False, rows, True, gemm)
     full = linear(x)
     _assert_linear_close(full, quant.fp8_block_linear_ref(x, w_q, w_s, bias, scale_rows=rows))
     for row in (0, 17, 69):

@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file
 
 from fp8engine import SamplingParams
-from fp8engine.model_executor import fused_decoder
 from tests.conftest import cpu_flags, make_engine, require_cpu_op
 from tests.tiny_models import tiny_dir  # noqa: F401 (fixture)
 
@@ -92,7 +91,7 @@ def test_default_model_decode_matches(default_dir):
     assert run(engine, False, PROMPTS[:1], one) == fused
 
 
-def test_calibration_and_the_bf16_kernel_limit_take_the_python_layers(tiny_dir, monkeypatch):  # noqa: F811
+def test_calibration_takes_the_python_layers(tiny_dir):  # noqa: F811
     engine = make_engine(tiny_dir("qwen2"), kv_cache_dtype="fp8_e4m3")
     fused = engine.runner.model.fused
     x = torch.zeros(3, 128, dtype=torch.bfloat16)
@@ -100,10 +99,19 @@ def test_calibration_and_the_bf16_kernel_limit_take_the_python_layers(tiny_dir, 
     fused.attn[1].observer = lambda *args: None  # what KVScaleManager.calibrating sets
     assert not fused.usable(x)
     fused.attn[1].observer = None
-    # BF16 linears: the plan calls the C++ kernel, so rows where the Python layer would take torch's GEMM do not
-    monkeypatch.setattr("fp8engine.model_executor.kernels.bf16_linear_cpu.use_kernel", lambda m: m <= 2)
-    assert fused.usable(x[:2]) and not fused.usable(x)
     assert not fused.usable(x.float())
+
+
+def test_bf16_rows_past_the_kernel_take_torch_in_the_plan_too(tiny_dir, monkeypatch):  # noqa: F811
+    """Where the Python layer gives a BF16 projection's rows to torch's GEMM (bf16_linear_cpu.kernel_takes), the
+    plan calls the same op for them: every step takes the plan, bit for bit the Python layers."""
+    engine = make_engine(tiny_dir("qwen2"))
+    monkeypatch.setattr("fp8engine.model_executor.kernels.bf16_linear_cpu.kernel_takes",
+                        lambda m, batch_invariant, gemm: m <= 2)
+    python = run(engine, fused=False)
+    calls = counting(engine)
+    assert run(engine, fused=True) == python
+    assert calls[0] >= 10
 
 
 def test_where_the_plan_is_not_built(tiny_dir, monkeypatch):  # noqa: F811
@@ -111,19 +119,21 @@ def test_where_the_plan_is_not_built(tiny_dir, monkeypatch):  # noqa: F811
     moe = make_engine(tiny_dir("qwen3_moe"), quantization="fp8")
     assert moe.runner.model.fused is None and moe.get_stats().decoder_backend == "python"
     assert make_engine(tiny_dir("qwen2"), dtype="float32").runner.model.fused is None
-    monkeypatch.setenv(fused_decoder.FUSED_ENV, "0")
+    monkeypatch.setenv("FP8ENGINE_FUSED_DECODER", "0")
     assert make_engine(tiny_dir("qwen2")).runner.model.fused is None
-    monkeypatch.setenv(fused_decoder.FUSED_ENV, "yes")
-    with pytest.raises(ValueError, match="FP8ENGINE_FUSED_DECODER must be 0 or 1, got 'yes'"):
+    monkeypatch.setenv("FP8ENGINE_FUSED_DECODER", "yes")
+    with pytest.raises(ValueError, match=r"FP8ENGINE_FUSED_DECODER must be one of \('0', '1'\), got 'yes'"):
         make_engine(tiny_dir("qwen2"))
 
 
 def test_plan_checks_its_inputs():
     cos = torch.zeros(8, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="20 tensors per layer expected, got 3"):
-        torch.classes.fp8engine.DecoderPlan([None] * 3, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False)
+        torch.classes.fp8engine.DecoderPlan([None] * 3, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False,
+                                            ["avx512", "avx512"])
     with pytest.raises(RuntimeError, match="a layer norm weight is missing"):
-        torch.classes.fp8engine.DecoderPlan([None] * 20, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False)
+        torch.classes.fp8engine.DecoderPlan([None] * 20, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False,
+                                            ["avx512", "avx512"])
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8-linear"])

@@ -11,7 +11,7 @@ import transformers
 
 from fp8engine import SamplingParams
 from fp8engine.model_executor.layers.rotary import RotaryEmbedding, rope_config
-from tests.conftest import make_engine
+from tests.conftest import cpu_kernels, make_engine
 from tests.hf_reference import hf_greedy, hf_logprobs, load_hf
 from tests.prompts import PROMPTS
 from tests.tiny_models import ARCHS, ROPE, hf_config, tiny_dir  # noqa: F401 (a fixture)
@@ -74,7 +74,7 @@ def test_rope_tables_equal_transformers(rope, dtype, tokenizer):
     cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, dtype=dtype), positions)
     theta, scaling = rope_config(cfg)
     ours = RotaryEmbedding(cfg.hidden_size // cfg.num_attention_heads, cfg.max_position_embeddings, theta, dtype,
-                           scaling)
+                           cpu_kernels(), scaling)
     assert torch.equal(ours.cos, cos[0]) and torch.equal(ours.sin, sin[0])
     if rope == "yarn":  # the attention factor scales the tables
         assert ours.cos[0, 0].item() == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1, rel=1e-2)

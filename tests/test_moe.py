@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from fp8engine import EngineConfig, SamplingParams
-from fp8engine.model_executor.kernels import fp8_linear_cpu
 from fp8engine.model_executor.kernels.moe_ref import fused_moe_ref
 from fp8engine.model_executor.layers.moe import FusedMoE, route
 from fp8engine.rl import RolloutEngine
 from fp8engine.weights.quant import quantize_weight_blockwise
 from tests.checkpoints import perturbed_state, prequantized_items, write_checkpoint
-from tests.conftest import make_engine, require_cpu_op
+from tests.conftest import cpu_kernels, make_engine, require_cpu_op
 from tests.hf_reference import load_hf
 from tests.prompts import CHATS, PROMPTS, RAW
 from tests.tiny_models import load_random_experts, tiny_dir  # noqa: F401 (a fixture)
@@ -50,7 +49,7 @@ def same_tensors(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_cpp_experts_match_the_torch_reference(inter, fp8):
     require_cpu_op("fp8_block_linear" if fp8 else "bf16_linear")
-    layer = FusedMoE(8, 256, inter, torch.bfloat16, fp8_linear_cpu.fp8_block_linear_cpu if fp8 else None)
+    layer = FusedMoE(8, 256, inter, torch.bfloat16, cpu_kernels(quantization="fp8" if fp8 else None), fp8)
     load_random_experts(layer)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(37, 256, generator=gen).bfloat16()
@@ -293,10 +292,8 @@ def test_a_token_does_not_depend_on_how_many_share_its_expert():
     other rows (and how many) its experts see."""
     require_cpu_op("fp8_block_linear")
     for fp8 in (False, True):
-        fn = fp8_linear_cpu.fp8_block_linear_cpu if fp8 else None
-        layer = FusedMoE(8, 256, 128, torch.bfloat16, None if fn is None else
-                         lambda *a, **kw: fn(*a, **kw, batch_invariant=True))
-        layer.batch_invariant = True
+        kernels = cpu_kernels(quantization="fp8" if fp8 else None, batch_invariant=True)
+        layer = FusedMoE(8, 256, 128, torch.bfloat16, kernels, fp8)
         load_random_experts(layer, seed=2)
         gen = torch.Generator().manual_seed(3)
         x = torch.randn(64, 256, generator=gen).bfloat16()

@@ -20,8 +20,8 @@ E, H, T, K = 4, 256, 11, 2
 
 
 def experts(inter: int, dtype: torch.dtype, fp8: bool) -> FusedMoE:
-    """Random experts in the engine's stacked layout (the FP8 kernel fn is never called here)."""
-    layer = FusedMoE(E, H, inter, dtype, (lambda *a, **kw: None) if fp8 else None)
+    """Random experts in the engine's stacked layout (the layer's kernels are never called here)."""
+    layer = FusedMoE(E, H, inter, dtype, None, fp8)
     load_random_experts(layer, seed=inter)
     return layer
 

@@ -7,11 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8engine.model_executor.kernels import attention_cpu
-from fp8engine.model_executor.kernels.attention_cpu import kernel_ops, paged_attention_cpu, write_kv_cache_cpu
+from fp8engine.model_executor import kernel_set
+from fp8engine.model_executor.kernels import attention_ref
+from fp8engine.model_executor.kernels.attention_cpu import paged_attention_cpu, write_kv_cache_cpu
+from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
 from fp8engine.model_executor.kernels.attention_ref import (FP8_DTYPE, FP8_MAX, paged_attention_ref,
                                                             write_kv_cache_ref)
-from tests.conftest import require_cpu_op
+from tests.conftest import cpu_kernels, ops_without, require_cpu_op
 from tests import attention_batches
 from tests.attention_batches import K_SCALE, Q_SCALE, V_SCALE, random_cache
 
@@ -38,7 +40,7 @@ BATCHES = {
 @pytest.fixture(scope="module")
 def ops():
     require_cpu_op("paged_attention")
-    return kernel_ops()
+    return load_cpu_ops()
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -87,14 +89,16 @@ def test_reference_matches_sdpa(q_len):
     torch.testing.assert_close(ref, sdpa[-q_len:], rtol=1e-5, atol=1e-5)
 
 
-def test_wrapper_falls_back_to_reference(monkeypatch):
+def test_without_the_kernel_the_kernel_set_runs_the_reference(monkeypatch):
     args = make_batch(BATCHES["mixed"], 9, 3, 64, FP8_DTYPE)
     want = paged_attention_ref(**args)
-    monkeypatch.setattr(attention_cpu, "kernel_ops", lambda: None)
+    monkeypatch.setattr(kernel_set.cpu_ops, "load_cpu_ops", ops_without("paged_attention", "write_kv_cache"))
     calls = []
-    monkeypatch.setattr(attention_cpu, "paged_attention_ref",
+    monkeypatch.setattr(attention_ref, "paged_attention_ref",
                         lambda *a, **k: calls.append("ref") or paged_attention_ref(*a, **k))
-    assert torch.equal(paged_attention_cpu(**args), want)
+    kernels = cpu_kernels()
+    assert kernels.names["attention"] == "torch"
+    assert torch.equal(kernels.paged_attention(**args), want)
     assert calls == ["ref"]
 
 

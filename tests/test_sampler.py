@@ -8,9 +8,10 @@ import torch
 from fp8engine import SamplingParams
 from fp8engine.model_executor.layers import sampler as sampler_mod
 from fp8engine.model_executor.layers.sampler import SampleRow, processed_logprobs, sample, truncation_mask
-from tests.conftest import require_cpu_op
+from tests.conftest import cpu_kernels, require_cpu_op
 
 PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+KERNEL = cpu_kernels().sample_rows  # the fused C++ sampler an engine is given (None where it is not built)
 
 
 def rows_params(n, vocab=5, **kw):
@@ -51,7 +52,7 @@ def test_raw_and_processed_differ_as_temperature_and_top_p_say():
     logits = torch.randn(1, 50) * 2
     for mode in ("raw", "processed"):
         params = SamplingParams(temperature=0.7, top_p=0.9, logprobs=2, logprobs_mode=mode, seed=5)
-        res = sample(logits.clone(), [SampleRow(params, seed=5)])
+        res = sample(logits.clone(), [SampleRow(params, seed=5)], kernel=KERNEL)
         tok = res.token_ids[0]
         if mode == "raw":
             assert math.isclose(res.logprobs[0], torch.log_softmax(logits[0], -1)[tok].item(), rel_tol=1e-6)
@@ -65,8 +66,9 @@ def test_raw_and_processed_differ_as_temperature_and_top_p_say():
 
 def test_greedy_processed_is_point_mass_and_raw_is_log_softmax():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
-    proc = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0, logprobs=0), seed=0)])
-    raw = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0, logprobs=0, logprobs_mode="raw"), seed=0)])
+    proc = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0, logprobs=0), seed=0)], kernel=KERNEL)
+    raw = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0, logprobs=0, logprobs_mode="raw"), seed=0)],
+                 kernel=KERNEL)
     assert proc.token_ids == raw.token_ids == [1]
     assert proc.logprobs == [0.0] and proc.log_kept_mass == [0.0]
     assert math.isclose(raw.logprobs[0], torch.log_softmax(logits[0], -1)[1].item(), rel_tol=1e-6)
@@ -75,7 +77,8 @@ def test_greedy_processed_is_point_mass_and_raw_is_log_softmax():
 def test_banned_tokens_never_drawn_and_draws_follow_the_distribution():
     logits = PROBS.log()[None].repeat(4000, 1)
     params = SamplingParams(temperature=1.0, seed=0)
-    res = sample(logits.clone(), [SampleRow(params, seed=i, banned_token_ids=(0,)) for i in range(4000)])
+    res = sample(logits.clone(), [SampleRow(params, seed=i, banned_token_ids=(0,)) for i in range(4000)],
+                 kernel=KERNEL)
     counts = torch.bincount(torch.tensor(res.token_ids), minlength=5).float() / 4000
     assert counts[0] == 0
     assert torch.allclose(counts[1:], PROBS[1:] / 0.5, atol=0.03)
@@ -84,17 +87,13 @@ def test_banned_tokens_never_drawn_and_draws_follow_the_distribution():
 def test_seeded_draws_repeat():
     logits = torch.randn(3, 100)
     params = SamplingParams(temperature=1.0, top_p=0.8)
-    draw = lambda: sample(logits.clone(), [SampleRow(params, seed=i) for i in range(3)]).token_ids  # noqa: E731
+    draw = lambda: sample(logits.clone(), [SampleRow(params, seed=i) for i in range(3)], kernel=KERNEL).token_ids  # noqa: E731
     assert draw() == draw()
 
 
 def _reference_sample(logits, rows):
-    """The torch sampler, with the fused CPU kernel turned off."""
-    saved, sampler_mod._fused_kernel = sampler_mod._fused_kernel, lambda *args: None
-    try:
-        return sample(logits.clone(), rows)
-    finally:
-        sampler_mod._fused_kernel = saved
+    """The torch sampler (no fused CPU kernel given)."""
+    return sample(logits.clone(), rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -107,8 +106,8 @@ def test_fused_kernel_matches_the_reference(dtype, temperature, mode):
     logits[:, :7] = float("-inf")  # zero-probability tokens are never drawn
     params = SamplingParams(temperature=temperature, logprobs=0, logprobs_mode=mode)
     rows = [SampleRow(params, seed=i, position=100 + i) for i in range(24)]
-    assert sampler_mod._fused_kernel(logits, rows) is not None
-    got, want = sample(logits, rows), _reference_sample(logits, rows)
+    assert sampler_mod._fused_kernel(KERNEL, logits, rows) is not None
+    got, want = sample(logits, rows, kernel=KERNEL), _reference_sample(logits, rows)
     uniform = sampler_mod.sampling_uniforms(list(range(24)), [0] * 24, [100 + i for i in range(24)])
     mismatched = [i for i in range(24) if got.token_ids[i] != want.token_ids[i]]
     assert len(mismatched) <= 1
@@ -125,16 +124,16 @@ def test_fused_kernel_matches_the_reference(dtype, temperature, mode):
 def test_fused_draws_follow_the_distribution():
     logits = PROBS.log()[None].repeat(4000, 1)
     params = SamplingParams(temperature=1.0)
-    res = sample(logits, [SampleRow(params, seed=i) for i in range(4000)])
+    res = sample(logits, [SampleRow(params, seed=i) for i in range(4000)], kernel=KERNEL)
     counts = torch.bincount(torch.tensor(res.token_ids), minlength=5).float() / 4000
     assert torch.allclose(counts, PROBS, atol=0.03)
 
 
 def test_truncation_and_alternatives_take_the_reference_path():
     logits = torch.randn(2, 10)
-    assert sampler_mod._fused_kernel(logits, [SampleRow(SamplingParams(top_p=0.9), seed=0)]) is None
-    assert sampler_mod._fused_kernel(logits, [SampleRow(SamplingParams(logprobs=2), seed=0)]) is None
-    assert sampler_mod._fused_kernel(logits, [SampleRow(SamplingParams(), seed=0, banned_token_ids=(3,))]) is None
+    assert sampler_mod._fused_kernel(KERNEL, logits, [SampleRow(SamplingParams(top_p=0.9), seed=0)]) is None
+    assert sampler_mod._fused_kernel(KERNEL, logits, [SampleRow(SamplingParams(logprobs=2), seed=0)]) is None
+    assert sampler_mod._fused_kernel(KERNEL, logits, [SampleRow(SamplingParams(), seed=0, banned_token_ids=(3,))]) is None
 
 
 def test_a_top_p_below_float32_keeps_the_most_probable_token():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from fp8engine import SamplingParams
-from fp8engine.scheduler.sequence import SeqStatus
+from fp8engine.request import SeqStatus
 from tests.conftest import make_engine
 
 BLOCK_SIZE, NUM_BLOCKS = 8, 6
@@ -105,7 +105,7 @@ class EngineMachine(RuleBasedStateMachine):
         for seq in self.live():
             for i in range(seq.num_hashed_blocks):
                 block = bm.blocks[seq.block_table[i]]
-                if block.hash == seq.block_hash(i, BLOCK_SIZE):
+                if block.hash == bm.block_hash(seq, i):
                     assert block.token_ids == seq.block_tokens(i, BLOCK_SIZE)
 
     @invariant()

@@ -20,6 +20,7 @@ from fp8engine.model_executor.kernels import fp8_triton as ft  # noqa: E402
 from fp8engine.model_executor.kernels.attention_ref import FP8_DTYPE  # noqa: E402
 from fp8engine.model_executor.layers.norm import RMSNorm  # noqa: E402
 from fp8engine.weights import quant  # noqa: E402
+from tests.conftest import cpu_kernels  # noqa: E402
 
 # Rows: alone, a few, more than one 64-row tile; the probe rows land at other tile positions in each.
 BATCHES = (1, 5, 70)
@@ -73,7 +74,7 @@ def test_fp8_linear():
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm(residual):
     x, r = _x(80, 576, 6), _x(80, 576, 7)
-    norm = RMSNorm(576, 1e-5, torch.bfloat16)
+    norm = RMSNorm(576, 1e-5, torch.bfloat16, cpu_kernels())
     norm.weight.data = (1 + 0.1 * _x(1, 576, 8)[0].float()).to(torch.bfloat16)
     r = r if residual else None
 

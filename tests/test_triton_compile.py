@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8engine.model_executor.kernels import triton_launch as tl_launch
+from tests import triton_launch as tl_launch
 
 _TRITON = importlib.util.find_spec("triton")
 if _TRITON is None:

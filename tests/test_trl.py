@@ -98,7 +98,7 @@ def test_rollout_func_fields_equal_the_engine(rollouts, default_dir, tmp_path):
 
     # TRL's convention, log_softmax(logits / temperature), from the float32 policy. Measured: |diff| mean 0.20,
     # max 0.98 over 48 tokens (0.36 without the temperature); FP8 on this model is that far from float32
-    # (README: k3 0.05-0.1 per token), a BF16 engine 0.036. The bound leaves ~1.7x headroom.
+    # (docs/benchmarks.md: k3 0.05-0.1 per token), a BF16 engine 0.036. The bound leaves ~1.7x headroom.
     with torch.no_grad():
         diffs = []
         for prompt, response, logprobs in zip(prompts, responses, out["logprobs"]):
@@ -234,7 +234,7 @@ def test_three_grpo_steps_on_fp8_rollouts(rollouts, default_dir, tmp_path, monke
         for name in ("k1", "k3", "is_mean", "is_min", "is_max", "ess"):
             assert step[f"fp8engine/{name}"] == pytest.approx(metrics[name], rel=1e-5, abs=1e-9), name
         # FP8 engine vs float32 trainer: close, not identical. Measured k3 0.025-0.100 and |diff| mean
-        # 0.16-0.22 over the 3 steps (README: FP8 k3 0.05-0.15 per token on this model)
+        # 0.16-0.22 over the 3 steps (docs/benchmarks.md: FP8 k3 0.05-0.15 per token on this model)
         assert 0 < step["fp8engine/k3"] < 0.3 and 0 < step["fp8engine/ess"] <= 1
         assert 0 < delta.mean() < 0.4
 

@@ -9,7 +9,7 @@ second end to end, prefill included, as the engine rows count them. With one pro
 share one prefill (`-pps`), as the engine's prefix cache shares it; with more, every sequence
 prefills its own copy, where the engine prefills each prompt once for its n samples.
 
-The binary is never downloaded: build it (README, "llama.cpp baseline") and pass its directory.
+The binary is never downloaded: build it (docs/benchmarks.md, "llama.cpp baseline") and pass its directory.
 """
 
 import json
@@ -37,12 +37,12 @@ def find_binary(llama_bin: str | None) -> Path:
                 raise ValueError(f"{path} is not executable")
             return path
     raise ValueError(f"no {BINARY} in --llama-bin {llama_bin!r} nor in its bin/; build it with "
-                     f"`cmake --build build --target {BINARY}` in llama.cpp's sources (see the README)")
+                     f"`cmake --build build --target {BINARY}` in llama.cpp's sources (see docs/benchmarks.md)")
 
 
 def check_gguf(gguf: str | None) -> Path:
     if gguf is None:
-        raise ValueError("--baseline llama.cpp needs --gguf FILE, the model as GGUF (see the README)")
+        raise ValueError("--baseline llama.cpp needs --gguf FILE, the model as GGUF (see docs/benchmarks.md)")
     path = Path(gguf).expanduser()
     if not path.is_file():
         raise ValueError(f"--gguf {gguf!r} is not a file")

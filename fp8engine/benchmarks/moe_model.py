@@ -10,7 +10,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from fp8engine.model_executor.kernels.cpu_ops import cache_root
+from fp8engine.envs import cache_root
 from fp8engine.weights.default_model import default_model_path
 
 NAME = "tiny-qwen3-moe-e64-k8"

@@ -99,7 +99,7 @@ THROUGHPUT_FLAGS = {"num_prompts": "--num-prompts", "n": "--n", "input_len": "--
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fp8engine.benchmarks.throughput import WORKLOADS
+    from fp8engine.benchmarks.workloads import WORKLOADS
     given = [flag for dest, flag in THROUGHPUT_FLAGS.items() if getattr(args, dest) is not None]
     if args.workload not in WORKLOADS and given:
         raise ValueError(f"{', '.join(given)}: for the throughput workloads ({', '.join(WORKLOADS)}), "

@@ -2,7 +2,7 @@
 
 The engine's options come from EngineConfig's fields (type, default, allowed values and help from
 the field metadata); the server's, `generate`'s and `bench`'s own options are listed below. `--help`,
-the README's CLI table and the EngineConfig the server builds all read this table.
+docs/cli.md's option table and the EngineConfig the server builds all read this table.
 """
 
 import argparse
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
-from fp8engine.benchmarks.throughput import BASELINES, MODES, PROMPT_KINDS, WORKLOADS
+from fp8engine.benchmarks.workloads import BASELINES, MODES, PROMPT_KINDS, WORKLOADS
 from fp8engine.config import EngineConfig
 from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
 
@@ -123,7 +123,7 @@ class Option:
 
 
 def show_value(value, size: bool = False) -> str:
-    """How --help and the README write a default or an allowed value."""
+    """How --help and docs/cli.md write a default or an allowed value."""
     if value is None or value == []:
         return "none"
     if isinstance(value, bool):
@@ -306,7 +306,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def markdown_table() -> str:
-    """The README's table of every option: a row per option under a bold row per --help group."""
+    """docs/cli.md's table of every option: a row per option under a bold row per --help group."""
     lines = ["| option | commands | default | values | what it does |", "|---|---|---|---|---|"]
     for group, title in GROUPS.items():
         lines.append(f"| **{title}** | | | | |")

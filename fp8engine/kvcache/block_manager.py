@@ -7,7 +7,7 @@ used first (blocks holding no reusable content go to the front of that list).
 
 from collections import OrderedDict
 
-from fp8engine.scheduler.sequence import Sequence
+from fp8engine.request import Sequence
 
 
 class Block:
@@ -49,7 +49,7 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits = []
         for i in range(max_blocks):
-            block_hash = seq.block_hash(i, self.block_size)
+            block_hash = self.block_hash(seq, i)
             block_id = self.cached.get(block_hash)
             if block_id is None or self.blocks[block_id].token_ids != seq.block_tokens(i, self.block_size):
                 break
@@ -106,11 +106,19 @@ class BlockManager:
         while self.enable_prefix_caching and seq.num_hashed_blocks < num_full:
             i = seq.num_hashed_blocks
             block = self.blocks[seq.block_table[i]]
-            block_hash = seq.block_hash(i, self.block_size)
+            block_hash = self.block_hash(seq, i)
             if block.hash is None and block_hash not in self.cached:
                 block.hash, block.token_ids = block_hash, seq.block_tokens(i, self.block_size)
                 self.cached[block_hash] = block.block_id
             seq.num_hashed_blocks += 1
+
+    def block_hash(self, seq: Sequence, i: int) -> int:
+        """Hash of seq's full block i: the previous block's hash chained with this block's token ids (memoised
+        on the sequence; the tokens of a full block never change)."""
+        hashes = seq.block_hashes
+        while len(hashes) <= i:
+            hashes.append(hash((hashes[-1] if hashes else None, seq.block_tokens(len(hashes), self.block_size))))
+        return hashes[i]
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

@@ -22,9 +22,8 @@ from collections.abc import Callable
 import torch
 
 from fp8engine.config import EngineConfig
-from fp8engine.model_executor.layers.attention import Attention
-from fp8engine.weights.loader import KV_SCALE_NAME, is_kv_scale, iter_safetensors
-from fp8engine.weights.quant import FP8_MAX
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 CALIBRATION_TEXT = (
     "Calibrate the key and value scales on ordinary text: prose, numbers such as 3.14159 and 2026, code like "
@@ -34,7 +33,10 @@ CALIBRATION_TEXT = (
 
 
 class KVScaleManager:
-    def __init__(self, config: EngineConfig, layers: list[Attention], model_dir: str):
+    """layers: the model's attention layers (each holds k_scale, v_scale, q_scale and an `observer` slot);
+    checkpoint: {layer index: {"k" | "v" | "q": scale}} as the checkpoint holds them (static mode's values)."""
+
+    def __init__(self, config: EngineConfig, layers: list, checkpoint: dict[int, dict[str, float]]):
         self.enabled = config.kv_is_fp8
         self.mode = config.kv_scale_mode
         self.margin = config.kv_scale_margin
@@ -47,7 +49,7 @@ class KVScaleManager:
         if self.enabled:
             for layer in layers:
                 layer.q_scale = 1.0 if self.fp8_attention else 0.0
-            self._apply(self._checkpoint_scales(model_dir))
+            self._apply({i: pair for i, pair in checkpoint.items() if i < len(layers)})
         self.pending = self.enabled and self.mode == "recompute"
 
     def current(self) -> dict[str, tuple[float, float]]:
@@ -55,7 +57,7 @@ class KVScaleManager:
 
     # ------------------------------------------------------------- recompute
     @contextlib.contextmanager
-    def calibrating(self, scheduled):
+    def calibrating(self):
         """Around one forward pass: measure and set scales if this is the first of a weight version."""
         if not self.pending:
             yield
@@ -75,7 +77,7 @@ class KVScaleManager:
         if self.fixed_calibration is not None:
             yield
 
-    def _observe(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _observe(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Runs inside the forward pass; seconds_total counts only this extra work."""
         start = time.perf_counter()
         amax = torch.stack([k.abs().amax(), v.abs().amax(), q.abs().amax()]).float()
@@ -98,16 +100,11 @@ class KVScaleManager:
             self.pending = True
 
     # ------------------------------------------------------------- external
-    def parse_scale_name(self, name: str) -> tuple[int, str] | None:
-        m = KV_SCALE_NAME.match(name)
-        if m is None:
-            return None
-        layer = int(m.group(1))
+    def check_scale_tensor(self, name: str, layer: int, tensor: torch.Tensor) -> float:
+        """The value of KV scale tensor `name` for attention layer `layer` in a weight update; ValueError if it
+        cannot be applied."""
         if layer >= len(self.layers):
             raise ValueError(f"{name!r}: the model has {len(self.layers)} layers")
-        return layer, m.group(2)
-
-    def check_scale_tensor(self, name: str, tensor: torch.Tensor) -> float:
         if tensor.numel() != 1:
             raise ValueError(f"{name!r}: a KV scale must be a single value, got shape {tuple(tensor.shape)}")
         value = float(tensor.float().reshape(()))
@@ -152,11 +149,3 @@ class KVScaleManager:
             layer.v_scale = pair.get("v", layer.v_scale)
             if self.fp8_attention and "q" in pair:
                 layer.q_scale = pair["q"]
-
-    def _checkpoint_scales(self, model_dir: str) -> dict[int, dict[str, float]]:
-        scales: dict[int, dict[str, float]] = {}
-        for name, tensor in iter_safetensors(model_dir, is_kv_scale):
-            m = KV_SCALE_NAME.match(name)
-            if int(m.group(1)) < len(self.layers):
-                scales.setdefault(int(m.group(1)), {})[m.group(2)] = float(tensor.float().reshape(()))
-        return scales

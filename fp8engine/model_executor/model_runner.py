@@ -7,11 +7,11 @@ import torch
 from transformers import AutoConfig
 
 from fp8engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
-from fp8engine.model_executor import backends, fused_decoder
+from fp8engine.model_executor import fused_decoder, kernel_set
 from fp8engine.model_executor.layers.attention import AttentionMetadata
 from fp8engine.model_executor.models import model_class
 from fp8engine.model_executor.models.llama import LinearFactory
-from fp8engine.scheduler.scheduler import ScheduledSeq
+from fp8engine.request import ScheduledSeq, Sequence
 from fp8engine.weights.loader import load_checkpoint
 from fp8engine.weights.quant import FP8_DTYPE
 
@@ -33,34 +33,25 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
-        self.linear_backend, fp8_fn = backends.fp8_linear(config)
-        self.quantize_into = backends.quantize_into(config)
-        self.block_scales = backends.block_scales(config)
-        self.attention = backends.attention(config)
-        if config.batch_invariant and (self.attention.name not in ("cpp", "triton")
-                                       or self.linear_backend in ("torch", "torch-reference")):
-            raise ValueError(f"batch_invariant=True needs the C++ CPU kernels or the Triton ones, but linear "
-                             f"runs on {self.linear_backend!r} and attention on {self.attention.name!r} (is a "
-                             f"C++ compiler installed?)")
-        make_linear = LinearFactory(self.dtype, fp8_fn, config.fp8_scale_fmt)
+        self.kernels = kernel_set.select(config)
+        make_linear = LinearFactory(self.dtype, self.kernels, config.fp8_scale_fmt)
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
-        load_checkpoint(self.model, model_dir, self.quantize_into, self.block_scales)
+        load_checkpoint(self.model, model_dir, self.kernels.quantize_into, self.kernels.block_scales)
         self.model.eval()
-        for module in self.model.modules():
-            if hasattr(module, "batch_invariant"):
-                module.batch_invariant = config.batch_invariant
-        self.model.lm_head.fp32 = config.lm_head_fp32
         self.attn_layers = self.model.attention_layers()
-        for layer in self.attn_layers:
-            layer.backend = self.attention
         self.moe_blocks = self.model.moe_blocks()
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache()
         self.routed_experts = self._allocate_routed_experts()
         self._attach_cache(self.kv_cache, self.routed_experts)
-        self.model.fused = fused_decoder.build(self.model, config, self.attention.name)
+        self.model.fused = fused_decoder.build(self.model, self.kernels, config.fp8_scale_fmt)
+
+    @property
+    def kernel_names(self) -> dict[str, str]:
+        """What runs: the kernel set's names, and the decoder layers' path ("cpp-plan": one C++ call)."""
+        return self.kernels.names | {"decoder": "python" if self.model.fused is None else "cpp-plan"}
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -110,10 +101,11 @@ class ModelRunner:
         for i, block in enumerate(self.moe_blocks):
             block.routed = None if routed is None else routed[:, i]
 
-    def routed_experts_of(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
-        """int32 [num_tokens, MoE layers, top_k]: the experts of a sequence's first num_tokens positions."""
-        bs = self.block_size
-        slots = torch.tensor([block_table[p // bs] * bs + p % bs for p in range(num_tokens)], dtype=torch.int64,
+    def routed_experts_of(self, seq: Sequence) -> torch.Tensor:
+        """int32 [computed tokens, MoE layers, top_k]: the experts of a sequence's computed positions."""
+        bs, block_table = self.block_size, seq.block_table
+        slots = torch.tensor([block_table[p // bs] * bs + p % bs for p in range(seq.num_computed_tokens)],
+                             dtype=torch.int64,
                              device=self.device)
         return self.routed_experts[slots].to(device="cpu", dtype=torch.int32)
 

@@ -104,7 +104,7 @@ class Replica:
                 self.engine.abort_request(request_id)
             raise
         while ids:
-            for out in self.engine._step(finished_only=True):
+            for out in self.engine.step(finished_only=True):
                 if out.finished and out.request_id in ids:
                     yield ids.pop(out.request_id), request_samples(out)
 

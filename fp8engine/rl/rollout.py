@@ -80,7 +80,7 @@ class RolloutEngine:
         ("keep"; a sync meanwhile finishes them on the old weights: no rollout spans two
         versions). rollout() raises while paused."""
         if check_pause_mode(mode) != "keep":
-            self.engine._drain(mode)
+            self.engine.drain(mode)
         self.paused = mode
 
     def resume(self) -> None:

@@ -3,30 +3,20 @@
 Every sequence moves its computed-token count toward its length under a per-step token budget,
 so chunked prefill, prefill and decode share one code path and one step. When KV blocks run out
 the newest running sequence is preempted by recompute: its blocks are freed, it goes back to the
-front of the queue, and its preemption count goes up.
+front of the queue, and its preemption count goes up. The scheduler owns the queues and the block
+manager: whatever adds, forks, advances or ends a sequence goes through it.
 """
 
 from collections import deque
-from dataclasses import dataclass
 
 from fp8engine.kvcache.block_manager import BlockManager
-from fp8engine.scheduler.sequence import Sequence, SeqStatus
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+from fp8engine.request import ScheduledSeq, Sequence, SeqStatus
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.bm = block_manager
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.block_manager = self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -107,10 +97,40 @@ class Scheduler:
         self.bm.free_seq(seq)
         seq.status = SeqStatus.FINISHED
 
-    def insert_running_after(self, parent: Sequence, children: list[Sequence]) -> None:
-        """Children of a fork run right after their parent, keeping the parent's age order."""
-        i = self.running.index(parent) + 1
-        self.running[i:i] = children
+    def advance(self, item: ScheduledSeq) -> None:
+        """After a step computed item's tokens: count them, and offer its newly filled blocks to the prefix cache."""
+        item.seq.num_computed_tokens += item.num_new_tokens
+        self.bm.cache_full_blocks(item.seq)
+
+    def fork(self, seq: Sequence) -> list[Sequence]:
+        """A request's first sample, prefilled, becomes its n samples: [seq] + the n - 1 new ones (just [seq] for
+        any other sequence, or once forked). A child shares
+        seq's full blocks and copies its partial one; a child without a free block for that copy waits at the
+        front of the queue and recomputes later, through the prefix cache. Children run right after seq."""
+        request = seq.request
+        if seq.index != 0 or len(request.seqs) == request.params.n:
+            return [seq]
+        children, queued = [], []
+        for i in range(len(request.seqs), request.params.n):
+            child = seq.fork(i)
+            if self.bm.can_fork(seq):
+                self.bm.fork(seq, child)
+                children.append(child)
+            else:
+                child.num_computed_tokens, child.status = 0, SeqStatus.WAITING
+                queued.append(child)
+        request.seqs += children + queued
+        at = self.running.index(seq) + 1
+        self.running[at:at] = children
+        self.waiting.extendleft(reversed(queued))
+        return [seq] + children + queued
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) KV blocks the forks since the last call need copied before the next forward."""
+        return self.bm.take_pending_copies()
+
+    def reset_prefix_cache(self) -> None:
+        self.bm.reset_prefix_cache()
 
 
 def _width(seq: Sequence) -> int:

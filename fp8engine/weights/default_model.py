@@ -17,7 +17,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from fp8engine.model_executor.kernels.cpu_ops import cache_root
+from fp8engine.envs import cache_root
 
 logger = logging.getLogger(__name__)
 

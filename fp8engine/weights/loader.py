@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from fp8engine.model_executor.layers.linear import Linear
 from fp8engine.weights.quant import FP8_DTYPE, dequantize_weight_blockwise, quantize_weight_into
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -67,6 +66,15 @@ def is_kv_scale(name: str) -> bool:
     return KV_SCALE_NAME.match(name) is not None
 
 
+def read_kv_scales(model_dir: str) -> dict[int, dict[str, float]]:
+    """The KV scales a checkpoint holds: {layer index: {"k" | "v" | "q": scale}}."""
+    scales: dict[int, dict[str, float]] = {}
+    for name, tensor in iter_safetensors(model_dir, is_kv_scale):
+        m = KV_SCALE_NAME.match(name)
+        scales.setdefault(int(m[1]), {})[m[2]] = float(tensor.float().reshape(()))
+    return scales
+
+
 # Targets per model and name: parameters are never re-allocated, so a target's views stay valid, and
 # finding one walks the module tree (a few microseconds per tensor, every weight update).
 _TARGETS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Target]]" = weakref.WeakKeyDictionary()
@@ -97,7 +105,7 @@ def _resolve(model: torch.nn.Module, name: str) -> Target:
         module = model.get_submodule(module_path)
     except AttributeError:
         raise ValueError(f"unknown weight name {name!r}: the model has no module {module_path!r}") from None
-    if isinstance(module, Linear):
+    if hasattr(module, "shard_views"):  # a (fused) linear layer, layers/linear.py
         return _linear_target(name, module, shard, attr)
     param = getattr(module, attr, None)
     if not isinstance(param, torch.Tensor):
@@ -116,7 +124,7 @@ def _name_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return owners
 
 
-def _linear_target(name: str, layer: Linear, shard: int, attr: str) -> Target:
+def _linear_target(name: str, layer, shard: int, attr: str) -> Target:
     weight, scale = layer.shard_views(shard)
     if attr == "bias" and layer.bias is not None:
         start, size = layer.shard_offsets[shard], layer.shard_sizes[shard]

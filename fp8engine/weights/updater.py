@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp8engine.weights.loader import BlockScales, Target, check, is_skipped, resolve, write
+from fp8engine.weights.loader import KV_SCALE_NAME, BlockScales, Target, check, is_skipped, resolve, write
 from fp8engine.weights.quant import FP8_DTYPE
 
 
@@ -25,6 +25,9 @@ class Staged:
 def stage(model: torch.nn.Module, weights, kv_scales, block_scales: BlockScales | None = None) -> Staged:
     """Validate every (hf_name, tensor) of `weights` against the model; nothing is written.
 
+    kv_scales: what takes the KV scales (model.layers.{i}.self_attn.{k,v,q}_scale): its
+    check_scale_tensor(name, layer, tensor) returns the value or raises ValueError (kvcache's KVScaleManager).
+
     block_scales: the quantizer's scale pass; FP8-bound tensors are then validated through their block
     scales, which the commit reuses instead of computing them again."""
     staged = Staged()
@@ -33,10 +36,10 @@ def stage(model: torch.nn.Module, weights, kv_scales, block_scales: BlockScales 
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"weight {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         staged.num_bytes += tensor.numel() * tensor.element_size()
-        layer_scale = kv_scales.parse_scale_name(name)
-        if layer_scale is not None:
-            layer, which = layer_scale
-            staged.kv_scales.setdefault(layer, {})[which] = kv_scales.check_scale_tensor(name, tensor)
+        kv_scale = KV_SCALE_NAME.match(name)
+        if kv_scale is not None:
+            layer, which = int(kv_scale[1]), kv_scale[2]
+            staged.kv_scales.setdefault(layer, {})[which] = kv_scales.check_scale_tensor(name, layer, tensor)
         elif not is_skipped(name):
             target = resolve(model, name)
             staged.items.append((target, tensor, check(target, tensor, block_scales)))

@@ -1,35 +1,35 @@
-"""Builds and loads the C++ CPU kernels in csrc/ (compiled on first use, cached by source hash).
+"""Builds and loads the C++ CPU kernels in fp8engine/csrc/ (compiled on first use, cached by source hash).
 
-Each csrc/*.cpp registers its ops with TORCH_LIBRARY_FRAGMENT(fp8engine, m); after loading they are
-reachable as torch.ops.fp8engine.<name>. Without a compiler the engine falls back to the torch
-reference implementations and says so once; with FP8ENGINE_REQUIRE_CPP=1 (what `make test` and CI set)
-a failed build is an error instead, so a broken csrc/ cannot pass on the fallback.
+The sources ship inside the package, so a checkout and an installed wheel build them alike: same cache key
+(torch version, CPU flags, every source's name and bytes), same flags, and the same build: the sources are built
+from a copy inside their cache directory, so a checkout and an install (their paths differ) share one build instead
+of rebuilding each other's. Each csrc/*.cpp registers its ops with
+TORCH_LIBRARY_FRAGMENT(fp8engine, m); after loading they are reachable as torch.ops.fp8engine.<name>. A build
+that cannot happen (no compiler, a build error, sources missing) warns once, naming the cause, and the engine
+runs the torch reference implementations; with FP8ENGINE_REQUIRE_CPP=1 (what `make test` and CI set) it is an
+error instead, so a broken or missing csrc/ cannot pass on the fallback. FP8ENGINE_DISABLE_CPP=1 skips them.
 """
 
 import functools
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
 
+from fp8engine import envs
+
 logger = logging.getLogger(__name__)
 
-CSRC_DIR = Path(__file__).resolve().parents[3] / "csrc"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FP8ENGINE_CACHE", Path.home() / ".cache" / "fp8engine"))
-
-
-def _sources() -> list[Path]:
-    return sorted(CSRC_DIR.glob("*.cpp"))
+CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 
 def require_cpp() -> bool:
     """Whether a failed C++ build must raise instead of falling back (FP8ENGINE_REQUIRE_CPP=1)."""
-    return os.environ.get("FP8ENGINE_REQUIRE_CPP") == "1"
+    return envs.flag("FP8ENGINE_REQUIRE_CPP")
 
 
 @functools.cache
@@ -42,26 +42,32 @@ def cpu_flags() -> frozenset[str]:
                            if line.startswith("flags")), []))
 
 
+def build_dir(sources: list[Path]) -> Path:
+    """Where these sources build: keyed by torch's version, the CPU's flags (-march=native builds for this CPU,
+    and a home directory may move between machines) and every source file's name and bytes."""
+    digest = hashlib.sha256(torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())
+    for src in sources:
+        digest.update(src.name.encode() + src.read_bytes())
+    return envs.cache_root() / "cpu_ops" / digest.hexdigest()[:16]
+
+
 @functools.cache
 def load_cpu_ops():
-    """torch.ops.fp8engine after building csrc/, or None when it cannot be built."""
-    if os.environ.get("FP8ENGINE_DISABLE_CPP") == "1":
+    """torch.ops.fp8engine after building csrc/, or None when it cannot be built (warned once)."""
+    if envs.flag("FP8ENGINE_DISABLE_CPP"):
+        logger.info("fp8engine: FP8ENGINE_DISABLE_CPP=1, the C++ CPU kernels are not loaded")
         return None
-    sources = _sources()
-    if not sources:
-        return None
-    # -march=native: a build is for this CPU's instruction sets (a home directory may move between machines).
-    digest = hashlib.sha256(torch.__version__.encode() + " ".join(sorted(cpu_flags())).encode())
-    for src in sources + sorted(CSRC_DIR.glob("*.h")):
-        digest.update(src.name.encode() + src.read_bytes())
-    build_dir = cache_root() / "cpu_ops" / digest.hexdigest()[:16]
-    build_dir.mkdir(parents=True, exist_ok=True)
     try:
+        sources = sorted(CSRC_DIR.glob("*.cpp"))
+        if not sources:
+            raise FileNotFoundError(f"no C++ sources in {CSRC_DIR} (an install without the package data?)")
         from torch.utils.cpp_extension import load
-        load(name="fp8engine_cpu", sources=[str(s) for s in sources], build_directory=str(build_dir),
-             extra_cflags=["-O3", "-march=native", "-fopenmp", "-std=c++17"],
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except Exception as exc:  # no compiler, no ninja, or a build error
+        files = sources + sorted(CSRC_DIR.glob("*.h"))
+        directory = build_dir(files)
+        copies = _copy_sources(files, directory / "src")
+        load(name="fp8engine_cpu", sources=[str(c) for c in copies if c.suffix == ".cpp"], build_directory=str(directory),
+             extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as exc:  # no sources, no compiler, no ninja, or a build error
         if require_cpp():
             raise RuntimeError(f"fp8engine: C++ CPU kernels failed to build and FP8ENGINE_REQUIRE_CPP=1: {exc}") from exc
         logger.warning("fp8engine: C++ CPU kernels unavailable (%s); using the torch reference", exc)
@@ -69,15 +75,23 @@ def load_cpu_ops():
     return torch.ops.fp8engine
 
 
+def _copy_sources(files: list[Path], into: Path) -> list[Path]:
+    """The files copied into `into` (once: the directory's name is their content's hash; a copy keeps its time,
+    so a later build finds nothing changed). Each copy lands whole, even with several processes at once."""
+    into.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for src in files:
+        dst = into / src.name
+        if not dst.exists():
+            tmp = into / f".{src.name}.{os.getpid()}"
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        copies.append(dst)
+    return copies
+
+
 @functools.cache
 def cpu_kernel(name: str):
     """torch.ops.fp8engine.<name> when the C++ kernels are built and hold it, else None."""
     ops = load_cpu_ops()
     return getattr(ops, name, None) if ops is not None else None
-
-
-def fused_kernel(name: str, x: torch.Tensor):
-    """The C++ op `name` for a CPU tensor in a dtype the kernels handle, else None (use torch)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    return cpu_kernel(name)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fp8engine.model_executor.kernel_set import KernelSet
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -23,7 +25,7 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, name: str, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, name: str, num_heads: int, num_kv_heads: int, head_dim: int, kernels: KernelSet):
         super().__init__()
         self.name = name
         self.num_heads = num_heads
@@ -36,16 +38,15 @@ class Attention(nn.Module):
         self.v_scale = 1.0
         self.q_scale = 0.0
         self.observer: Callable | None = None
-        self.backend = None
+        self.kernels = kernels
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
         if self.observer is not None:
             self.observer(self, q, k, v)
-        self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
-                                    self.k_scale, self.v_scale)
-        out = self.backend.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                           meta.query_start_loc, meta.seq_lens, self.scale,
-                                           self.k_scale, self.v_scale, self.q_scale or None)
+        self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = self.kernels.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
+                                           meta.seq_lens, self.scale, self.k_scale, self.v_scale,
+                                           self.q_scale or None)
         return out.reshape(q.shape[0], -1)

@@ -7,32 +7,31 @@ every shard is a multiple of 128 rows the stacked grid is the fused grid and one
 otherwise the CPU kernel maps each output row to its scale row (one call still serves all shards).
 """
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from fp8engine.model_executor.kernels.bf16_linear_cpu import bf16_linear
+from fp8engine.model_executor.kernel_set import KernelSet
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
-
-Fp8LinearFn = Callable[..., torch.Tensor]
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, shard_sizes: list[int], dtype: torch.dtype,
-                 bias: bool = False, fp8_fn: Fp8LinearFn | None = None, scale_fmt: str | None = None):
+    """fp8: E4M3 weights with block scales, run by kernels.fp8_linear; otherwise the model dtype, run by
+    kernels.dense_linear."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], dtype: torch.dtype, kernels: KernelSet,
+                 bias: bool = False, fp8: bool = False, scale_fmt: str | None = None):
         super().__init__()
         self.in_features = in_features
         self.shard_sizes = list(shard_sizes)
         self.shard_offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
         self.out_features = sum(self.shard_sizes)
-        self.fp8_fn = fp8_fn
+        self.kernels = kernels
+        self.is_fp8 = fp8
         self.scale_fmt = scale_fmt
-        self.batch_invariant = False  # model-dtype layers: one kernel path for every M (the FP8 fn is bound)
-        weight_dtype = FP8_DTYPE if fp8_fn is not None else dtype
+        weight_dtype = FP8_DTYPE if fp8 else dtype
         self.weight = _param(torch.empty(self.out_features, in_features, dtype=weight_dtype))
         self.bias = _param(torch.zeros(self.out_features, dtype=dtype)) if bias else None
-        if fp8_fn is not None:
+        if fp8:
             rows = [cdiv(n, BLOCK) for n in self.shard_sizes]
             self.scale_row_offsets = [sum(rows[:i]) for i in range(len(rows))]
             self.weight_scale_inv = _param(torch.ones(sum(rows), cdiv(in_features, BLOCK)))
@@ -41,10 +40,6 @@ class Linear(nn.Module):
             self.scale_rows = None if self.fused_scales else torch.cat(
                 [torch.arange(size, dtype=torch.int32) // BLOCK + row0
                  for size, row0 in zip(self.shard_sizes, self.scale_row_offsets)])
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.fp8_fn is not None
 
     def shard_views(self, shard: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight rows, scale rows) of one shard: views into the layer's own storage."""
@@ -57,16 +52,16 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_fp8:
-            return bf16_linear(x, self.weight, self.bias, self.batch_invariant)
+            return self.kernels.dense_linear(x, self.weight, self.bias)
+        fp8_linear = self.kernels.fp8_linear
         if self.fused_scales:
-            return self.fp8_fn(x, self.weight, self.weight_scale_inv, self.bias, self.scale_fmt)
-        if x.device.type == "cpu":
-            return self.fp8_fn(x, self.weight, self.weight_scale_inv, self.bias, self.scale_fmt,
-                               scale_rows=self.scale_rows)
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.scale_fmt)
+        if self.kernels.fp8_scale_rows:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.scale_fmt, self.scale_rows)
         parts = []
         for shard in range(len(self.shard_sizes)):
             weight, scale = self.shard_views(shard)
-            parts.append(self.fp8_fn(x, weight, scale, None, self.scale_fmt))
+            parts.append(fp8_linear(x, weight, scale, None, self.scale_fmt))
         out = torch.cat(parts, dim=-1)
         return out if self.bias is None else out + self.bias
 

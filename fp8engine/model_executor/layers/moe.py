@@ -13,14 +13,11 @@ token's result does not depend on how many others share its expert), the fused T
 kernels/moe_ref.py holds the grouping and the plain-torch reference of both.
 """
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from fp8engine.model_executor.kernels.bf16_linear_cpu import bf16_linear
+from fp8engine.model_executor.kernel_set import KernelSet
 from fp8engine.model_executor.kernels.moe_ref import grouped_moe
-from fp8engine.model_executor.layers.activation import silu_and_mul
 from fp8engine.model_executor.layers.linear import Linear, _param
 from fp8engine.weights.loader import Target
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
@@ -30,26 +27,21 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 fp8_fn: Callable | None = None, scale_fmt: str | None = None):
+                 kernels: KernelSet, fp8: bool = False, scale_fmt: str | None = None):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.fp8_fn, self.scale_fmt = fp8_fn, scale_fmt
-        self.batch_invariant = False
-        weight_dtype = FP8_DTYPE if fp8_fn is not None else dtype
+        self.kernels, self.is_fp8, self.scale_fmt = kernels, fp8, scale_fmt
+        weight_dtype = FP8_DTYPE if fp8 else dtype
         e, h, i = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = _param(torch.empty(e, 2 * i, h, dtype=weight_dtype))
         self.down_proj = _param(torch.empty(e, h, i, dtype=weight_dtype))
         self.scale_rows = None  # gate_up output row -> its scale row, where I is not a multiple of 128
-        if fp8_fn is not None:
+        if fp8:
             self.gate_up_proj_scale_inv = _param(torch.ones(e, 2 * cdiv(i, BLOCK), cdiv(h, BLOCK)))
             self.down_proj_scale_inv = _param(torch.ones(e, cdiv(h, BLOCK), cdiv(i, BLOCK)))
             if i % BLOCK:
                 rows = torch.arange(i, dtype=torch.int32) // BLOCK
                 self.scale_rows = torch.cat([rows, rows + cdiv(i, BLOCK)])
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.fp8_fn is not None
 
     # ------------------------------------------------------------------ weights
     def shard_views(self, expert: int, proj: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -103,11 +95,10 @@ class FusedMoE(nn.Module):
     # ------------------------------------------------------------------ compute
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_ids [T, k] int64; topk_weights [T, k] in x's dtype -> [T, H] = sum_j w_j expert_j(x)."""
-        if x.device.type == "cuda":
-            from fp8engine.model_executor.kernels.moe_triton import fused_moe_triton
-            return fused_moe_triton(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj,
-                                    *self._scales(), scale_fmt=self.scale_fmt,
-                                    batch_invariant=self.batch_invariant)
+        fused = self.kernels.fused_moe
+        if fused is not None:
+            return fused(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, *self._scales(),
+                         scale_fmt=self.scale_fmt)
         return grouped_moe(x, topk_ids, topk_weights, self._expert)
 
     def _scales(self) -> tuple:
@@ -116,12 +107,13 @@ class FusedMoE(nn.Module):
         return self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.scale_rows
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        k = self.kernels
         if not self.is_fp8:
-            h = bf16_linear(x, self.gate_up_proj[e], None, self.batch_invariant)
-            return bf16_linear(silu_and_mul(h), self.down_proj[e], None, self.batch_invariant)
-        extra = {} if self.scale_rows is None else {"scale_rows": self.scale_rows}
-        h = self.fp8_fn(x, self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], None, self.scale_fmt, **extra)
-        return self.fp8_fn(silu_and_mul(h), self.down_proj[e], self.down_proj_scale_inv[e], None, self.scale_fmt)
+            h = k.dense_linear(x, self.gate_up_proj[e], None)
+            return k.dense_linear(k.silu_and_mul(h), self.down_proj[e], None)
+        h = k.fp8_linear(x, self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], None, self.scale_fmt,
+                         self.scale_rows)
+        return k.fp8_linear(k.silu_and_mul(h), self.down_proj[e], self.down_proj_scale_inv[e], None, self.scale_fmt)
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,12 +130,12 @@ class SparseMoeBlock(nn.Module):
     """Router (`gate`, model dtype) + experts. `routed`: [KV slots, top_k] int view the runner attaches; each
     forward writes every token's expert ids at its KV slot (what `return_routed_experts` reads back)."""
 
-    def __init__(self, cfg, dtype: torch.dtype, fp8_fn: Callable | None, scale_fmt: str | None):
+    def __init__(self, cfg, dtype: torch.dtype, kernels: KernelSet, fp8: bool, scale_fmt: str | None):
         super().__init__()
         self.top_k, self.normalize = cfg.num_experts_per_tok, bool(cfg.norm_topk_prob)
-        self.gate = Linear(cfg.hidden_size, [cfg.num_experts], dtype)
-        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype,
-                                fp8_fn, scale_fmt)
+        self.gate = Linear(cfg.hidden_size, [cfg.num_experts], dtype, kernels)
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, kernels,
+                                fp8, scale_fmt)
         self.routed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:

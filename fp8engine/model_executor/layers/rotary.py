@@ -1,14 +1,14 @@
 """Rotary position embedding, cos/sin computed in float32 as in Hugging Face, with its static scalings:
 `linear`, `llama3` and `yarn` (transformers' modeling_rope_utils, formula for formula, so the tables match
 bit for bit). A scaling changes the inverse frequencies and, for yarn, multiplies cos and sin by an
-attention factor; the kernels see only the tables."""
+attention factor; the kernels see only the tables (the kernel set's rotary applies them)."""
 
 import math
 
 import torch
 from torch import nn
 
-from fp8engine.model_executor.kernels.cpu_ops import fused_kernel
+from fp8engine.model_executor.kernel_set import KernelSet
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -16,9 +16,10 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 class RotaryEmbedding(nn.Module):
     """scaling: the HF rope parameters of a scaled RoPE (with `rope_type`), None for the default."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype,
+    def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype, kernels: KernelSet,
                  scaling: dict | None = None):
         super().__init__()
+        self.kernels = kernels
         inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -27,18 +28,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D] -> rotated (in place on CPU, where the C++ kernel runs)."""
-        op = fused_kernel("rotary_embedding_", q)
-        if op is not None and q.dtype == self.cos.dtype:
-            op(q, k, self.cos, self.sin, positions)
-            return q, k
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return self.kernels.rotary(q, k, self.cos, self.sin, positions)
 
 
 def rope_config(hf_config) -> tuple[float, dict | None]:

@@ -15,7 +15,8 @@ Sampling inverts the CDF of p_kept at 1 - u, where u = `sampling_uniforms(seed, 
 is a counter-based hash of the request's seed, the sample's index and the position of the token
 being drawn: the noise of a token depends on nothing else (batch, preemption, earlier draws).
 On CPU, rows without truncation, adjustments, banned tokens or top-k alternatives take a fused C++ kernel
-(csrc/sampler.cpp) with the same definition and the same uniforms; this module is its reference.
+(csrc/sampler.cpp, the kernel set's sample_rows) with the same definition and the same uniforms; this module is
+its reference.
 The two sum the CDF in different orders, so at a float32 near-tie (1 - u within rounding of a CDF
 step) they may pick neighbouring tokens; which path a row takes depends on that row alone.
 """
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
-from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
 from fp8engine.sampling_params import SamplingParams
 
 
@@ -152,18 +152,20 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     return (logp - log_kept[:, None]).masked_fill(~mask, float("-inf")), log_kept
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], forced: list[int] | None = None) -> SampleResult:
+def sample(logits: torch.Tensor, rows: list[SampleRow], forced: list[int] | None = None,
+           kernel=None) -> SampleResult:
     """Sample one token per row of logits [R, V] (any float dtype).
 
     A row's path (fused kernel or reference) and its noise depend on that row alone, so its token
     and logprobs do not depend on the other rows of the batch.
     forced: one token per row to report instead of drawing (scoring a given sequence): its logprobs are
     computed by the same path and arithmetic as when that row drew it.
+    kernel: the fused C++ sampler (the kernel set's sample_rows) for the rows it covers, or None.
     """
     uniform = sampling_uniforms([r.seed for r in rows], [r.index for r in rows], [r.position for r in rows])
     forced_t = None if forced is None else torch.tensor(forced, dtype=torch.int64)
     fused = [i for i, r in enumerate(rows) if _fusable(r)]
-    kernel = _fused_kernel(logits, [rows[i] for i in fused]) if fused else None
+    kernel = _fused_kernel(kernel, logits, [rows[i] for i in fused]) if fused else None
     if kernel is None:
         return _sample_reference(logits, rows, uniform, forced_t)
     if len(fused) == len(rows):
@@ -227,13 +229,11 @@ def _fusable(row: SampleRow) -> bool:
     return not (p.truncates or p.logprobs or row.banned_token_ids or p.adjusts_logits)
 
 
-def _fused_kernel(logits: torch.Tensor, rows: list[SampleRow]):
-    """The fused C++ sampler when it covers these rows, else None."""
-    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+def _fused_kernel(kernel, logits: torch.Tensor, rows: list[SampleRow]):
+    """`kernel` (the fused C++ sampler) when it covers these rows of these logits, else None."""
+    if kernel is None or logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if not all(map(_fusable, rows)):
-        return None
-    return cpu_kernel("sample_rows")
+    return kernel if all(map(_fusable, rows)) else None
 
 
 def _sample_fused(kernel, logits: torch.Tensor, rows: list[SampleRow], uniform: torch.Tensor,

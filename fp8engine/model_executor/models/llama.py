@@ -8,7 +8,7 @@ the attention biases, the q/k norm or the MLP of a layer (`make_mlp`).
 import torch
 from torch import nn
 
-from fp8engine.model_executor.layers.activation import silu_and_mul
+from fp8engine.model_executor.kernel_set import KernelSet
 from fp8engine.model_executor.layers.attention import Attention, AttentionMetadata
 from fp8engine.model_executor.layers.embedding import LMHead, VocabEmbedding
 from fp8engine.model_executor.layers.linear import Linear
@@ -17,13 +17,15 @@ from fp8engine.model_executor.layers.rotary import RotaryEmbedding, rope_config
 
 
 class LinearFactory:
-    """Builds linear layers in the model dtype, or FP8 when a block-FP8 kernel is given."""
+    """Builds the model's linear layers: FP8 when the kernel set has a block-FP8 linear, else the model dtype.
+    Every layer of the model is given the same kernel set (`kernels`)."""
 
-    def __init__(self, dtype: torch.dtype, fp8_fn=None, scale_fmt: str | None = None):
-        self.dtype, self.fp8_fn, self.scale_fmt = dtype, fp8_fn, scale_fmt
+    def __init__(self, dtype: torch.dtype, kernels: KernelSet, scale_fmt: str | None = None):
+        self.dtype, self.kernels, self.scale_fmt = dtype, kernels, scale_fmt
+        self.fp8 = kernels.fp8_linear is not None
 
     def __call__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> Linear:
-        return Linear(in_features, shard_sizes, self.dtype, bias, self.fp8_fn, self.scale_fmt)
+        return Linear(in_features, shard_sizes, self.dtype, self.kernels, bias, self.fp8, self.scale_fmt)
 
 
 def head_dim(cfg) -> int:
@@ -50,11 +52,11 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = make_linear(cfg.hidden_size, [q_size, kv_size, kv_size], qkv_bias)
         self.o_proj = make_linear(q_size, [cfg.hidden_size], o_bias)
         self.rotary = rotary
-        self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads,
-                              self.num_kv_heads, self.head_dim)
-        dtype = make_linear.dtype
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
+        kernels, dtype = make_linear.kernels, make_linear.dtype
+        self.attn = Attention(f"model.layers.{layer_idx}.self_attn", self.num_heads, self.num_kv_heads,
+                              self.head_dim, kernels)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, kernels) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, kernels) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -74,18 +76,19 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = make_linear(hidden_size, [intermediate_size] * 2, bias)
         self.down_proj = make_linear(intermediate_size, [hidden_size], bias)
+        self.silu_and_mul = make_linear.kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, attn: DecoderAttention, mlp: nn.Module, cfg, dtype: torch.dtype):
+    def __init__(self, attn: DecoderAttention, mlp: nn.Module, cfg, dtype: torch.dtype, kernels: KernelSet):
         super().__init__()
         self.self_attn = attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
 
     def forward(self, positions, x, residual, meta):
         x, residual = self.input_layernorm(x, residual)
@@ -102,20 +105,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg, make_linear: LinearFactory, max_positions: int):
         super().__init__()
         check_full_attention(cfg)
-        dtype = make_linear.dtype
+        dtype, kernels = make_linear.dtype, make_linear.kernels
         theta, scaling = rope_config(cfg)
-        rotary = RotaryEmbedding(head_dim(cfg), max_positions, theta, dtype, scaling)
+        rotary = RotaryEmbedding(head_dim(cfg), max_positions, theta, dtype, kernels, scaling)
         qkv_bias, o_bias = self.attention_biases(cfg)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.model.layers = nn.ModuleList(
             DecoderLayer(DecoderAttention(cfg, i, make_linear, rotary, self.qk_norm, qkv_bias, o_bias),
-                         self.make_mlp(cfg, i, make_linear), cfg, dtype)
+                         self.make_mlp(cfg, i, make_linear), cfg, dtype, kernels)
             for i in range(cfg.num_hidden_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, tied_to=tied)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, kernels, tied_to=tied)
         self.fused = None  # the decoder layers in one C++ call (model_executor/fused_decoder.py), set by the runner
 
     @staticmethod

@@ -11,7 +11,8 @@ from fp8engine.model_executor.models.qwen3 import Qwen3ForCausalLM
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def make_mlp(self, cfg, layer_idx: int, make_linear: LinearFactory) -> nn.Module:
         if is_sparse_layer(cfg, layer_idx):
-            return SparseMoeBlock(cfg, make_linear.dtype, make_linear.fp8_fn, make_linear.scale_fmt)
+            return SparseMoeBlock(cfg, make_linear.dtype, make_linear.kernels, make_linear.fp8,
+                                  make_linear.scale_fmt)
         return MLP(cfg.hidden_size, cfg.intermediate_size, make_linear)
 
 

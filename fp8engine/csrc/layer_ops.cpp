@@ -1,7 +1,7 @@
 // Fused element-wise layer ops for x86 CPUs with AVX-512: RMSNorm with the residual add, rotary
 // embedding in place, and SiLU-and-mul. Each one replaces a chain of torch ops (and their
 // temporaries) while rounding exactly where the torch versions do, so their references are
-// fp8engine/model_executor/layers/{norm,rotary,activation}.py:
+// fp8engine/model_executor/kernels/layer_ops_ref.py:
 //   rms_norm:      r = x + residual (in the model dtype); y = weight * (r * rsqrt(mean(r^2) + eps))
 //                  with the statistics in fp32 and the normalised value rounded before the weight;
 //   rotary:        q * cos + rotate_half(q) * sin, each product and the sum rounded;

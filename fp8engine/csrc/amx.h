@@ -8,7 +8,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
 #include <string>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -73,22 +72,23 @@ struct TileScope {
 
 namespace fp8e {
 
-// Whether a GEMM runs on AMX tiles: where the build, the CPU and the OS allow them, unless the environment
-// variable `env` (FP8ENGINE_FP8_GEMM, FP8ENGINE_BF16_GEMM) says avx512|amx; read on every call, so tests
-// cover both paths.
-inline bool use_amx(const char* env) {
+inline bool amx_allowed() {
 #ifdef FP8E_AMX
-  const bool usable = amx_usable();
+  return amx_usable();
 #else
-  const bool usable = false;
+  return false;
 #endif
-  const char* value = std::getenv(env);
-  const std::string choice = value != nullptr ? value : "";
-  TORCH_CHECK(choice.empty() || choice == "avx512" || choice == "amx", env, " must be 'avx512' or 'amx', got '",
-              choice, "'");
-  TORCH_CHECK(choice != "amx" || usable, env,
-              "=amx, but this build, CPU or OS does not allow AMX tiles (amx_bf16, amx_tile)");
-  return choice.empty() ? usable : choice == "amx";
+}
+
+// Whether a GEMM runs on AMX tiles, by the caller's choice `gemm`: "auto" (where the build, the CPU and the OS
+// allow them), "avx512" or "amx". The engine makes the choice once, when it starts
+// (fp8engine/model_executor/kernel_set.py); `op` names the kernel in errors.
+inline bool use_amx(const std::string& gemm, const char* op) {
+  TORCH_CHECK(gemm == "auto" || gemm == "avx512" || gemm == "amx", op, ": gemm must be 'auto', 'avx512' or 'amx', got '",
+              gemm, "'");
+  TORCH_CHECK(gemm != "amx" || amx_allowed(), op,
+              ": gemm='amx', but this build, CPU or OS does not allow AMX tiles (amx_bf16, amx_tile)");
+  return gemm == "auto" ? amx_allowed() : gemm == "amx";
 }
 
 }  // namespace fp8e

@@ -4,7 +4,7 @@
 caches. Times the C++ kernel, the torch reference (per-sequence gather + masked softmax), and a
 "gather + SDPA" baseline that copies every sequence's blocks into a dense batch first.
 
-    python -m fp8engine.benchmarks.attention_micro
+    python benchmarks/attention_micro.py
 """
 
 import statistics
@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from fp8engine.model_executor.kernels.attention_cpu import kernel_ops, paged_attention_cpu
+from fp8engine.model_executor.kernels.attention_cpu import paged_attention_cpu
+from fp8engine.model_executor.kernels.cpu_ops import cpu_kernel
 from fp8engine.model_executor.kernels.attention_ref import FP8_DTYPE, paged_attention_ref, quantize_fp8
 
 NUM_SEQS, CONTEXT, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 128, 256, 9, 3, 64, 16
@@ -66,7 +67,7 @@ def _gather_sdpa(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, s
 
 
 def run(repeats: int = 20) -> dict:
-    if kernel_ops() is None:
+    if cpu_kernel("paged_attention") is None:
         raise RuntimeError("the C++ paged-attention kernel is not available on this machine")
     results = {}
     for name, cache_dtype in (("bf16", torch.bfloat16), ("fp8", FP8_DTYPE)):

@@ -3,30 +3,28 @@
 Shapes are the default model's (SmolLM2-135M) projections and LM head, from decode (M=1) to batched
 decode and prefill chunks (M=512). All are timed in alternating rounds and the best round of each is
 kept, which makes the ratios robust to other load on the machine. "ours" is the C++ BF16 kernel
-called directly, whatever bf16_linear_cpu.use_kernel picks for the engine. The FP8 kernel runs once
-per GEMM this CPU has (FP8ENGINE_FP8_GEMM: "avx512", and "amx" with AMX tiles), as the engine calls it
-("fp8", small M on the GEMV) and batch invariant ("bi", the GEMM for every M).
+called directly, whatever bf16_linear_cpu.kernel_takes picks for the engine. The FP8 kernel runs once
+per GEMM this CPU has ("avx512", and "amx" with AMX tiles), as the engine calls it ("fp8", small M on the
+GEMV) and batch invariant ("bi", the GEMM for every M).
 
-    python -m fp8engine.benchmarks.fp8_linear_micro [--rows 1,4,16,64,128,512] [--layers qkv,o,gate_up,down]
+    python benchmarks/fp8_linear_micro.py [--rows 1,4,16,64,128,512] [--layers qkv,o,gate_up,down]
 """
 
 import argparse
 import functools
-import os
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from fp8engine.model_executor.kernels import bf16_linear_cpu, fp8_linear_cpu
-from fp8engine.model_executor.kernels.cpu_ops import cpu_flags
+from fp8engine.model_executor.kernels import bf16_linear_cpu
+from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
 from fp8engine.weights import quant
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
 ROWS = (1, 4, 16, 64, 128, 512)
-GEMM_ENV = "FP8ENGINE_FP8_GEMM"
 
 
 def _best_times(fns: list[Callable[[], object]], rounds: int = 30, round_s: float = 2e-3) -> list[float]:
@@ -48,60 +46,47 @@ def _best_times(fns: list[Callable[[], object]], rounds: int = 30, round_s: floa
     return best
 
 
-def fp8_gemms() -> list[str]:
-    """The FP8 GEMMs FP8ENGINE_FP8_GEMM can choose on this CPU ("amx" needs AMX tiles)."""
-    return ["avx512", "amx"] if {"amx_bf16", "amx_tile"} <= cpu_flags() else ["avx512"]
+def _ops():
+    ops = load_cpu_ops()
+    if ops is None or not hasattr(ops, "fp8_block_linear") or not hasattr(ops, "bf16_linear"):
+        raise RuntimeError("the C++ linear kernels are not built on this machine (they need AVX512-BF16)")
+    return ops
+
+
+def gemms() -> list[str]:
+    """The GEMMs the kernels can run on this CPU ("amx" needs AMX tiles the OS grants)."""
+    return ["avx512", "amx"] if _ops().amx_usable() else ["avx512"]
 
 
 def _fp8_linear(gemm: str, batch_invariant: bool) -> Callable:
-    ops = fp8_linear_cpu.kernel_ops()
-
-    def linear(x, w_q, w_s):
-        if os.environ.get(GEMM_ENV) != gemm:  # the kernel reads it on every call
-            os.environ[GEMM_ENV] = gemm
-        if ops is None:
-            return fp8_linear_cpu.fp8_block_linear_cpu(x, w_q, w_s, batch_invariant=batch_invariant)
-        return ops.fp8_block_linear(x, w_q, w_s, None, False, None, batch_invariant)
-    return linear
-
-
-def _bf16_linear() -> Callable:
-    ops = bf16_linear_cpu.kernel_ops()
-    if ops is None:
-        return F.linear
-    return lambda x, w: ops.bf16_linear(x, w, None)
+    ops = _ops()
+    return lambda x, w_q, w_s: ops.fp8_block_linear(x, w_q, w_s, None, False, None, batch_invariant, gemm)
 
 
 def run(rows: tuple[int, ...] = ROWS, layers: tuple[str, ...] = tuple(SHAPES)) -> dict:
     """Per layer and M: microseconds per call of torch BF16, our BF16 kernel and FP8 on each GEMM ("fp8 amx",
     "bi amx", ...), and the speedups over torch (torch time / kernel time)."""
     torch.manual_seed(0)
-    fp8 = {f"{mode} {gemm}": _fp8_linear(gemm, mode == "bi") for gemm in fp8_gemms() for mode in ("fp8", "bi")}
-    ours = _bf16_linear()
-    saved = os.environ.get(GEMM_ENV)
+    ops = _ops()
+    best = gemms()[-1]
+    fp8 = {f"{mode} {gemm}": _fp8_linear(gemm, mode == "bi") for gemm in gemms() for mode in ("fp8", "bi")}
     results = []
-    try:
-        for name in layers:
-            n, k = SHAPES[name]
-            w = torch.randn(n, k, dtype=torch.bfloat16) * 0.05
-            w_q, w_s = quant.quantize_weight_blockwise(w)
-            for m in rows:
-                x = torch.randn(m, k, dtype=torch.bfloat16)
-                fns = [functools.partial(F.linear, x, w), functools.partial(ours, x, w)]
-                fns += [functools.partial(fn, x, w_q, w_s) for fn in fp8.values()]
-                t_torch, t_ours, *t_fp8 = _best_times(fns)
-                results.append({"layer": name, "M": m, "N": n, "K": k, "bf16_us": t_torch * 1e6,
-                                "ours_us": t_ours * 1e6, "ours_speedup": t_torch / t_ours,
-                                "fp8_us": {key: t * 1e6 for key, t in zip(fp8, t_fp8)},
-                                "fp8_speedup": {key: t_torch / t for key, t in zip(fp8, t_fp8)},
-                                "engine_uses_ours": bf16_linear_cpu.use_kernel(m)})
-    finally:
-        if saved is None:
-            os.environ.pop(GEMM_ENV, None)
-        else:
-            os.environ[GEMM_ENV] = saved
-    return {"backend": fp8_linear_cpu.cpu_fp8_backend(), "bf16_kernel": bf16_linear_cpu.kernel_ops() is not None,
-            "threads": torch.get_num_threads(), "fp8": list(fp8), "results": results}
+    for name in layers:
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, dtype=torch.bfloat16) * 0.05
+        w_q, w_s = quant.quantize_weight_blockwise(w)
+        for m in rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            fns = [functools.partial(F.linear, x, w), functools.partial(ops.bf16_linear, x, w, None, False, False, best)]
+            fns += [functools.partial(fn, x, w_q, w_s) for fn in fp8.values()]
+            t_torch, t_ours, *t_fp8 = _best_times(fns)
+            results.append({"layer": name, "M": m, "N": n, "K": k, "bf16_us": t_torch * 1e6,
+                            "ours_us": t_ours * 1e6, "ours_speedup": t_torch / t_ours,
+                            "fp8_us": {key: t * 1e6 for key, t in zip(fp8, t_fp8)},
+                            "fp8_speedup": {key: t_torch / t for key, t in zip(fp8, t_fp8)},
+                            "engine_uses_ours": bf16_linear_cpu.kernel_takes(m, False, best)})
+    return {"backend": f"cpp-{best}", "bf16_kernel": True, "threads": torch.get_num_threads(), "fp8": list(fp8),
+            "results": results}
 
 
 def main() -> None:

@@ -348,7 +348,6 @@ void linear_amx(const Problem& p, OutT* y) {
 
 #endif  // FP8E_AMX
 
-constexpr char kGemmEnv[] = "FP8ENGINE_BF16_GEMM";  // avx512|amx, see use_amx
 // Up to here the small-M path beats the GEMM: streaming the weights per 4 rows beats padding M to 16 (AVX-512);
 // against AMX tiles only at 1 row (default model shapes, 1 core of an Emerald Rapids Xeon: 0.8-0.97x the
 // tiles' time at M = 1, 1.0-1.2x at M = 2).
@@ -356,8 +355,7 @@ constexpr int64_t kSmallM = 7;
 constexpr int64_t kSmallMAmx = 1;
 
 template <typename OutT>
-void linear_impl(const Problem& p, OutT* out, bool batch_invariant) {
-  const bool amx = use_amx(kGemmEnv);
+void linear_impl(const Problem& p, OutT* out, bool batch_invariant, bool amx) {
   if (!batch_invariant && p.m <= (amx ? kSmallMAmx : kSmallM)) {
     linear_small_m(p, out);
   } else if (amx) {
@@ -371,9 +369,10 @@ void linear_impl(const Problem& p, OutT* out, bool batch_invariant) {
 
 // The small-M path sums a row's products in another order than the GEMMs, which give every row the same
 // arithmetic whatever M is and wherever the row sits: batch_invariant takes a GEMM for every M (AMX tiles
-// or AVX-512, chosen by the CPU, never by M). float32_out: y in float32, the sums not rounded to bf16.
+// or AVX-512, chosen by `gemm`, never by M). float32_out: y in float32, the sums not rounded to bf16.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                       bool batch_invariant, bool float32_out) {
+                       bool batch_invariant, bool float32_out, const std::string& gemm) {
+  const bool amx = use_amx(gemm, "bf16_linear");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "bf16_linear: x and w must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
@@ -393,9 +392,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
                   static_cast<const uint16_t*>(w.data_ptr()), w.stride(0),
                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
   if (float32_out) {
-    linear_impl(p, y.data_ptr<float>(), batch_invariant);
+    linear_impl(p, y.data_ptr<float>(), batch_invariant, amx);
   } else {
-    linear_impl(p, y.data_ptr<at::BFloat16>(), batch_invariant);
+    linear_impl(p, y.data_ptr<at::BFloat16>(), batch_invariant, amx);
   }
   return y;
 }
@@ -414,7 +413,7 @@ at::Tensor bf16_linear_terms_f32(const at::Tensor& x, const at::Tensor& w, int64
               " rows are not ", terms, " groups of a multiple of 16 rows");
   const int64_t m = x.size(0) / terms, k = x.size(1), n = w.size(0);
   TORCH_CHECK(w.size(1) == k && k > 0, "bf16_linear_terms_f32: x has K=", k, " but w is ", w.sizes());
-  TORCH_CHECK(use_amx(kGemmEnv), "bf16_linear_terms_f32 needs AMX tiles (bf16_linear_gemm() == 'amx')");
+  TORCH_CHECK(amx_allowed(), "bf16_linear_terms_f32 needs AMX tiles (amx_usable())");
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return y;
 #ifdef FP8E_AMX
@@ -425,15 +424,11 @@ at::Tensor bf16_linear_terms_f32(const at::Tensor& x, const at::Tensor& w, int64
   return y;
 }
 
-// The GEMM bf16_linear runs for batch_invariant (and large M): "amx" or "avx512".
-std::string bf16_linear_gemm() { return use_amx(kGemmEnv) ? "amx" : "avx512"; }
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
-  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias, bool batch_invariant=False, bool float32_out=False) "
-        "-> Tensor");
-  m.def("bf16_linear_gemm() -> str", TORCH_FN(bf16_linear_gemm));
+  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias, bool batch_invariant=False, bool float32_out=False, "
+        "str gemm='auto') -> Tensor");
   m.def("bf16_linear_terms_f32(Tensor x, Tensor w, int terms) -> Tensor");
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
   m.impl("bf16_linear_terms_f32", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_terms_f32));

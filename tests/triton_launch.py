@@ -9,7 +9,7 @@ write_kv_cache_triton and paged_attention_triton. On "meta" tensors the wrappers
 `record_launches` captures each kernel launch (grid, arguments, constexprs, num_warps, num_stages);
 `compile_launch` then specialises it with Triton's own launch binder (pointer alignment, integer
 divisibility, ints equal to 1 as constexprs, as a CUDA launch would) and compiles it for a GPU target.
-On CUDA tensors the same cases run for real (fp8engine/benchmarks/gpu_check.py).
+On CUDA tensors the same cases run for real (benchmarks/gpu_check.py).
 
 The kernel modules choose their interpreter-only branches (E4M3_BY_BITS / INTERPRET) from
 triton.knobs.runtime.interpret when imported, and @triton.jit itself builds interpreter objects under
@@ -35,9 +35,11 @@ from types import SimpleNamespace
 
 import torch
 
+from fp8engine.model_executor import kernels as kernel_modules
 from fp8engine.model_executor.kernels.attention_ref import FP8_DTYPE
 
 _PACKAGE = "fp8engine.model_executor.kernels"
+_KERNELS_DIR = Path(kernel_modules.__file__).parent
 
 # Interpreter-only constexprs: compiled natively they must be False.
 INTERPRETER_FLAGS = ("E4M3_BY_BITS", "INTERPRET")
@@ -102,7 +104,7 @@ def linear_layers(shape: ModelShape) -> list[tuple[str, int, list[int]]]:
 
 
 def _load_copy(name: str):
-    path = Path(__file__).with_name(f"{name}.py")
+    path = _KERNELS_DIR / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"{_PACKAGE}._native_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -197,11 +199,13 @@ def _linear_layer(mods, in_features: int, shards: list[int], shape: ModelShape, 
                   batch_invariant: bool = False):
     from fp8engine.model_executor.layers.linear import Linear
 
-    def fp8_fn(x, w_q, w_scale_inv, bias=None, scale_fmt=None):  # backends._linear_with_scale_fmt
+    def fp8_fn(x, w_q, w_scale_inv, bias=None, scale_fmt=None):  # the kernel set's fp8_linear on CUDA
         return mods.fp8.fp8_block_linear_triton(x, w_q, w_scale_inv, bias, scale_fmt=scale_fmt,
                                                 batch_invariant=batch_invariant)
+    # What Linear reads of its kernel set (model_executor/kernel_set.py), with these modules' FP8 linear.
+    kernels = SimpleNamespace(fp8_linear=fp8_fn, fp8_scale_rows=False)
     with torch.device(device):
-        return Linear(in_features, shards, shape.dtype, False, fp8_fn, scale_fmt)
+        return Linear(in_features, shards, shape.dtype, kernels, fp8=True, scale_fmt=scale_fmt)
 
 
 def _weight_quant_case(shape: ModelShape, layer: str, in_features: int, shards: list[int],

@@ -25,7 +25,6 @@ namespace {
 using namespace fp8e;
 
 constexpr int64_t kBlock = 128;
-constexpr char kGemmEnv[] = "FP8ENGINE_FP8_GEMM";  // avx512|amx, see use_amx
 constexpr float kFp8Max = 448.f;
 constexpr float kMinAmax = 1e-12f;
 
@@ -842,8 +841,7 @@ constexpr int64_t kSmallMAmx = 2;
 // GEMMs give every row the same arithmetic whatever M is and wherever the row sits: batch_invariant takes
 // one of them for every M (which one depends on the CPU, not on M).
 template <typename T>
-void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant) {
-  const bool amx = use_amx(kGemmEnv);
+void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant, bool amx) {
   if (!batch_invariant && p.m <= (amx ? kSmallMAmx : kSmallM)) {
     linear_small_m(p, x, ue8m0, y);
   } else if (amx) {
@@ -861,7 +859,7 @@ float e4m3_to_f32(uint8_t v) { return f32_from_bits(static_cast<uint32_t>(kE4m3B
 
 // One row at a time in a fixed order: batch invariant as it stands.
 template <typename T>
-void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_invariant*/) {
+void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_invariant*/, bool /*amx*/) {
   const int64_t kp = p.nkb * kBlock;
   auto xq = alloc_buffer<uint8_t>(p.m * kp);
   auto sx = alloc_buffer<float>(p.m * p.nkb);
@@ -893,7 +891,9 @@ void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_in
 // scale_rows[n] instead of n / 128.
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale_inv,
                             const std::optional<at::Tensor>& bias, bool ue8m0,
-                            const std::optional<at::Tensor>& scale_rows, bool batch_invariant) {
+                            const std::optional<at::Tensor>& scale_rows, bool batch_invariant,
+                            const std::string& gemm) {
+  const bool amx = use_amx(gemm, "fp8_block_linear");
   TORCH_CHECK(x.device().is_cpu() && w_q.device().is_cpu() && w_scale_inv.device().is_cpu(),
               "fp8_block_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "fp8_block_linear: x must be a contiguous [M, K] tensor");
@@ -927,32 +927,36 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at
                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
                   mapped ? scale_rows->data_ptr<int32_t>() : nullptr};
   if (x.scalar_type() == at::kFloat) {
-    linear_impl(p, x.data_ptr<float>(), ue8m0, y.data_ptr<float>(), batch_invariant);
+    linear_impl(p, x.data_ptr<float>(), ue8m0, y.data_ptr<float>(), batch_invariant, amx);
   } else {
-    linear_impl(p, x.data_ptr<at::BFloat16>(), ue8m0, y.data_ptr<at::BFloat16>(), batch_invariant);
+    linear_impl(p, x.data_ptr<at::BFloat16>(), ue8m0, y.data_ptr<at::BFloat16>(), batch_invariant, amx);
   }
   return y;
 }
 
-std::string fp8_cpu_backend() {
+// The instruction set of the GEMMs below AMX: "avx512bf16" (vdpbf16ps), or "scalar" on CPUs without it.
+std::string fp8_linear_isa() {
 #ifdef FP8E_BF16_KERNELS
-  return use_amx(kGemmEnv) ? "cpp-amx" : "cpp-avx512bf16";
+  return "avx512bf16";
 #else
-  return "cpp-scalar";
+  return "scalar";
 #endif
 }
+
+bool amx_usable_op() { return amx_allowed(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.def(
       "fp8_block_linear(Tensor x, Tensor w_q, Tensor w_scale_inv, Tensor? bias, bool ue8m0, Tensor? scale_rows=None, "
-      "bool batch_invariant=False) -> Tensor");
+      "bool batch_invariant=False, str gemm='auto') -> Tensor");
   m.def(
       "fp8_quantize_weight_(Tensor w, Tensor(a!) out_q, Tensor(b!) out_scale, bool ue8m0, bool scales_given=False) "
       "-> ()");
   m.def("fp8_block_scales_(Tensor w, Tensor(a!) out_scale, bool ue8m0) -> bool");
-  m.def("fp8_cpu_backend() -> str", TORCH_FN(fp8_cpu_backend));
+  m.def("fp8_linear_isa() -> str", TORCH_FN(fp8_linear_isa));
+  m.def("amx_usable() -> bool", TORCH_FN(amx_usable_op));
   m.impl("fp8_block_linear", c10::DispatchKey::CPU, TORCH_FN(fp8_block_linear));
   m.impl("fp8_quantize_weight_", c10::DispatchKey::CPU, TORCH_FN(fp8_quantize_weight_));
   m.impl("fp8_block_scales_", c10::DispatchKey::CPU, TORCH_FN(fp8_block_scales_));

@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -37,11 +38,13 @@ struct Ops {
       rms_norm = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&,
                                                             double)>("fp8engine::rms_norm");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
-                                      const OptTensor&, bool)>
+                                      const OptTensor&, bool, const std::string&)>
       fp8_linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
-                                      const OptTensor&, bool)>("fp8engine::fp8_block_linear");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool)> bf16_linear =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool)>("fp8engine::bf16_linear");
+                                      const OptTensor&, bool, const std::string&)>("fp8engine::fp8_block_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool,
+                                      const std::string&)>
+      bf16_linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool,
+                                       const std::string&)>("fp8engine::bf16_linear");
   c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
       rotary = find_op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
           "fp8engine::rotary_embedding_");
@@ -58,16 +61,28 @@ struct Ops {
       find_op<at::Tensor(const at::Tensor&)>("fp8engine::silu_and_mul");
 };
 
+// How a step's projections run, as the engine chose them (kernel_set.py): the GEMM of the FP8 and of the BF16
+// kernel, and whether the BF16 layers take the C++ kernel at this step's row count or torch's GEMM
+// (bf16_linear_cpu.kernel_takes, decided in Python for each call).
+struct ProjPath {
+  bool batch_invariant;
+  const std::string& fp8_gemm;
+  const std::string& bf16_gemm;
+  bool bf16_kernel;
+};
+
 // One projection as layers/linear.py calls it: FP8 (weight E4M3 + block scales, optional row -> scale-row map)
-// or the model dtype through the BF16 kernel.
+// or the model dtype through the BF16 kernel or torch's linear (aten::linear, what F.linear calls).
 struct Proj {
   at::Tensor weight;
   OptTensor scale, bias, scale_rows;
   bool ue8m0 = false;
 
-  at::Tensor operator()(const Ops& ops, const at::Tensor& x, bool batch_invariant) const {
-    if (scale) return ops.fp8_linear.call(x, weight, *scale, bias, ue8m0, scale_rows, batch_invariant);
-    return ops.bf16_linear.call(x, weight, bias, batch_invariant, false);
+  at::Tensor operator()(const Ops& ops, const at::Tensor& x, const ProjPath& path) const {
+    if (scale) return ops.fp8_linear.call(x, weight, *scale, bias, ue8m0, scale_rows, path.batch_invariant,
+                                          path.fp8_gemm);
+    if (path.bf16_kernel) return ops.bf16_linear.call(x, weight, bias, path.batch_invariant, false, path.bf16_gemm);
+    return at::linear(x, weight, bias);
   }
 };
 
@@ -80,14 +95,17 @@ struct Layer {
 // Per layer, `tensors` holds 20 entries: input_layernorm, post_attention_layernorm, q_norm, k_norm weights,
 // then (weight, scale, bias, scale_rows) of qkv_proj, o_proj, gate_up_proj and down_proj; None where absent
 // (a BF16 projection has no scale). dims: heads, kv heads, head_dim, fixed attention partition (0: adaptive).
+// gemms: the GEMM of the FP8 and of the BF16 projections ("avx512" | "amx"), as the engine chose them.
 constexpr int64_t kPerLayer = 20;
 
 class DecoderPlan : public torch::CustomClassHolder {
  public:
   DecoderPlan(std::vector<OptTensor> tensors, at::Tensor cos, at::Tensor sin, std::vector<int64_t> dims, double eps,
-              double attn_scale, bool ue8m0, bool batch_invariant)
+              double attn_scale, bool ue8m0, bool batch_invariant, std::vector<std::string> gemms)
       : cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), attn_scale_(attn_scale),
         batch_invariant_(batch_invariant) {
+    TORCH_CHECK(gemms.size() == 2, "DecoderPlan: gemms [fp8, bf16] expected");
+    fp8_gemm_ = gemms[0], bf16_gemm_ = gemms[1];
     TORCH_CHECK(tensors.size() % kPerLayer == 0 && !tensors.empty(), "DecoderPlan: ", kPerLayer,
                 " tensors per layer expected, got ", tensors.size());
     TORCH_CHECK(dims.size() == 4, "DecoderPlan: dims [heads, kv_heads, head_dim, partition] expected");
@@ -106,22 +124,25 @@ class DecoderPlan : public torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // x [T, hidden] (the embeddings) -> (output of the last layer, its residual), which the final norm adds.
-  // kv_caches: k and v cache of each layer; scales: k, v and q scale of each layer (q 0: not full FP8).
+  // kv_caches: k and v cache of each layer; scales: k, v and q scale of each layer (q 0: not full FP8);
+  // bf16_kernel: the BF16 projections take the C++ kernel at T rows (else torch's linear).
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, const at::Tensor& positions,
                                              std::vector<at::Tensor> kv_caches, std::vector<double> scales,
                                              const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
-                                             const at::Tensor& seq_lens, const at::Tensor& block_tables) const {
+                                             const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                                             bool bf16_kernel) const {
     const int64_t n = num_layers();
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == 2 * n && static_cast<int64_t>(scales.size()) == 3 * n,
                 "DecoderPlan.forward: ", 2 * n, " caches and ", 3 * n, " scales expected");
     const Ops& ops = get_ops();
+    const ProjPath path{batch_invariant_, fp8_gemm_, bf16_gemm_, bf16_kernel};
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     OptTensor residual;
     for (int64_t i = 0; i < n; ++i) {
       const Layer& l = layers_[i];
       auto [h, summed] = ops.rms_norm.call(x, residual, l.input_norm, eps_);
       residual = residual ? summed : x;
-      const at::Tensor qkv = l.qkv(ops, h, batch_invariant_);
+      const at::Tensor qkv = l.qkv(ops, h, path);
       const int64_t t = qkv.size(0);
       at::Tensor q = qkv.narrow(-1, 0, q_size).reshape({t, heads_, head_dim_});
       at::Tensor k = qkv.narrow(-1, q_size, kv_size).reshape({t, kv_heads_, head_dim_});
@@ -139,10 +160,10 @@ class DecoderPlan : public torch::CustomClassHolder {
       ops.write_kv.call(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
       const at::Tensor attn = ops.attention.call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                                  attn_scale_, k_scale, v_scale, q_scale, partition_);
-      const at::Tensor o = l.o(ops, attn.reshape({t, -1}), batch_invariant_);
+      const at::Tensor o = l.o(ops, attn.reshape({t, -1}), path);
       auto [h2, summed2] = ops.rms_norm.call(o, residual, l.post_norm, eps_);
       residual = summed2;
-      x = l.down(ops, ops.silu_and_mul.call(l.gate_up(ops, h2, batch_invariant_)), batch_invariant_);
+      x = l.down(ops, ops.silu_and_mul.call(l.gate_up(ops, h2, path)), path);
     }
     return {x, *residual};
   }
@@ -158,6 +179,7 @@ class DecoderPlan : public torch::CustomClassHolder {
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, partition_ = 0;
   double eps_ = 0, attn_scale_ = 0;
   bool batch_invariant_ = false;
+  std::string fp8_gemm_, bf16_gemm_;
 };
 
 // Whether every op a plan calls is registered (the attention and layer ops need AVX-512, the BF16 linear
@@ -176,7 +198,7 @@ bool decoder_plan_supported() {
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.class_<DecoderPlan>("DecoderPlan")
       .def(torch::init<std::vector<OptTensor>, at::Tensor, at::Tensor, std::vector<int64_t>, double, double, bool,
-                       bool>())
+                       bool, std::vector<std::string>>())
       .def("num_layers", &DecoderPlan::num_layers)
       .def("forward", &DecoderPlan::forward);
   m.def("decoder_plan_supported() -> bool", TORCH_FN(decoder_plan_supported));

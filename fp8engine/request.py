@@ -1,10 +1,12 @@
-"""Requests and their sequences (one per sample), the unit the scheduler moves forward."""
+"""Requests, their sequences (one per sample: the unit the scheduler moves forward) and a sequence's share of
+one step. The scheduler, the block manager, the model runner and the output processor all read these; none of
+them imports another for it."""
 
 import itertools
+from dataclasses import dataclass
 from enum import Enum, auto
 
 from fp8engine.detokenizer import DetokState
-from fp8engine.kvcache.hashing import chain_hash
 from fp8engine.sampling_params import SamplingParams
 
 
@@ -65,9 +67,9 @@ class Sequence:
         self.token_ids = token_ids
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # written by the block manager
         self.num_hashed_blocks = 0
-        self._block_hashes: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of full blocks, memoised by the block manager
         self.status = SeqStatus.WAITING
         self.num_preemptions = 0
         self.logprobs: list[float] = []
@@ -106,17 +108,22 @@ class Sequence:
     def block_tokens(self, i: int, block_size: int) -> tuple[int, ...]:
         return tuple(self.token_ids[i * block_size:(i + 1) * block_size])
 
-    def block_hash(self, i: int, block_size: int) -> int:
-        """Chained hash of full block i (memoised; tokens of a full block never change)."""
-        while len(self._block_hashes) <= i:
-            j = len(self._block_hashes)
-            prev = self._block_hashes[-1] if j else None
-            self._block_hashes.append(chain_hash(prev, self.block_tokens(j, block_size)))
-        return self._block_hashes[i]
-
     def fork(self, index: int) -> "Sequence":
         child = Sequence(self.request, index, list(self.token_ids))
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
-        child._block_hashes = list(self._block_hashes)
+        child.block_hashes = list(self.block_hashes)
         return child
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: its next num_new_tokens tokens are computed."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens

@@ -1,7 +1,7 @@
 """GPU check of the Triton kernels: the launches tests/test_triton_compile.py compiles without a GPU, run
 natively on CUDA against their torch references, timed.
 
-The cases come from fp8engine.model_executor.kernels.triton_launch (the default model in bf16 with both scale
+The cases come from tests/triton_launch.py (the default model in bf16 with both scale
 formats, a 7B-class Llama in bf16, the default model's attention in float32): the engine's own wrappers on the
 engine's tensor layouts, with DeepGEMM and FlashInfer kept out so the Triton kernels are what runs. Checked:
 
@@ -14,7 +14,7 @@ Prints one line per case (error, time per call including the Python wrapper) and
 and shared memory the driver reports for every compiled kernel, writes all figures as JSON, and exits 1
 when a case is off. Without CUDA it says so and exits 0.
 
-    python -m fp8engine.benchmarks.gpu_check [--json bench_results/gpu_check.json] [--sets llama-7b]
+    python -m benchmarks.gpu_check [--json bench_results/gpu_check.json] [--sets llama-7b]   (from the checkout)
 """
 
 import argparse
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from fp8engine.model_executor.kernels import triton_launch
+from tests import triton_launch
 
 BF16_RTOL = 2 ** -7
 LINEAR_TOL = 2 ** -6  # max error / max |ref|: two bf16 roundings of the largest output (fp8 products are exact)

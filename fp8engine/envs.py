@@ -1,0 +1,72 @@
+"""Every FP8ENGINE_* environment variable, in one table.
+
+Each is read when it is needed once per process or per engine: the cache and build variables when the C++
+kernels are first built, the kernel overrides when an engine starts and chooses its kernel set
+(model_executor/kernel_set.py). Nothing reads them in the hot path. docs/environment.md is generated from
+this table (`markdown_table()`; tests/test_envs.py keeps the two equal).
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    name: str
+    default: str
+    choices: tuple[str, ...] | None
+    help: str
+
+
+VARIABLES = (
+    EnvVar("FP8ENGINE_CACHE", "~/.cache/fp8engine", None,
+           "where the default model is converted to and the C++ kernels are built"),
+    EnvVar("FP8ENGINE_REQUIRE_CPP", "0", ("0", "1"),
+           "1: a C++ kernel build that fails, or sources that are missing, is an error instead of a warning and "
+           "the torch reference (`make test` and CI set it)"),
+    EnvVar("FP8ENGINE_DISABLE_CPP", "0", ("0", "1"),
+           "1: never build or load the C++ kernels; the engine runs the torch reference on CPU"),
+    EnvVar("FP8ENGINE_FP8_GEMM", "auto", ("auto", "avx512", "amx"),
+           "the GEMM of the CPU FP8 linears: AMX tiles where the CPU grants them (auto), or forced; `amx` "
+           "where the tiles are missing is an error"),
+    EnvVar("FP8ENGINE_BF16_GEMM", "auto", ("auto", "avx512", "amx"),
+           "the same for the CPU BF16 linears and LM head"),
+    EnvVar("FP8ENGINE_BI_GEMM", "cpp", ("cpp", "chunked"),
+           "batch-invariant BF16 linears on CPU: the C++ GEMM (cpp) or torch's GEMM fed one shape, rows in "
+           "zero-padded chunks of 64 (chunked)"),
+    EnvVar("FP8ENGINE_FP32_HEAD", "tiles", ("tiles", "fma"),
+           "the float32 LM head (lm_head_fp32) on CPU: the BF16 GEMM over an exact three-way bf16 split of "
+           "the input (tiles), or the float32 FMA kernel (fma)"),
+    EnvVar("FP8ENGINE_FUSED_DECODER", "1", ("0", "1"),
+           "0: never run the decoder layers as one C++ call (DecoderPlan); the Python layers run instead"),
+)
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def get(name: str) -> str:
+    """The value of a variable of the table (its default when unset); ValueError naming it when not allowed."""
+    var = _BY_NAME[name]
+    value = os.environ.get(name, "").strip() or var.default
+    if var.choices is not None and value not in var.choices:
+        raise ValueError(f"{name} must be one of {var.choices}, got {value!r}")
+    return value
+
+
+def flag(name: str) -> bool:
+    """A 0/1 variable as a bool."""
+    return get(name) == "1"
+
+
+def cache_root() -> Path:
+    """FP8ENGINE_CACHE as a path (the default model and the C++ builds live under it)."""
+    return Path(get("FP8ENGINE_CACHE")).expanduser()
+
+
+def markdown_table() -> str:
+    """docs/environment.md's table: a row per variable."""
+    rows = ["| variable | default | values | what it does |", "|---|---|---|---|"]
+    for v in VARIABLES:
+        values = ", ".join(f"`{c}`" for c in v.choices) if v.choices else "a directory"
+        rows.append(f"| `{v.name}` | `{v.default}` | {values} | {v.help} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,202 @@
+"""The kernels one engine runs, chosen once when it starts: C++ on CPU, Triton on CUDA, the torch reference where
+neither is there; batch invariant or not; the FP8ENGINE_* overrides (fp8engine/envs.py) read here and nowhere
+else. The layers are given this object and call its functions; `names` is what get_stats() and the start-up
+line report, so they name what runs.
+
+Triton and the optional GPU libraries are imported only when the device is CUDA.
+"""
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+from fp8engine import envs
+from fp8engine.config import EngineConfig
+from fp8engine.model_executor.kernels import attention_ref, cpu_ops, layer_ops_ref
+from fp8engine.weights import quant
+
+# Keys per split-KV partition under batch_invariant: fixed, so a context splits the same way whatever
+# else is in the batch (the adaptive split follows the batch's total keys).
+BATCH_INVARIANT_KV_PARTITION = 512
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSet:
+    """Functions, each with the signature of its reference:
+
+    dense_linear(x, weight, bias) -> y                       linears in the model dtype
+    fp8_linear(x, w_q, w_scale_inv, bias, scale_fmt, scale_rows=None) -> y   block-FP8 W8A8 (None: not FP8)
+    lm_head(hidden, weight) -> logits                        model dtype, or float32 when lm_head_fp32
+    rms_norm(x, residual, weight, eps) -> (out, x + residual)
+    rotary(q, k, cos, sin, positions) -> (q, k)              may rotate in place
+    silu_and_mul(x) -> y
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
+                    fp8_q_scale) -> out
+    fused_moe(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, scale_rows, scale_fmt) -> y, or None:
+                                                             experts grouped over the linears above
+    sample_rows: the fused C++ sampler op, or None (the torch sampler)
+    quantize_into(w, out_q, out_scale, scale_fmt=None[, scales=]) and block_scales(w, scale_fmt) (or None):
+                                                             BF16 -> FP8 block quantization for loads and updates
+    """
+
+    batch_invariant: bool
+    lm_head_fp32: bool
+    dense_linear: Callable
+    fp8_linear: Callable | None
+    lm_head: Callable
+    rms_norm: Callable
+    rotary: Callable
+    silu_and_mul: Callable
+    write_kv_cache: Callable
+    paged_attention: Callable
+    fused_moe: Callable | None
+    sample_rows: Callable | None
+    quantize_into: Callable
+    block_scales: Callable | None
+    attention_partition: int  # fixed split-KV partition in keys (0: adaptive), for the decoder plan
+    gemms: tuple[str, str]  # (FP8, BF16) GEMM of the CPU kernels: "avx512" | "amx"; ("", "") elsewhere
+    decoder_plan: bool  # the decoder layers may run as one C++ call (csrc/decoder.cpp)
+    fp8_scale_rows: bool  # fp8_linear maps output rows to stacked scale grids (scale_rows) in one call
+    names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def linear_name(self) -> str:
+        """The name of the linears' kernel: the FP8 one in an FP8 engine, else the model dtype's."""
+        return self.names["fp8_linear" if self.fp8_linear is not None else "dense_linear"]
+
+
+def select(config: EngineConfig) -> KernelSet:
+    """The kernel set for this config on this machine (ValueError for an override it cannot honour)."""
+    if config.device == "cuda":
+        return _cuda(config)
+    ops = cpu_ops.load_cpu_ops()
+    return _cpu(config, ops)
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+def _gemm(ops, var: str) -> str:
+    """The GEMM FP8ENGINE_FP8_GEMM / FP8ENGINE_BF16_GEMM asks for, "auto" resolved by this CPU."""
+    choice = envs.get(var)
+    usable = ops is not None and hasattr(ops, "amx_usable") and bool(ops.amx_usable())
+    if choice == "amx" and not usable:
+        raise ValueError(f"{var}=amx, but this build, CPU or OS does not allow AMX tiles (amx_bf16, amx_tile)")
+    return "amx" if choice == "amx" or (choice == "auto" and usable) else "avx512"
+
+
+def _cpu(config: EngineConfig, ops) -> KernelSet:
+    from fp8engine.model_executor.kernels import attention_cpu, bf16_linear_cpu, fp8_linear_cpu, layer_ops_cpu
+    has = (lambda name: ops is not None and hasattr(ops, name))  # noqa: E731
+    bi = config.batch_invariant
+    fp8_gemm, bf16_gemm = _gemm(ops, "FP8ENGINE_FP8_GEMM"), _gemm(ops, "FP8ENGINE_BF16_GEMM")
+    chunked = envs.get("FP8ENGINE_BI_GEMM") == "chunked"
+    fp32_tiles = envs.get("FP8ENGINE_FP32_HEAD") == "tiles"
+    fused = envs.flag("FP8ENGINE_FUSED_DECODER")
+    names = {}
+
+    fp8_linear = None
+    if config.quantization == "fp8":
+        if has("fp8_block_linear"):
+            fp8_linear = functools.partial(fp8_linear_cpu.fp8_block_linear_cpu, batch_invariant=bi, gemm=fp8_gemm)
+            names["fp8_linear"] = "cpp-amx" if fp8_gemm == "amx" else f"cpp-{ops.fp8_linear_isa()}"
+        else:
+            fp8_linear, names["fp8_linear"] = fp8_linear_ref, "torch-reference"
+
+    bf16 = config.torch_dtype == torch.bfloat16
+    if bf16 and bi and (chunked or not has("bf16_linear")):
+        dense, names["dense_linear"] = bf16_linear_cpu.chunked_linear, "torch-bf16-fixed-chunks"
+    elif bf16 and has("bf16_linear"):
+        dense = functools.partial(bf16_linear_cpu.bf16_linear, batch_invariant=bi, gemm=bf16_gemm)
+        names["dense_linear"] = (f"cpp-bf16-{bf16_gemm}" if bi else
+                                 "cpp-bf16-gemv+amx+torch" if bf16_gemm == "amx" else "cpp-bf16-gemv+torch")
+    else:
+        dense, names["dense_linear"] = F.linear, "torch"
+
+    if config.lm_head_fp32 and has("lm_head_f32"):
+        split = fp32_tiles and bf16_gemm == "amx" and has("bf16_linear_terms_f32")
+        lm_head = functools.partial(bf16_linear_cpu.float32_head, split=split, batch_invariant=bi)
+        names["lm_head"] = ("fp32-tiles" if bi else "fp32-fma+tiles") if split else "fp32-fma"
+    elif config.lm_head_fp32:
+        lm_head, names["lm_head"] = layer_ops_ref.float32_linear_ref, "fp32-torch"
+    else:
+        lm_head, names["lm_head"] = (lambda x, w: dense(x, w, None)), names["dense_linear"]
+
+    layer_ops = has("rms_norm") and has("rotary_embedding_") and has("silu_and_mul")
+    if layer_ops:
+        rms_norm, rotary, silu = layer_ops_cpu.rms_norm_cpu, layer_ops_cpu.rotary_cpu, layer_ops_cpu.silu_and_mul_cpu
+    else:
+        rms_norm, rotary, silu = layer_ops_ref.rms_norm_ref, layer_ops_ref.rotary_ref, layer_ops_ref.silu_and_mul_ref
+    names["layer_ops"] = "cpp" if layer_ops else "torch"
+
+    partition = 0
+    if has("paged_attention"):
+        partition = BATCH_INVARIANT_KV_PARTITION if bi else 0
+        write_kv, attend = attention_cpu.write_kv_cache_cpu, functools.partial(
+            attention_cpu.paged_attention_cpu, fixed_partition=partition)
+        names["attention"] = "cpp"
+    else:
+        write_kv, attend = attention_ref.write_kv_cache_ref, attention_ref.paged_attention_ref
+        names["attention"] = "torch"
+
+    if config.quantization == "fp8" and has("fp8_block_linear"):
+        quantize_into, block_scales = fp8_linear_cpu.quantize_weight_into_cpu, fp8_linear_cpu.block_scales_cpu
+    else:
+        quantize_into, block_scales = quant.quantize_weight_into, None
+    sample_rows = ops.sample_rows if has("sample_rows") else None
+    names["sampler"] = "cpp+torch" if sample_rows is not None else "torch"
+    names["moe"] = "grouped"
+
+    decoder_plan = (fused and has("decoder_plan_supported")
+                    and bool(ops.decoder_plan_supported()) and layer_ops and names["attention"] == "cpp")
+    linear = names.get("fp8_linear", names["dense_linear"])
+    if bi and (names["attention"] != "cpp" or linear in ("torch", "torch-reference")):
+        raise ValueError(f"batch_invariant=True needs the C++ CPU kernels or the Triton ones, but linear runs on "
+                         f"{linear!r} and attention on {names['attention']!r} (is a C++ compiler installed?)")
+    return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm, rotary, silu,
+                     write_kv, attend, None, sample_rows, quantize_into, block_scales, partition,
+                     (fp8_gemm, bf16_gemm), decoder_plan, True, names)
+
+
+def fp8_linear_ref(x, w_q, w_scale_inv, bias=None, scale_fmt=None, scale_rows=None) -> torch.Tensor:
+    """quant.fp8_block_linear_ref with the kernel set's argument order."""
+    return quant.fp8_block_linear_ref(x, w_q, w_scale_inv, bias, scale_fmt=scale_fmt, scale_rows=scale_rows)
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+def _cuda(config: EngineConfig) -> KernelSet:
+    try:
+        from fp8engine.model_executor.kernels import attention_triton, dense_triton, fp8_triton, moe_triton
+    except ImportError as exc:
+        raise ValueError(f"device='cuda' needs Triton (pip install 'fp8engine[gpu]'): {exc}") from exc
+    bi = config.batch_invariant
+    names = {}
+    fp8_linear = None
+    if config.quantization == "fp8":
+        fp8_linear = functools.partial(fp8_triton.fp8_block_linear_triton, batch_invariant=bi)
+        names["fp8_linear"] = "deepgemm+triton" if not bi and fp8_triton.deepgemm_available() else "triton"
+    if bi:  # one launch configuration for every batch size
+        dense, names["dense_linear"] = dense_triton.linear_triton, "triton-bf16"
+        rms_norm, names["layer_ops"] = dense_triton.rms_norm_triton, "triton-norm+torch"
+    else:
+        dense, names["dense_linear"] = F.linear, "torch"
+        rms_norm, names["layer_ops"] = layer_ops_ref.rms_norm_ref, "torch"
+    if config.lm_head_fp32:
+        lm_head = (functools.partial(dense_triton.linear_triton, out_dtype=torch.float32) if bi
+                   else layer_ops_ref.float32_linear_ref)
+        names["lm_head"] = "fp32-triton" if bi else "fp32-torch"
+    else:
+        lm_head, names["lm_head"] = (lambda x, w: dense(x, w, None)), names["dense_linear"]
+    attend = functools.partial(attention_triton.paged_attention_triton, batch_invariant=bi)
+    names["attention"] = "flashinfer+triton" if not bi and attention_triton.flashinfer_available() else "triton"
+    names["sampler"], names["moe"] = "torch", "triton"
+
+    def quantize_into(w, out_q, out_scale, scale_fmt=None):
+        fp8_triton.quantize_weight_blockwise_triton(w, out_q, out_scale, scale_fmt=scale_fmt)
+
+    return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm,
+                     layer_ops_ref.rotary_ref, layer_ops_ref.silu_and_mul_ref, attention_triton.write_kv_cache_triton,
+                     attend, functools.partial(moe_triton.fused_moe_triton, batch_invariant=bi), None, quantize_into,
+                     None, 0, ("", ""), False, False, names)

@@ -1,0 +1,238 @@
+"""From a step's logits to tokens and outputs: forks, sample rows, stop checks, prompt logprobs, scoring.
+
+The engine hands each step's schedule and the model runner's result here (`process`); this module samples,
+appends tokens, ends sequences through the scheduler, and builds the RequestOutputs the engine returns. It owns
+the live requests and the token counters.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from fp8engine.detokenizer import Detokenizer
+from fp8engine.model_executor.layers.sampler import SampleRow, sample
+from fp8engine.outputs import CompletionOutput, RequestOutput
+from fp8engine.request import Request, ScheduledSeq, Sequence, SeqStatus
+from fp8engine.sampling_params import SamplingParams
+from fp8engine.scheduler.scheduler import Scheduler
+
+
+class OutputProcessor:
+    """read_routed(seq) -> the experts of seq's computed positions (MoE models with return_routed_experts);
+    sample_kernel: the kernel set's fused sampler op, or None."""
+
+    def __init__(self, scheduler: Scheduler, detokenizer: Detokenizer, eos_token_ids: set[int], max_model_len: int,
+                 read_routed: Callable[[Sequence], torch.Tensor], sample_kernel=None):
+        self.scheduler = scheduler
+        self.detokenizer = detokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.read_routed = read_routed
+        self.sample_kernel = sample_kernel
+        self.requests: dict[str, Request] = {}
+        self.counters = dict(prompt_tokens=0, generation_tokens=0, finished=0)
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request: Request) -> None:
+        """Start tracking a request and queue its first sequence."""
+        seq = Sequence(request, 0, list(request.prompt_token_ids))
+        request.seqs.append(seq)
+        self.requests[request.request_id] = request
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now (its blocks are freed); its partial output, or None if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
+        request.aborted = True
+        return self.output(request)
+
+    def emit(self, request: Request) -> RequestOutput:
+        """The request's output now; a finished request is forgotten."""
+        out = self.output(request)
+        if out.finished:
+            self.requests.pop(request.request_id, None)
+            self.counters["finished"] += 1
+        return out
+
+    def output(self, request: Request) -> RequestOutput:
+        outputs = [self._completion(seq) for seq in sorted(request.seqs, key=lambda s: s.index)]
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, request.finished,
+                             request.weight_version, request.prompt, request.prompt_logprobs,
+                             request.num_cached_tokens, prompt_top_logprobs=request.prompt_top_logprobs)
+
+    # ------------------------------------------------------------------ a step's results
+    def process(self, scheduled: list[ScheduledSeq], result) -> list[Request]:
+        """Advance every scheduled sequence and sample the ones that reached their end; the touched requests."""
+        sampling: list[tuple[Sequence, int]] = []  # (sequence, row of the logits it samples from)
+        num_rows = 0
+        touched: dict[str, Request] = {}
+        for item in scheduled:
+            seq = item.seq
+            if seq.needs_prompt_logprobs:
+                self._record_prompt_logprobs(seq, item.num_new_tokens, result.prompt_logits[seq.seq_id])
+            samples = item.samples
+            if seq.num_output_tokens == 0:
+                self.counters["prompt_tokens"] += item.num_new_tokens
+            self.scheduler.advance(item)
+            if samples:
+                if seq.params.max_tokens == 0:
+                    self._finish_unsampled(seq)
+                else:
+                    sampling += [(s, num_rows) for s in self.scheduler.fork(seq)]
+                num_rows += 1
+            touched[seq.request.request_id] = seq.request
+        if sampling:
+            self._sample(sampling, result.logits)
+        return list(touched.values())
+
+    def _finish_unsampled(self, seq: Sequence) -> None:
+        """max_tokens=0: the prompt is computed (and scored); every sample ends empty, nothing is drawn."""
+        request = seq.request
+        for i in range(len(request.seqs), request.params.n):
+            child = seq.fork(i)
+            child.status, child.finish_reason = SeqStatus.FINISHED, "length"
+            request.seqs.append(child)
+        seq.finish_reason = "length"
+        self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        """End a sequence (finished or aborted); its routed experts are read before its blocks are freed."""
+        if seq.params.return_routed_experts:
+            seq.routed_experts = self.read_routed(seq)
+        self.scheduler.finish(seq)
+
+    def _sample(self, sampling: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+        rows = [self._row(s.params, s.request.seed, s.index, s.num_tokens, s.token_ids, s.num_prompt_tokens)
+                for s, _ in sampling]
+        index = [r for _, r in sampling]
+        if index != list(range(logits.shape[0])):  # forks share their parent's row
+            logits = logits[torch.tensor(index, device=logits.device)]
+        result = sample(logits, rows, kernel=self.sample_kernel)
+        for i, (seq, _) in enumerate(sampling):
+            self._append_token(seq, result.token_ids[i], result.logprobs[i],
+                               result.top_logprobs[i], result.log_kept_mass[i])
+
+    def _append_token(self, seq: Sequence, token: int, logprob, top, log_kept) -> None:
+        seq.token_ids.append(token)
+        self.counters["generation_tokens"] += 1
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(logprob)
+            if top is not None:
+                seq.top_logprobs.append(top)
+            if log_kept is not None:
+                seq.log_kept_mass.append(log_kept)
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            seq.finish_reason = reason
+            self._finish(seq)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if p.stop and self._hit_stop_string(seq):
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        # A stop string that completes with this token lies within its last few tokens (a character
+        # spans at most 4 byte-level tokens): decoding only those keeps the check O(1) per token
+        # instead of O(length), and the whole text is decoded once, on a hit, to cut it.
+        ids = seq.output_token_ids
+        window = 8 + 4 * max(len(s) for s in seq.params.stop)
+        if len(ids) > window:
+            tail = self.detokenizer.decode(ids[-window:])
+            if not any(s in tail for s in seq.params.stop):
+                return False
+        text = self.detokenizer.decode(ids)
+        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
+        if not hits:
+            return False
+        cut, stop = min(hits)
+        seq.text, seq.stop_reason = text[:cut], stop
+        return True
+
+    def _row(self, params: SamplingParams, seed: int, index: int, position: int, token_ids: list[int],
+            num_prompt_tokens: int) -> SampleRow:
+        """The sampler's row for the token after token_ids (its first num_prompt_tokens are the prompt)."""
+        row = SampleRow(params, seed, index, position, self._bans(params, len(token_ids) - num_prompt_tokens))
+        if params.adjusts_logits:
+            row.prompt_token_ids = token_ids[:num_prompt_tokens]
+            row.output_token_ids = token_ids[num_prompt_tokens:]
+        return row
+
+    def _bans(self, p: SamplingParams, num_output_tokens: int) -> tuple[int, ...]:
+        if num_output_tokens >= p.min_tokens:
+            return ()
+        eos = () if p.ignore_eos else tuple(self.eos_token_ids)
+        return eos + tuple(p.stop_token_ids)
+
+    # ------------------------------------------------------------------ prompt logprobs and scoring
+    def _record_prompt_logprobs(self, seq: Sequence, n: int, logits: torch.Tensor) -> None:
+        request, start = seq.request, seq.num_computed_tokens
+        if request.scoring is not None:
+            self._record_scores(request, start, n, logits)
+            return
+        if start == 0:
+            request.partial_prompt_logprobs, request.partial_prompt_top_logprobs = [None], [None]
+        targets = seq.token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
+        logp = torch.log_softmax(logits[:len(targets)], dim=-1)
+        chosen = logp[torch.arange(len(targets)), targets].tolist()
+        request.partial_prompt_logprobs += chosen
+        k = seq.params.prompt_logprobs
+        if k:
+            values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            request.partial_prompt_top_logprobs += [dict(zip(i, v)) | {t: c} for i, v, t, c in
+                                                    zip(ids.tolist(), values.tolist(), targets, chosen)]
+        if len(request.partial_prompt_logprobs) == seq.num_prompt_tokens:
+            request.prompt_logprobs = request.partial_prompt_logprobs
+            request.prompt_top_logprobs = request.partial_prompt_top_logprobs if k else None
+
+    def _record_scores(self, request: Request, start: int, n: int, logits: torch.Tensor) -> None:
+        """Rows start..start+n-1 of a scoring request: row j scores response token j + 1 - prompt_len."""
+        scoring = request.scoring
+        if start == 0:  # a preempted request recomputes from the start
+            scoring.logprobs = []
+        first = max(0, scoring.prompt_len - 1 - start)
+        targets = list(range(start + first + 1 - scoring.prompt_len, min(start + n + 1 - scoring.prompt_len,
+                                                                         len(scoring.response))))
+        if targets:
+            prompt = request.prompt_token_ids[:scoring.prompt_len]
+            rows = [self._row(scoring.params, 0, 0, 0, prompt + scoring.response[:i], scoring.prompt_len)
+                    for i in targets]
+            got = sample(logits[first:first + len(targets)], rows, forced=[scoring.response[i] for i in targets],
+                         kernel=self.sample_kernel)
+            scoring.logprobs += got.logprobs
+        if start + n == len(request.prompt_token_ids):
+            request.prompt_logprobs = scoring.logprobs  # done: nothing to recompute after a preemption
+
+    # ------------------------------------------------------------------ outputs
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        wants = seq.params.logprobs is not None
+        text = seq.text
+        if seq.params.detokenize and not (seq.is_finished and seq.stop_reason in seq.params.stop):
+            text = self.detokenizer.text(seq.detok, seq.output_token_ids)
+        return CompletionOutput(
+            index=seq.index, token_ids=list(seq.output_token_ids), text=text,
+            logprobs=list(seq.logprobs) if wants else None,
+            top_logprobs=list(seq.top_logprobs) if wants and seq.params.logprobs else None,
+            log_kept_mass=list(seq.log_kept_mass) if wants and seq.params.logprobs_mode == "processed" else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            num_preemptions=seq.num_preemptions, seed=seq.request.seed, routed_experts=self._routed_experts(seq))
+
+    def _routed_experts(self, seq: Sequence) -> torch.Tensor | None:
+        if not seq.params.return_routed_experts or seq.is_finished:
+            return seq.routed_experts
+        return self.read_routed(seq)
