@@ -4,6 +4,7 @@ its timeout, an /openapi.json that describes every endpoint, and schemathesis fu
 a live server from it (fixed seed, bounded examples): no 5xx, every response in the schema."""
 
 import collections
+import gc
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import httpx
 import pytest
@@ -143,6 +145,18 @@ def test_the_heap_is_trimmed_after_each_weight_update_request_only(monkeypatch):
         assert client.post("/update_weights", content=b"not safetensors").status_code == 400
         assert len(trims) == 2  # a refused update allocated its body too
         assert client.get("/weight_version").json() == {"weight_version": 1} and len(trims) == 2
+
+
+def test_a_closed_app_lets_its_engine_go():
+    """FastAPI caches every endpoint callable process-wide: the app's handlers hold the server weakly, so once
+    the app is gone its engine (weights and KV cache) is freed (a test suite had grown by one engine per app)."""
+    engine = make_engine(dtype="float32", max_model_len=CONTEXT, num_kv_blocks=64)
+    with TestClient(create_app(engine, ServerSettings())) as client:
+        assert client.post("/v1/completions", json={"prompt": RAW[0], "max_tokens": 2}).status_code == 200
+    gone = weakref.ref(engine)
+    del engine, client
+    gc.collect()
+    assert gone() is None
 
 
 @pytest.mark.parametrize("mode", ["wait", "abort"])

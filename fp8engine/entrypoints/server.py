@@ -38,11 +38,13 @@ import dataclasses
 import functools
 import glob
 import hmac
+import inspect
 import json
 import logging
 import os
 import re
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -171,7 +173,8 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="fp8engine", version=fp8engine.__version__, lifespan=lifespan)
     app.state.server = server
     for method, path, handler, auth in server.routes():
-        app.add_api_route(path, handler, methods=[method], dependencies=[Depends(auth)] if auth else [])
+        app.add_api_route(path, _weakly(handler), methods=[method],
+                          dependencies=[Depends(_weakly(auth))] if auth else [])
     app.add_middleware(TrimHeapAfterUpdates)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -179,6 +182,20 @@ def create_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(Exception, _internal_error)
     describe(app, REQUEST_BODIES, QUERIES, RESPONSES, CONTENT_TYPES)
     return app
+
+
+def _weakly(method: Callable) -> Callable:
+    """An async bound method as a plain function that holds its object weakly, with the method's signature.
+    FastAPI keeps every endpoint and dependency callable in process-wide caches (fastapi.dependencies.models, 4096
+    entries): with the bound methods themselves, each app's Server, its AsyncEngine and the LLMEngine with its KV
+    cache would stay alive after the app is gone (a test suite creating apps grew by an engine each)."""
+    ref = weakref.WeakMethod(method)
+
+    async def call(*args, **kwargs):
+        return await ref()(*args, **kwargs)
+    call.__signature__ = inspect.signature(method)
+    call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    return call
 
 
 class Server:
