@@ -189,13 +189,17 @@ class OutputProcessor:
             request.partial_prompt_logprobs, request.partial_prompt_top_logprobs = [None], [None]
         targets = seq.token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
         logp = torch.log_softmax(logits[:len(targets)], dim=-1)
-        chosen = logp[torch.arange(len(targets)), targets].tolist()
+        chosen = logp.gather(1, torch.tensor(targets, dtype=torch.int64, device=logp.device)[:, None])
+        k = min(seq.params.prompt_logprobs, logp.shape[-1])
+        if k:  # one copy to the host: the chosen logprob, then the top-k values and ids of each row
+            values, ids = logp.topk(k, dim=-1)
+            rows = torch.cat([chosen, values, ids.to(logp.dtype)], dim=1).tolist()
+            request.partial_prompt_top_logprobs += [dict(zip(map(int, r[1 + k:]), r[1:1 + k])) | {t: r[0]}
+                                                    for r, t in zip(rows, targets)]
+            chosen = [r[0] for r in rows]
+        else:
+            chosen = chosen[:, 0].tolist()
         request.partial_prompt_logprobs += chosen
-        k = seq.params.prompt_logprobs
-        if k:
-            values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            request.partial_prompt_top_logprobs += [dict(zip(i, v)) | {t: c} for i, v, t, c in
-                                                    zip(ids.tolist(), values.tolist(), targets, chosen)]
         if len(request.partial_prompt_logprobs) == seq.num_prompt_tokens:
             request.prompt_logprobs = request.partial_prompt_logprobs
             request.prompt_top_logprobs = request.partial_prompt_top_logprobs if k else None

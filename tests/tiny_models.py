@@ -33,8 +33,8 @@ ARCHS = {
 def hf_config(arch: str, tokenizer, **overrides):
     family, options = ARCHS[arch]
     cls = getattr(transformers, f"{family}Config")
-    return cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-               **(SHAPE | options | overrides))
+    return cls(**(dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id) | SHAPE | options | overrides))
 
 
 def save_tiny(arch: str, out_dir, tokenizer, seed: int = 1234, **overrides) -> str:

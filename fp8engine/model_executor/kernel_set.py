@@ -7,6 +7,7 @@ Triton and the optional GPU libraries are imported only when the device is CUDA.
 """
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,6 +18,8 @@ from fp8engine import envs
 from fp8engine.config import EngineConfig
 from fp8engine.model_executor.kernels import attention_ref, cpu_ops, layer_ops_ref
 from fp8engine.weights import quant
+
+logger = logging.getLogger(__name__)
 
 # Keys per split-KV partition under batch_invariant: fixed, so a context splits the same way whatever
 # else is in the batch (the adaptive split follows the batch's total keys).
@@ -171,26 +174,26 @@ def _cuda(config: EngineConfig) -> KernelSet:
         from fp8engine.model_executor.kernels import attention_triton, dense_triton, fp8_triton, moe_triton
     except ImportError as exc:
         raise ValueError(f"device='cuda' needs Triton (pip install 'fp8engine[gpu]'): {exc}") from exc
-    bi = config.batch_invariant
+    device, bi = torch.device(config.device), config.batch_invariant
     names = {}
     fp8_linear = None
     if config.quantization == "fp8":
-        fp8_linear = functools.partial(fp8_triton.fp8_block_linear_triton, batch_invariant=bi)
-        names["fp8_linear"] = "deepgemm+triton" if not bi and fp8_triton.deepgemm_available() else "triton"
+        deepgemm = not bi and _probed("DeepGEMM", fp8_triton.probe_deepgemm, device)
+        fp8_linear = functools.partial(fp8_triton.fp8_block_linear_triton, batch_invariant=bi, deepgemm=deepgemm)
+        names["fp8_linear"] = "deepgemm+triton" if deepgemm else "triton"
     if bi:  # one launch configuration for every batch size
         dense, names["dense_linear"] = dense_triton.linear_triton, "triton-bf16"
         rms_norm, names["layer_ops"] = dense_triton.rms_norm_triton, "triton-norm+torch"
     else:
         dense, names["dense_linear"] = F.linear, "torch"
         rms_norm, names["layer_ops"] = layer_ops_ref.rms_norm_ref, "torch"
-    if config.lm_head_fp32:
-        lm_head = (functools.partial(dense_triton.linear_triton, out_dtype=torch.float32) if bi
-                   else layer_ops_ref.float32_linear_ref)
-        names["lm_head"] = "fp32-triton" if bi else "fp32-torch"
+    if config.lm_head_fp32:  # the Triton GEMM reads the head in its dtype: no float32 copy of it per step
+        lm_head, names["lm_head"] = functools.partial(dense_triton.linear_triton, out_dtype=torch.float32), "fp32-triton"
     else:
         lm_head, names["lm_head"] = (lambda x, w: dense(x, w, None)), names["dense_linear"]
-    attend = functools.partial(attention_triton.paged_attention_triton, batch_invariant=bi)
-    names["attention"] = "flashinfer+triton" if not bi and attention_triton.flashinfer_available() else "triton"
+    flashinfer = not bi and _probed("FlashInfer", attention_triton.probe_flashinfer, device)
+    attend = functools.partial(attention_triton.paged_attention_triton, batch_invariant=bi, flashinfer=flashinfer)
+    names["attention"] = "flashinfer+triton" if flashinfer else "triton"
     names["sampler"], names["moe"] = "torch", "triton"
 
     def quantize_into(w, out_q, out_scale, scale_fmt=None):
@@ -200,3 +203,12 @@ def _cuda(config: EngineConfig) -> KernelSet:
                      layer_ops_ref.rotary_ref, layer_ops_ref.silu_and_mul_ref, attention_triton.write_kv_cache_triton,
                      attend, functools.partial(moe_triton.fused_moe_triton, batch_invariant=bi), None, quantize_into,
                      None, 0, ("", ""), False, False, names)
+
+
+def _probed(library: str, probe, device: torch.device) -> bool:
+    """Whether an optional GPU library passed its start-up probe (a small call checked against the Triton
+    kernel); when not, the engine says why once and runs Triton."""
+    why = probe(device)
+    if why is not None:
+        logger.info("fp8engine: %s not used: %s; the Triton kernel runs instead", library, why)
+    return why is None

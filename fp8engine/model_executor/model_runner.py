@@ -145,7 +145,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[sample_rows]) if len(sample_rows) else None
         prompt_logits = {seq_id: self.model.compute_logits(hidden[rows]).float()
-                         for seq_id, rows in prompt_rows.items()}
+                         for seq_id, rows in prompt_rows.items()}  # rows: a slice of this step's tokens
         return StepOutput(logits, prompt_logits)
 
     def _prepare(self, scheduled: list[ScheduledSeq]):
@@ -160,7 +160,7 @@ class ModelRunner:
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
             if seq.needs_prompt_logprobs:
-                prompt_rows[seq.seq_id] = torch.arange(starts[-1], starts[-1] + n)
+                prompt_rows[seq.seq_id] = slice(starts[-1], starts[-1] + n)
             starts.append(starts[-1] + n)
             seq_lens.append(c + n)
             tables.append(table)

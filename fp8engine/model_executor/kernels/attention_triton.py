@@ -31,7 +31,6 @@ over on CUDA when flashinfer imports (not for full FP8).
 """
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +40,8 @@ import triton.language as tl
 from fp8engine.model_executor.kernels.attention_ref import FP8_DTYPE, FP8_MAX, check_full_fp8
 from fp8engine.model_executor.kernels.fp8_triton import _e4m3_from_bits
 
-logger = logging.getLogger(__name__)
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
-_flashinfer_failed = False
 
 
 # ------------------------------------------------------------------------------------------ conversions
@@ -318,23 +315,36 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 # ------------------------------------------------------------------------------------------ FlashInfer
 
 
-@functools.cache
-def flashinfer_available() -> bool:
-    """flashinfer imports and CUDA is available."""
-    if not torch.cuda.is_available():
-        return False
+def probe_flashinfer(device: torch.device) -> str | None:
+    """None when FlashInfer can run this engine's BF16 attention on `device`: it imports and a small batch (a
+    prefill chunk and decodes over a paged BF16 cache) gives the Triton kernel's result within bf16 rounding;
+    otherwise why not. The engine's kernel set asks once, at start-up."""
     try:
         import flashinfer  # noqa: F401
-    except Exception:  # not installed, or its extension fails to load
-        return False
-    return True
+    except Exception as exc:  # not installed, or its extension fails to load
+        return f"flashinfer does not import ({type(exc).__name__}: {exc})"
+    gen = torch.Generator(device=device).manual_seed(0)
+    heads, kv_heads, dim, block, blocks = 8, 2, 128, 16, 12
+    seq_lens = torch.tensor([40, 17, 70], dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor([0, 24, 25, 26], dtype=torch.int32, device=device)
+    block_tables = torch.arange(blocks, dtype=torch.int32, device=device).view(3, 4)
+    q = torch.randn(26, heads, dim, generator=gen, device=device).to(torch.bfloat16)
+    k_cache, v_cache = (torch.randn(blocks, block, kv_heads, dim, generator=gen, device=device).to(torch.bfloat16)
+                        for _ in range(2))
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, dim ** -0.5, 1.0, 1.0)
+    try:
+        got = _flashinfer_attention(*args)
+    except Exception as exc:
+        return f"its paged attention failed ({type(exc).__name__}: {exc})"
+    want = _triton_attention(*args, None)
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    return None if err <= 2 ** -6 else f"its paged attention differs from the Triton kernel's by {err:.2e}"
 
 
 def _flashinfer_fits(q: torch.Tensor, k_cache: torch.Tensor, fp8_q_scale: float | None) -> bool:
     # Full FP8 is this engine's own emulation; FlashInfer has no float32 kernels.
-    return (not _flashinfer_failed and fp8_q_scale is None and q.is_cuda and q.dtype == torch.bfloat16
-            and k_cache.dtype in (torch.bfloat16, FP8_DTYPE) and q.shape[-1] in (64, 128, 256)
-            and flashinfer_available())
+    return (fp8_q_scale is None and q.dtype == torch.bfloat16 and k_cache.dtype in (torch.bfloat16, FP8_DTYPE)
+            and q.shape[-1] in (64, 128, 256))
 
 
 @functools.cache
@@ -346,26 +356,20 @@ def _flashinfer_wrapper(device: torch.device):
 
 def _flashinfer_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float,
-                          v_scale: float) -> torch.Tensor | None:
+                          v_scale: float) -> torch.Tensor:
     """FlashInfer's paged prefill kernel (its causal mask aligns the queries to the end of the context, as
-    here), or None, and never again, if it fails. It plans on every call: plan() reads the layout on the
-    host, which a caller owning the wrapper could do once per step instead of once per layer."""
-    global _flashinfer_failed
+    here). It plans on every call: plan() reads the layout on the host, which a caller owning the wrapper could
+    do once per step instead of once per layer."""
     block_size = k_cache.shape[1]
     pages = (seq_lens + block_size - 1) // block_size
     used = torch.arange(block_tables.shape[1], device=q.device) < pages[:, None]
     total = int(query_start_loc[-1])
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    try:
-        wrapper = _flashinfer_wrapper(q.device)
-        wrapper.plan(query_start_loc.int(), F.pad(pages.cumsum(0), (1, 0)).int(), block_tables[used].int(),
-                     (seq_lens - (pages - 1) * block_size).int(), q.shape[1], k_cache.shape[2], q.shape[2],
-                     block_size, causal=True, sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
-        wrapper.run(q[:total].contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, out=out[:total])
-    except Exception as exc:
-        logger.warning("fp8engine: FlashInfer attention failed (%s); using the Triton kernel", exc)
-        _flashinfer_failed = True
-        return None
+    wrapper = _flashinfer_wrapper(q.device)
+    wrapper.plan(query_start_loc.int(), F.pad(pages.cumsum(0), (1, 0)).int(), block_tables[used].int(),
+                 (seq_lens - (pages - 1) * block_size).int(), q.shape[1], k_cache.shape[2], q.shape[2],
+                 block_size, causal=True, sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+    wrapper.run(q[:total].contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, out=out[:total])
     return out
 
 
@@ -375,15 +379,14 @@ def _flashinfer_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
                            v_scale: float = 1.0, fp8_q_scale: float | None = None,
-                           batch_invariant: bool = False) -> torch.Tensor:
+                           batch_invariant: bool = False, flashinfer: bool = False) -> torch.Tensor:
     """Varlen causal attention over a paged KV cache: the semantics of attention_ref.paged_attention_ref.
-    batch_invariant: the Triton kernel on its one batch-invariant launch (FlashInfer plans by batch)."""
+    batch_invariant: the Triton kernel on its one batch-invariant launch. flashinfer: FlashInfer where it fits
+    (the kernel set passes what probe_flashinfer found; it plans by batch, so never when batch invariant)."""
     check_full_fp8(k_cache, fp8_q_scale)
     if k_cache.dtype != FP8_DTYPE:
         k_scale = v_scale = 1.0
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale)
-    if not batch_invariant and _flashinfer_fits(q, k_cache, fp8_q_scale):
-        out = _flashinfer_attention(*args)
-        if out is not None:
-            return out
+    if flashinfer and not batch_invariant and _flashinfer_fits(q, k_cache, fp8_q_scale):
+        return _flashinfer_attention(*args)
     return _triton_attention(*args, fp8_q_scale, batch_invariant)

@@ -11,8 +11,6 @@ Triton is imported only here and in attention_triton.py, both loaded lazily on C
 so there the kernels encode E4M3 with integer ops instead (_E4M3_BY_BITS).
 """
 
-import functools
-import logging
 
 import torch
 import triton
@@ -20,10 +18,8 @@ import triton.language as tl
 
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
 
-logger = logging.getLogger(__name__)
 
 _E4M3_BY_BITS = bool(triton.knobs.runtime.interpret)
-_deepgemm_failed = False
 
 
 @triton.jit
@@ -207,55 +203,60 @@ def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.T
     return out
 
 
-@functools.cache
-def deepgemm_available() -> bool:
-    """deep_gemm imports and the current CUDA device is a Hopper (SM 9.x)."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        return False
+def probe_deepgemm(device: torch.device) -> str | None:
+    """None when DeepGEMM can run this engine's FP8 linears on `device`: it imports, the device is a Hopper
+    (sm_90), and a small GEMM gives the Triton kernel's result (within bf16 rounding); otherwise why not. The
+    engine's kernel set asks once, at start-up."""
     try:
         import deep_gemm  # noqa: F401
-    except Exception:  # not installed, or its extension fails to load
-        return False
-    return True
+    except Exception as exc:  # not installed, or its extension fails to load
+        return f"deep_gemm does not import ({type(exc).__name__}: {exc})"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return f"it needs a Hopper GPU (sm_90), this is sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(64, 512, generator=gen, device=device).to(torch.bfloat16)
+    w_q, w_s = quantize_weight_blockwise_triton(torch.randn(256, 512, generator=gen, device=device) * 0.05)
+    x_q, x_s = per_token_group_quant_fp8(x)
+    try:
+        got = _deepgemm_matmul(x_q, x_s, w_q, w_s)
+    except Exception as exc:
+        return f"its FP8 GEMM failed ({type(exc).__name__}: {exc})"
+    want = w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16)
+    err = float(((got.float() - want.float()).abs().max() / want.float().abs().max()))
+    return None if err <= 2 ** -6 else f"its FP8 GEMM differs from the Triton kernel's by {err:.2e} (relative)"
 
 
 def _deepgemm_fits(x_q: torch.Tensor, w_q: torch.Tensor, out_dtype: torch.dtype) -> bool:
     n, k = w_q.shape
-    return (not _deepgemm_failed and x_q.is_cuda and out_dtype == torch.bfloat16
-            and n % 64 == 0 and k % 128 == 0 and w_q.is_contiguous() and deepgemm_available())
+    return out_dtype == torch.bfloat16 and n % 64 == 0 and k % 128 == 0 and w_q.is_contiguous()
 
 
 def _deepgemm_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
-                     w_scale_inv: torch.Tensor) -> torch.Tensor | None:
-    """bf16 x_q . w_q^T via DeepGEMM, or None (and never again) if it fails."""
-    global _deepgemm_failed
+                     w_scale_inv: torch.Tensor) -> torch.Tensor:
+    """bf16 x_q . w_q^T via DeepGEMM."""
     import deep_gemm
     # fp8_gemm_nt is the DeepGEMM >= 2.0 name; gemm_fp8_fp8_bf16_nt the 1.x one. Both take
     # (data, scales) pairs, 1x128 / 128x128 float32 scales, and transpose the scales themselves.
     out = torch.empty(x_q.shape[0], w_q.shape[0], dtype=torch.bfloat16, device=x_q.device)
-    try:
-        gemm = getattr(deep_gemm, "fp8_gemm_nt", None) or deep_gemm.gemm_fp8_fp8_bf16_nt
-        gemm((x_q, x_scale), (w_q, w_scale_inv.float().contiguous()), out)
-    except Exception as exc:
-        logger.warning("fp8engine: DeepGEMM fp8 GEMM failed (%s); using the Triton kernel", exc)
-        _deepgemm_failed = True
-        return None
+    gemm = getattr(deep_gemm, "fp8_gemm_nt", None) or deep_gemm.gemm_fp8_fp8_bf16_nt
+    gemm((x_q, x_scale), (w_q, w_scale_inv.float().contiguous()), out)
     return out
 
 
 def fp8_block_linear_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
                             bias: torch.Tensor | None = None, scale_fmt: str | None = None,
-                            batch_invariant: bool = False) -> torch.Tensor:
+                            batch_invariant: bool = False, deepgemm: bool = False) -> torch.Tensor:
     """W8A8 block linear, the semantics of quant.fp8_block_linear_ref: x [..., K] -> [..., N] in x's dtype.
-    batch_invariant: the Triton GEMM on its one batch-invariant launch (DeepGEMM picks kernels by shape)."""
+    batch_invariant: the Triton GEMM on its one batch-invariant launch. deepgemm: DeepGEMM for the shapes it
+    takes (the kernel set passes what probe_deepgemm found; it picks kernels by shape, so never when batch
+    invariant)."""
     shape = x.shape
     n = w_q.shape[0]
     x_q, x_scale = per_token_group_quant_fp8(x.reshape(-1, shape[-1]), BLOCK, scale_fmt)
-    out = None
-    if not batch_invariant and _deepgemm_fits(x_q, w_q, x.dtype):
+    if deepgemm and not batch_invariant and _deepgemm_fits(x_q, w_q, x.dtype):
         out = _deepgemm_matmul(x_q, x_scale, w_q, w_scale_inv)
-        if out is not None and bias is not None:
+        if bias is not None:
             out += bias
-    if out is None:
+    else:
         out = w8a8_block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, x.dtype, bias, batch_invariant)
     return out.reshape(*shape[:-1], n)

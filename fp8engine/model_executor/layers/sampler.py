@@ -110,13 +110,17 @@ def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     """Kept set [R, V] (bool) for tempered probs [R, V]; top_k [R] (vocab size = off), top_p, min_p [R].
 
     Ties at the top-k and top-p boundaries are all kept, so the set does not depend on sort order.
+    The parameters may be host tensors where probs is on a device: which truncations run is decided from them
+    on the host (no device synchronisation), and they are copied to probs' device for the arithmetic.
     """
     vocab = probs.shape[-1]
+    any_top_k, any_top_p = bool((top_k < vocab).any()), bool((top_p < 1.0).any())
+    top_k, top_p, min_p = (t.to(probs.device) for t in (top_k, top_p, min_p))
     keep = torch.ones_like(probs, dtype=torch.bool)
-    if bool((top_k < vocab).any()):
+    if any_top_k:
         sorted_p = probs.sort(dim=-1, descending=True).values
         keep = probs >= sorted_p.gather(1, (top_k - 1).clamp(0, vocab - 1)[:, None])
-    if bool((top_p < 1.0).any()):
+    if any_top_p:
         q = probs * keep
         keep &= _top_p_set(q / _row_sums(q), top_p) | (top_p >= 1.0)[:, None]
     return keep & (probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True))
@@ -138,14 +142,17 @@ def _row_sums(x: torch.Tensor) -> torch.Tensor:
 
 def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                        top_p: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(processed logprobs [R, V], log kept mass [R]) for float32 logits and per-row params (T > 0)."""
-    tempered = logits if bool((temperature == 1.0).all()) else logits / temperature[:, None]
+    """(processed logprobs [R, V], log kept mass [R]) for float32 logits and per-row params (T > 0), on the logits'
+    device; the params may be host tensors (see truncation_mask)."""
+    device = logits.device
+    tempered = logits if bool((temperature == 1.0).all()) else logits / temperature.to(device)[:, None]
     logp = torch.log_softmax(tempered, dim=-1)
     truncates = (top_k < logits.shape[-1]) | (top_p < 1.0) | (min_p > 0)
     if not bool(truncates.any()):
-        return logp, torch.zeros(logits.shape[0])
+        return logp, torch.zeros(logits.shape[0], device=device)
     # Rows that do not truncate keep logp exactly, whatever the other rows ask for.
-    mask = truncation_mask(logp.exp(), top_k, top_p, min_p) | ~truncates[:, None]
+    mask = truncation_mask(logp.exp(), top_k, top_p, min_p) | ~truncates.to(device)[:, None]
+    truncates = truncates.to(device)
     kept = logp.masked_fill(~mask, float("-inf"))
     top = kept.amax(dim=-1, keepdim=True)  # a max is exact in any order; a lone kept token gives exactly top
     log_kept = (top + _row_sums((kept - top).exp()).log())[:, 0].masked_fill(~truncates, 0.0)
@@ -185,6 +192,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], forced: list[int] | None
 
 def _sample_reference(logits: torch.Tensor, rows: list[SampleRow], uniform: torch.Tensor,
                       forced: torch.Tensor | None = None) -> SampleResult:
+    """Every row in batched ops on the logits' device (CPU or CUDA); one copy of the results to the host."""
+    device = logits.device
     logits = logits.to(torch.float32, copy=True)  # adjusted and banned in place
     raw = torch.log_softmax(logits, dim=-1) if any(_wants(r, "raw") for r in rows) else None
     for i, row in enumerate(rows):
@@ -193,15 +202,14 @@ def _sample_reference(logits: torch.Tensor, rows: list[SampleRow], uniform: torc
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    tokens = torch.zeros(len(rows), dtype=torch.int64) if forced is None else forced
-    if len(sampled) < len(rows) and forced is None:
-        tokens = logits.argmax(dim=-1)
+    index = None if len(sampled) == len(rows) else torch.tensor(sampled, dtype=torch.int64, device=device)
+    tokens = forced.to(device) if forced is not None else logits.argmax(dim=-1)
     proc, log_kept = None, None
     if sampled:
-        subset = logits if len(sampled) == len(rows) else logits[sampled]
-        proc, log_kept = _processed_rows(subset, [rows[i] for i in sampled])
+        proc, log_kept = _processed_rows(logits if index is None else logits[index], [rows[i] for i in sampled])
         if forced is None:
-            tokens[sampled] = _draw(proc.exp(), uniform[sampled])
+            drawn = _draw(proc.exp(), uniform[sampled])
+            tokens = drawn if index is None else tokens.index_copy(0, index, drawn)
     return _collect(tokens, rows, raw, proc, log_kept, sampled)
 
 
@@ -266,6 +274,7 @@ def _wants(row: SampleRow, mode: str) -> bool:
 
 
 def _processed_rows(logits: torch.Tensor, rows: list[SampleRow]):
+    """processed_logprobs of these rows; their params as host tensors (processed_logprobs moves them)."""
     vocab = logits.shape[1]
     p = [r.params for r in rows]
     temperature = torch.tensor([x.temperature for x in p])
@@ -275,31 +284,64 @@ def _processed_rows(logits: torch.Tensor, rows: list[SampleRow]):
     return processed_logprobs(logits, temperature, top_k, top_p, min_p)
 
 
-def _collect(tokens, rows, raw, proc, log_kept, sampled) -> SampleResult:
-    token_list = tokens.tolist()
-    result = SampleResult(token_list, [None] * len(rows), [None] * len(rows), [None] * len(rows))
+def _collect(tokens: torch.Tensor, rows: list[SampleRow], raw, proc, log_kept, sampled: list[int]) -> SampleResult:
+    """Each row's token, the logprob of its mode's distribution at it (raw: log-softmax of the logits; processed:
+    proc's row, or a point mass for greedy rows), log kept mass and top-k alternatives; gathered on the device
+    in batched ops, then copied to the host in one piece."""
     proc_row = {row: j for j, row in enumerate(sampled)}
+    # (row, the tensor holding its distribution, that tensor's row) for rows that report one
+    reported = [(i, raw, i) if r.params.logprobs_mode == "raw" else (i, proc, proc_row[i])
+                for i, r in enumerate(rows)
+                if r.params.logprobs is not None and (r.params.logprobs_mode == "raw" or i in proc_row)]
+    pieces, shapes = [tokens.to(torch.float64)], []
+    if reported:
+        dist = torch.cat([src[[j for _, s, j in reported if s is src]] for src in (raw, proc)
+                          if any(s is src for _, s, _ in reported)])
+        order = [i for src in (raw, proc) for i, s, _ in reported if s is src]
+        index = torch.tensor(order, dtype=torch.int64, device=tokens.device)
+        pieces.append(dist.gather(1, tokens[index][:, None])[:, 0].to(torch.float64))
+        kept_rows = [proc_row[i] for i in order if rows[i].params.logprobs_mode != "raw"]
+        if kept_rows:
+            pieces.append(log_kept[kept_rows].to(torch.float64))
+        for k in sorted({rows[i].params.logprobs for i in order} - {0}):
+            at = [n for n, i in enumerate(order) if rows[i].params.logprobs == k]
+            values, ids = dist[at].topk(min(k, dist.shape[1]), dim=-1)
+            pieces += [values.flatten().to(torch.float64), ids.flatten().to(torch.float64)]
+            shapes.append((k, at, values.shape[1]))
+    host = torch.cat(pieces).tolist()  # the one device-to-host copy
+    return _unpack(host, rows, order if reported else [], shapes, proc_row)
+
+
+def _unpack(host: list[float], rows: list[SampleRow], order: list[int], shapes: list, proc_row: dict) -> SampleResult:
+    """SampleResult from _collect's flat host list: tokens, the reported rows' logprobs, their kept masses, then
+    per top-k size the values and ids of its rows."""
+    n = len(rows)
+    tokens = [int(t) for t in host[:n]]
+    result = SampleResult(tokens, [None] * n, [None] * n, [None] * n)
+    at = n
+    chosen = dict(zip(order, host[at:at + len(order)]))
+    at += len(order)
+    kept_order = [i for i in order if rows[i].params.logprobs_mode != "raw"]
+    kept = dict(zip(kept_order, host[at:at + len(kept_order)]))
+    at += len(kept_order)
+    tops = {}
+    for _, members, width in shapes:
+        values = host[at:at + len(members) * width]
+        ids = host[at + len(members) * width:at + 2 * len(members) * width]
+        at += 2 * len(members) * width
+        for m, n_row in enumerate(members):
+            i = order[n_row]
+            tops[i] = dict(zip((int(t) for t in ids[m * width:(m + 1) * width]), values[m * width:(m + 1) * width]))
     for i, row in enumerate(rows):
         k = row.params.logprobs
         if k is None:
             continue
-        token = token_list[i]
-        if row.params.logprobs_mode == "raw":
-            dist, kept = raw[i], None
-        elif i in proc_row:
-            dist, kept = proc[proc_row[i]], float(log_kept[proc_row[i]])
-        else:
-            dist, kept = None, 0.0
-        result.log_kept_mass[i] = kept
-        result.logprobs[i] = 0.0 if dist is None else float(dist[token])
-        result.top_logprobs[i] = _top(dist, token, k) if k > 0 else None
+        token = tokens[i]
+        raw_mode = row.params.logprobs_mode == "raw"
+        result.log_kept_mass[i] = None if raw_mode else kept.get(i, 0.0)  # 0: a greedy row's point mass
+        result.logprobs[i] = chosen.get(i, 0.0)
+        if k > 0:
+            top = tops.get(i, {})
+            top.setdefault(token, result.logprobs[i])
+            result.top_logprobs[i] = top
     return result
-
-
-def _top(dist: torch.Tensor | None, token: int, k: int) -> dict[int, float]:
-    if dist is None:
-        return {token: 0.0}
-    values, ids = dist.topk(k)
-    top = dict(zip(ids.tolist(), values.tolist()))
-    top.setdefault(token, float(dist[token]))
-    return top

@@ -1,0 +1,172 @@
+"""The engine's CUDA code path on a CPU, with "the device" tracked.
+
+`FakeCuda` is a TorchFunctionMode: a tensor created for device "cuda" (a `device=` argument, `.to("cuda")`,
+`.cuda()`, a `torch.device("cuda")` context) is made on the CPU and remembered as a device tensor (by its
+storage, so views, parameters and in-place results stay device tensors); an op's outputs are device tensors when
+one of its inputs is. What a GPU would refuse or stall on is checked:
+
+  * an op that mixes a device tensor with a host tensor (a Python scalar is fine, a 0-dim host tensor is not)
+    raises MixedDevices, naming the op: on CUDA it raises or copies behind the caller's back. Copies are the
+    exception: `copy_` and `.to` move data between the two on purpose (a host-to-device copy is not a sync).
+  * every host synchronisation on a device tensor (`.item()`, `.tolist()`, `bool()`, `int()`, `float()`,
+    `.cpu()` / `.to("cpu")`, `.numpy()`, a device-to-host `copy_`) is counted, by op, in `syncs`;
+  * Triton kernels run on the interpreter (TRITON_INTERPRET=1 must be set before triton is imported), outside
+    the tracking (the interpreter copies its arguments to the host itself), and are counted in `launches`.
+
+`torch.cuda.is_available()` answers True and `torch.cuda.mem_get_info()` a fixed budget while the mode is on.
+`torch_calls` counts every torch call (metadata queries such as `.device` or `.stride()` included) and
+`device_ops` those that return device tensors (a kernel launch on a GPU, or a view); with `stub_kernels=True` the Triton kernels are counted but not run (for counting a big model's step).
+"""
+
+import collections
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+Tensor = torch.Tensor
+CUDA_FREE_BYTES, CUDA_TOTAL_BYTES = 4 << 30, 8 << 30
+
+# Methods that hand a device tensor's values to Python: each one is a host synchronisation.
+_SYNCS = {Tensor.item: "item", Tensor.tolist: "tolist", Tensor.__bool__: "bool", Tensor.__int__: "int",
+          Tensor.__float__: "float", Tensor.__index__: "index", Tensor.numpy: "numpy", Tensor.cpu: "cpu",
+          Tensor.__repr__: "repr", Tensor.__format__: "format", torch.equal: "equal"}
+_COPIES = (Tensor.copy_, Tensor.to, Tensor.cuda, Tensor.cpu, Tensor.type_as)
+# Properties that say where a tensor lives: a device tensor answers as a CUDA one would.
+_DEVICE, _IS_CUDA = torch._C.TensorBase.device, torch._C.TensorBase.is_cuda
+
+
+class MixedDevices(RuntimeError):
+    """An op got device and host tensors together."""
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, (str, int)) and not isinstance(device, bool) and (
+        isinstance(device, int) or str(device).startswith("cuda"))
+
+
+class FakeCuda(TorchFunctionMode):
+    def __init__(self, stub_kernels: bool = False):
+        super().__init__()
+        self.stub_kernels = stub_kernels
+        self.torch_calls = 0
+        self.device_ops = 0
+        self.device_storages: set[int] = set()
+        self.syncs: collections.Counter = collections.Counter()
+        self.launches: collections.Counter = collections.Counter()
+        self.mixed_ok = 0  # > 0 inside `allow_mixing()`
+        self._saved = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def is_device(self, t) -> bool:
+        return isinstance(t, Tensor) and t.numel() > 0 and t.untyped_storage().data_ptr() in self.device_storages
+
+    def _mark(self, out, device: bool) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and t.numel() > 0:
+                ptr = t.untyped_storage().data_ptr()
+                if device:
+                    self.device_storages.add(ptr)
+                else:  # a host allocation that reuses a freed device block's address
+                    self.device_storages.discard(ptr)
+
+    def host_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+    @contextlib.contextmanager
+    def allow_mixing(self):
+        """For code that is host-side by design (a test's own checks)."""
+        self.mixed_ok += 1
+        try:
+            yield
+        finally:
+            self.mixed_ok -= 1
+
+    # ------------------------------------------------------------------ the mode
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        owner = getattr(func, "__self__", None)
+        if owner is _DEVICE or owner is _IS_CUDA:
+            device = self.is_device(args[0])
+            return (torch.device("cuda", 0) if device else func(*args)) if owner is _DEVICE else device
+        to_device = False
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"], to_device = "cpu", True
+        if func in (Tensor.to, Tensor.cuda):
+            args, to_device = self._device_args(func, args, kwargs, to_device)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        on_device = [t for t in tensors if self.is_device(t)]
+        self.torch_calls += 1
+        name = _SYNCS.get(func)
+        if on_device and func in _SYNCS and name is not None:
+            self.syncs[name] += 1
+        if on_device and func is Tensor.copy_ and not self.is_device(args[0]):
+            self.syncs["copy_to_host"] += 1
+        if on_device and func is Tensor.to and not to_device and self._to_host(args, kwargs):
+            self.syncs["to_host"] += 1
+        if (on_device and not self.mixed_ok and func not in _COPIES
+                and any(not self.is_device(t) and (t.numel() > 0 or t.dim() == 0) for t in tensors)):
+            shapes = [(tuple(t.shape), "device" if self.is_device(t) else "host") for t in tensors]
+            raise MixedDevices(f"{getattr(func, '__qualname__', func)} mixes device and host tensors: {shapes}")
+        out = func(*args, **kwargs)
+        if func is Tensor.cpu or (func is Tensor.to and not to_device and self._to_host(args, kwargs)):
+            self._mark(out, False)
+            return out
+        if func is Tensor.copy_ or func in _SYNCS:
+            return out
+        device = bool(on_device) or to_device
+        self._mark(out, device)
+        self.device_ops += device and any(isinstance(t, Tensor) for t in tree_flatten(out)[0])
+        return out
+
+    def _device_args(self, func, args, kwargs, to_device):
+        """`.cuda()` and `.to(cuda)` (device positional or keyword) become `.to(cpu)`, marked as device."""
+        if func is Tensor.cuda:
+            return (args[0],), True
+        rest = list(args[1:])
+        for i, a in enumerate(rest):
+            if _is_cuda(a):
+                rest[i], to_device = torch.device("cpu"), True
+        return (args[0], *rest), to_device
+
+    @staticmethod
+    def _to_host(args, kwargs) -> bool:
+        target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+        return target is not None and torch.device(target).type == "cpu"
+
+    # ------------------------------------------------------------------ CUDA stand-ins
+    def __enter__(self):
+        import triton.runtime.interpreter as interpreter
+        mode = self
+        grid_call = interpreter.GridExecutor.__call__
+
+        def launch(executor, *args, **kwargs):
+            mode.launches[executor.fn.__name__] += 1
+            if mode.stub_kernels:
+                return None
+            with torch.overrides._pop_mode_temporarily():
+                return grid_call(executor, *args, **kwargs)
+        self._saved = {(interpreter.GridExecutor, "__call__"): grid_call,
+                       (torch.cuda, "is_available"): torch.cuda.is_available,
+                       (torch.cuda, "mem_get_info"): torch.cuda.mem_get_info}
+        interpreter.GridExecutor.__call__ = launch
+        torch.cuda.is_available = lambda: True
+        torch.cuda.mem_get_info = lambda device=None: (CUDA_FREE_BYTES, CUDA_TOTAL_BYTES)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for (owner, name), value in self._saved.items():
+            setattr(owner, name, value)
+        return super().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def in_this_thread(self):
+        """The mode in another thread too (mode stacks are per thread): the server's engine thread."""
+        torch.overrides._push_mode(self)
+        try:
+            yield
+        finally:
+            torch.overrides._pop_mode()

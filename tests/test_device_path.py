@@ -1,0 +1,154 @@
+"""The engine's CUDA code path, run on the CPU with the device tracked (tests/fake_cuda.py): the same Python the
+engine runs on a GPU, its Triton kernels on the interpreter. Generation with every sampling feature, scoring,
+weight updates (KV recalibration, FP8 in place) and the server never mix device and host tensors, a decode step
+synchronises with the host at most twice, and the values are the CPU engine's."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels run on the interpreter
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from fp8engine import SamplingParams  # noqa: E402
+from fp8engine.entrypoints import async_engine  # noqa: E402
+from fp8engine.entrypoints.server import ServerSettings, create_app  # noqa: E402
+from tests.conftest import make_engine  # noqa: E402
+from tests.fake_cuda import FakeCuda, MixedDevices  # noqa: E402
+from tests.tiny_models import save_tiny  # noqa: E402
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [40, 41, 42], list(range(300, 330))]
+PARAMS = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, logprobs_mode="raw"),
+    "truncated": SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, max_tokens=6, ignore_eos=True,
+                                seed=3, logprobs=3),
+    "penalties": SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5,
+                                frequency_penalty=0.2, logit_bias={5: 4.0, 9: -100.0}, max_tokens=6,
+                                ignore_eos=True, seed=4, logprobs=0),
+    "n-stop-prompt": SamplingParams(n=3, temperature=1.0, max_tokens=8, min_tokens=2, seed=5, logprobs=1,
+                                    stop=["the"], prompt_logprobs=2),
+}
+KV_BLOCKS = 48
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, tokenizer):
+    """A tiny Llama with a 1024-token vocabulary: the interpreter runs every Triton program of a step on the host,
+    the LM head's included."""
+    return save_tiny("llama-llama3", tmp_path_factory.mktemp("device_llama"), tokenizer, vocab_size=1024)
+
+
+@pytest.fixture()
+def dev():
+    with FakeCuda() as mode:
+        yield mode
+
+
+def _on_device(model, **options):
+    engine = make_engine(model, device="cuda", num_kv_blocks=KV_BLOCKS, **options)
+    assert engine.get_stats().device == "cuda" and engine.get_stats().attention_backend == "triton"
+    return engine
+
+
+def _results(outs):
+    return [[(c.token_ids, c.logprobs, c.top_logprobs, c.log_kept_mass, c.finish_reason) for c in o.outputs]
+            + [o.prompt_logprobs] for o in outs]
+
+
+def test_the_tracking_catches_mixing_and_counts_syncs(dev):
+    x = torch.ones(3, device="cuda")
+    assert dev.is_device(x) and x.is_cuda and x.device.type == "cuda" and not dev.is_device(torch.ones(3))
+    with pytest.raises(MixedDevices, match="mixes device and host tensors"):
+        x + torch.ones(3)
+    with pytest.raises(MixedDevices):
+        x * torch.tensor(2.0)  # a 0-dim host tensor too
+    y = x * 2.0  # a Python scalar is fine
+    assert dev.is_device(y) and dev.is_device(y[1:]) and dev.host_syncs() == 0
+    assert y.tolist() == [2.0] * 3 and float(y[0]) == 2.0 and y.cpu().sum().item() == 6.0
+    assert dict(dev.syncs) == {"tolist": 1, "float": 1, "cpu": 1}  # .sum().item() of the host copy: no sync
+    torch.empty(3, device="cuda").copy_(torch.arange(3.0))  # host -> device: a copy, not a sync
+    assert dev.host_syncs() == 3
+
+
+@pytest.mark.parametrize("options", [dict(dtype="float32"), dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
+                                     dict(batch_invariant=True)], ids=["float32", "fp8", "bi"])
+def test_generation_mixes_no_devices_and_syncs_at_most_twice_a_decode_step(dev, model, options):
+    """Every sampling feature in one batch (each prompt its own params), stepped by hand to count the host
+    synchronisations of each decode step."""
+    engine = _on_device(model, **options)
+    ids = [engine.add_request(prompt, params) for prompt, params in zip(PROMPTS * 2, PARAMS.values())]
+    engine.step()  # the prefill (prompt logprobs, the fork of n = 3)
+    per_step, finished = [], {}
+    while engine.has_unfinished_requests():
+        before = dev.host_syncs()
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+        per_step.append(dev.host_syncs() - before)
+    assert sorted(finished) == sorted(ids)
+    assert all(len(c.token_ids) >= 2 and c.logprobs is not None for o in finished.values() for c in o.outputs)
+    assert finished[ids[3]].prompt_logprobs is not None and len(finished[ids[3]].outputs) == 3
+    assert len(per_step) >= 5 and max(per_step) <= 2, per_step
+
+
+def test_float32_values_equal_the_cpu_engine(dev, model):
+    """Triton attention on the interpreter and torch's linears in float32: the CPU engine's tokens, logprobs
+    within float32 summation order."""
+    got = _results(_on_device(model, dtype="float32").generate(PROMPTS, [PARAMS["greedy"], PARAMS["truncated"],
+                                                                         PARAMS["n-stop-prompt"]]))
+    with torch.overrides._pop_mode_temporarily():
+        cpu = make_engine(model, dtype="float32", device="cpu", num_kv_blocks=KV_BLOCKS)
+        want = _results(cpu.generate(PROMPTS, [PARAMS["greedy"], PARAMS["truncated"], PARAMS["n-stop-prompt"]]))
+    for g, w in zip(got, want):
+        for (gt, glp, gtop, gkept, greason), (wt, wlp, wtop, wkept, wreason) in zip(g[:-1], w[:-1]):
+            assert gt == wt and greason == wreason
+            torch.testing.assert_close(torch.tensor(glp), torch.tensor(wlp), atol=1e-4, rtol=0)
+            assert (gtop is None) == (wtop is None) and (gkept is None) == (wkept is None)
+        assert (g[-1] is None) == (w[-1] is None)
+        if g[-1] is not None:
+            torch.testing.assert_close(torch.tensor(g[-1][1:]), torch.tensor(w[-1][1:]), atol=1e-4, rtol=0)
+
+
+def test_batch_invariant_scoring_on_the_device_equals_the_rollout_bitwise(dev, model):
+    engine = _on_device(model, batch_invariant=True, quantization="fp8")
+    params = PARAMS["truncated"]
+    outs = engine.generate(PROMPTS, params)
+    prompts = [o.prompt_token_ids for o in outs]
+    responses = [o.outputs[0].token_ids for o in outs]
+    assert engine.score(prompts, responses, params) == [o.outputs[0].logprobs for o in outs]
+    alone = engine.generate([PROMPTS[2]], params)[0].outputs[0]
+    assert (alone.token_ids, alone.logprobs) == (outs[2].outputs[0].token_ids, outs[2].outputs[0].logprobs)
+
+
+def test_weight_updates_on_the_device_are_in_place_and_recalibrate(dev, model):
+    engine = _on_device(model, quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    engine.generate(PROMPTS[:1], PARAMS["greedy"])
+    pointers = {name: p.data_ptr() for name, p in engine.named_parameters()}
+    scales = engine.get_stats().kv_scales
+    name = "model.layers.1.self_attn.k_proj.weight"
+    new = torch.randn(engine.get_weights_by_name(name).shape) * 0.3  # the trainer's tensors: on the host
+    report = engine.update_weights({name: new.bfloat16(), "model.norm.weight": torch.ones(128)}, weight_version=3)
+    assert report.num_quantized == 1 and report.weight_version == 3
+    assert {n: p.data_ptr() for n, p in engine.named_parameters()} == pointers
+    before = engine.kv_scales.num_calibrations
+    engine.generate(PROMPTS[:2], PARAMS["truncated"])
+    assert engine.kv_scales.num_calibrations == before + 1 and engine.get_stats().kv_scales != scales
+    back = engine.get_weights_by_name(name).cpu().float()
+    assert (back - new).abs().max() <= new.abs().max() / 8  # one E4M3 rounding of the new weight
+
+
+def test_the_server_path_on_the_device(dev, model, monkeypatch):
+    run = async_engine.AsyncEngine._run
+
+    def in_the_device_thread(self):
+        with dev.in_this_thread():
+            run(self)
+    monkeypatch.setattr(async_engine.AsyncEngine, "_run", in_the_device_thread)
+    engine = _on_device(model)
+    with TestClient(create_app(engine, ServerSettings())) as client:
+        response = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0.7,
+                                                        "top_p": 0.9, "seed": 1, "logprobs": 2, "n": 2})
+        assert response.status_code == 200, response.text
+        assert [len(c["logprobs"]["token_logprobs"]) for c in response.json()["choices"]] == [5, 5]
+        streamed = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4, "stream": True,
+                                                        "temperature": 0.0, "logprobs": 1})
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]"), streamed.text
