@@ -1,5 +1,8 @@
-"""GPU check of the Triton kernels: the launches tests/test_triton_compile.py compiles without a GPU, run
-natively on CUDA against their torch references, timed.
+"""GPU check: first the whole engine on the device (benchmarks/gpu_engine.py: checks against the CPU engine,
+weight updates in place, batch invariance, then decode speed of an 8B-shaped model beside the HBM floor), then
+the Triton kernels: the launches tests/test_triton_compile.py compiles without a GPU, run natively on CUDA
+against their torch references, timed. `--dry-run` runs the engine part on the CPU (the CUDA path under
+tests/fake_cuda.py, Triton on the interpreter, tiny shapes), as tests/test_gpu_check.py does in CI.
 
 The cases come from tests/triton_launch.py (the default model in bf16 with both scale
 formats, a 7B-class Llama in bf16, the default model's attention in float32): the engine's own wrappers on the
@@ -14,7 +17,8 @@ Prints one line per case (error, time per call including the Python wrapper) and
 and shared memory the driver reports for every compiled kernel, writes all figures as JSON, and exits 1
 when a case is off. Without CUDA it says so and exits 0.
 
-    python -m benchmarks.gpu_check [--json bench_results/gpu_check.json] [--sets llama-7b]   (from the checkout)
+    python -m benchmarks.gpu_check [--json bench_results/gpu_check.json] [--sets llama-7b] [--no-engine]
+    python -m benchmarks.gpu_check --dry-run                                                   (from the checkout)
 """
 
 import argparse
@@ -169,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="run the cases whose name contains this")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: this script's own check, on the Triton interpreter (TRITON_INTERPRET=1; slow)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the engine part only, on the CPU (fake device, Triton interpreter, tiny shapes)")
+    parser.add_argument("--no-engine", action="store_true", help="the kernel cases only")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        return _dry_run(Path(args.json))
     if args.device == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--device cpu runs the kernels on the Triton interpreter: set TRITON_INTERPRET=1")
@@ -185,7 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sets) - set(triton_launch.case_sets())
     if unknown:
         parser.error(f"unknown case sets {sorted(unknown)}; known: {sorted(triton_launch.case_sets())}")
+    engine = None
+    if not args.no_engine and args.device == "cuda":
+        from benchmarks import gpu_engine
+        engine = gpu_engine.run(dry=False)
     report = run(sets, args.iters, torch.device(args.device), args.only)
+    if engine is not None:
+        report["engine"] = engine
+        report["failures"] += [f"engine/{name}" for name in engine["failures"]]
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
@@ -195,6 +211,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['device']}{arch}; figures in {path}")
     for name in bad:
         print(f"  off: {name}")
+    return 1 if bad else 0
+
+
+def _dry_run(path: Path) -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("gpu-check --dry-run runs the Triton kernels on the interpreter: set TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    from benchmarks import gpu_engine
+    report = {"engine": gpu_engine.run(dry=True), "dry_run": True}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    bad = report["engine"]["failures"]
+    print(f"\ngpu-check --dry-run: {len(report['engine']['engine_checks']) - len(bad)}/"
+          f"{len(report['engine']['engine_checks'])} engine checks ok on the CPU; figures in {path}")
     return 1 if bad else 0
 
 

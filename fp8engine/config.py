@@ -15,6 +15,7 @@ FP8_SCALE_FMTS = (None, "ue8m0")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 KV_SCALE_MODES = ("recompute", "external", "static")
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _option(default, help: str, choices: tuple | None = None, unit: str | None = None):
@@ -66,6 +67,8 @@ class EngineConfig:
     lm_head_fp32: bool = _option(False, "LM head matmul and logits in float32 (the weight stays in the model "
                                         "dtype)")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
+    load_format: str = _option("auto", "auto (the model directory's safetensors) or dummy (seeded random weights "
+                                       "from its config.json alone: for benchmarks of a model's shape)", LOAD_FORMATS)
 
     def __post_init__(self):
         for f in fields(self):

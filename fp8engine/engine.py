@@ -61,7 +61,8 @@ class LLMEngine:
         self.vocab_size = self.runner.hf_config.vocab_size
         self.scheduler = Scheduler(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                    config.max_num_seqs, config.max_num_batched_tokens)
-        self.kv_scales = KVScaleManager(config, self.runner.attn_layers, read_kv_scales(self.model_dir))
+        checkpoint_scales = read_kv_scales(self.model_dir) if config.load_format == "auto" else {}
+        self.kv_scales = KVScaleManager(config, self.runner.attn_layers, checkpoint_scales)
         if config.batch_invariant:  # the runner's method, not a closure over self: no engine <-> kv_scales cycle
             self.kv_scales.fixed_calibration = functools.partial(self.runner.forward_detached,
                                                                  self._calibration_tokens())

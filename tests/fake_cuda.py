@@ -13,7 +13,8 @@ one of its inputs is. What a GPU would refuse or stall on is checked:
   * Triton kernels run on the interpreter (TRITON_INTERPRET=1 must be set before triton is imported), outside
     the tracking (the interpreter copies its arguments to the host itself), and are counted in `launches`.
 
-`torch.cuda.is_available()` answers True and `torch.cuda.mem_get_info()` a fixed budget while the mode is on.
+`torch.cuda.is_available()` answers True, `torch.cuda.mem_get_info()` a fixed budget and `torch.cuda.synchronize()`
+returns at once while the mode is on.
 `torch_calls` counts every torch call (metadata queries such as `.device` or `.stride()` included) and
 `device_ops` those that return device tensors (a kernel launch on a GPU, or a view); with `stub_kernels=True` the Triton kernels are counted but not run (for counting a big model's step).
 """
@@ -151,10 +152,12 @@ class FakeCuda(TorchFunctionMode):
                 return grid_call(executor, *args, **kwargs)
         self._saved = {(interpreter.GridExecutor, "__call__"): grid_call,
                        (torch.cuda, "is_available"): torch.cuda.is_available,
-                       (torch.cuda, "mem_get_info"): torch.cuda.mem_get_info}
+                       (torch.cuda, "mem_get_info"): torch.cuda.mem_get_info,
+                       (torch.cuda, "synchronize"): torch.cuda.synchronize}
         interpreter.GridExecutor.__call__ = launch
         torch.cuda.is_available = lambda: True
         torch.cuda.mem_get_info = lambda device=None: (CUDA_FREE_BYTES, CUDA_TOTAL_BYTES)
+        torch.cuda.synchronize = lambda device=None: None
         return super().__enter__()
 
     def __exit__(self, *exc):

@@ -2,6 +2,8 @@
 counters, request ids, per-prompt params, top-k / min-p, power-of-two FP8 scales, KV-scale margin and
 checkpoint scales, max_model_len, max_num_seqs and block sizes other than 16."""
 
+import os
+
 import pytest
 import torch
 
@@ -182,3 +184,21 @@ def test_other_block_sizes_give_the_same_greedy_tokens(block_size, engine_fp32):
     assert tokens(engine.generate(prompts, params)) == tokens(engine_fp32.generate(prompts, params))
     again = engine.generate([PROMPT], params)[0]
     assert again.num_cached_tokens == (40 - 1) // block_size * block_size
+
+
+def test_dummy_weights_need_only_the_config_and_repeat_with_the_seed(tiny_qwen3_dir, tmp_path):
+    """load_format="dummy": a model of a config's shape with seeded random weights (benchmarks of an 8B shape
+    without its checkpoint); the checkpoint path still needs its safetensors."""
+    import shutil
+    for name in os.listdir(tiny_qwen3_dir):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(tiny_qwen3_dir, name), tmp_path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    outs = [make_engine(str(tmp_path), load_format="dummy", quantization=q, seed=3, num_kv_blocks=16).generate(
+        [[5, 6, 7, 8]], greedy)[0].outputs[0] for q in (None, None, "fp8")]
+    assert outs[0].token_ids == outs[1].token_ids and outs[0].logprobs == outs[1].logprobs
+    assert len(outs[2].token_ids) == 6
+    engine = make_engine(str(tmp_path), load_format="dummy", seed=3, num_kv_blocks=16)
+    assert torch.equal(engine.get_weights_by_name("model.norm.weight"), torch.ones(128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="no \\*.safetensors files"):
+        make_engine(str(tmp_path), num_kv_blocks=16)

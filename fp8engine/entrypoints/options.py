@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 GROUPS = {"model": "model", "kv": "quantization and KV cache", "scheduling": "scheduling",
           "server": "server", "rl": "RL (weight updates)", "prompts": "prompts", "sampling": "sampling",
           "output": "output", "bench": "benchmark"}
-ENGINE_GROUPS = {"model": "model", "dtype": "model", "device": "model", "seed": "model",
+ENGINE_GROUPS = {"model": "model", "dtype": "model", "device": "model", "seed": "model", "load_format": "model",
                  "quantization": "kv", "fp8_scale_fmt": "kv", "kv_cache_dtype": "kv", "kv_scale_mode": "kv",
                  "kv_scale_margin": "kv", "fp8_attention": "kv", "block_size": "kv",
                  "kv_cache_memory_bytes": "kv", "num_kv_blocks": "kv", "max_num_seqs": "scheduling",

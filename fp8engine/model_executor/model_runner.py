@@ -12,7 +12,7 @@ from fp8engine.model_executor.layers.attention import AttentionMetadata
 from fp8engine.model_executor.models import model_class
 from fp8engine.model_executor.models.llama import LinearFactory
 from fp8engine.request import ScheduledSeq, Sequence
-from fp8engine.weights.loader import load_checkpoint
+from fp8engine.weights.loader import load_checkpoint, load_dummy
 from fp8engine.weights.quant import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,10 @@ class ModelRunner:
         make_linear = LinearFactory(self.dtype, self.kernels, config.fp8_scale_fmt)
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
-        load_checkpoint(self.model, model_dir, self.kernels.quantize_into, self.kernels.block_scales)
+        if config.load_format == "dummy":
+            load_dummy(self.model, self.kernels.quantize_into, config.seed)
+        else:
+            load_checkpoint(self.model, model_dir, self.kernels.quantize_into, self.kernels.block_scales)
         self.model.eval()
         self.attn_layers = self.model.attention_layers()
         self.moe_blocks = self.model.moe_blocks()

@@ -229,6 +229,24 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str, quantize_into: Quant
         raise ValueError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+def load_dummy(model: torch.nn.Module, quantize_into: QuantizeInto = quantize_weight_into, seed: int = 0) -> None:
+    """Random weights for every tensor the model needs (normal * 0.02, norms 1, biases 0), drawn on the weights'
+    device after torch.manual_seed(seed) and written through the same targets as a checkpoint (FP8 layers quantize
+    them): a model of a config's shape without its weights, for benchmarks (an 8B model's in seconds on a GPU)."""
+    torch.manual_seed(seed)
+    for name in expected_names(model):
+        target = resolve(model, name)
+        dtype = target.view.dtype if target.view.dtype in FLOAT_DTYPES else torch.bfloat16
+        tensor = torch.empty(target.shape, dtype=dtype, device=target.view.device)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        elif name.endswith("bias"):
+            tensor.zero_()
+        else:
+            tensor.normal_(0.0, 0.02)
+        write(target, tensor, quantize_into)
+
+
 def check_quantization_config(model: torch.nn.Module, model_dir: str) -> None:
     """A checkpoint quantized by its config.json loads only as 128 x 128 block FP8 with dynamic activation
     scales (the Hugging Face / DeepSeek-V3 layout) into a model built FP8; ValueError otherwise."""

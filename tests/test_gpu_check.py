@@ -1,0 +1,23 @@
+"""`make gpu-check`'s engine part, dry: the checks and the speed table a GPU run makes, run on the CPU through the
+engine's CUDA path (tests/fake_cuda.py, Triton on the interpreter, tiny shapes), so that a device session, which
+has minutes, does not start by finding a typo."""
+
+import json
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+from benchmarks import gpu_check  # noqa: E402
+
+
+def test_the_dry_run_passes_every_engine_check_and_fills_the_speed_table(tmp_path, capsys):
+    path = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--dry-run", "--json", str(path)]) == 0, capsys.readouterr().out
+    report = json.loads(path.read_text())["engine"]
+    assert [c["check"] for c in report["engine_checks"]] == [
+        "logprobs_vs_cpu_float32", "seeded_sampling_repeats", "update_weights_in_place", "batch_invariance_bf16",
+        "batch_invariance_fp8", "cuda_graph_replay"]
+    assert all(c["ok"] for c in report["engine_checks"]) and report["failures"] == []
+    assert [(r["mode"], r["batch"]) for r in report["speed"]] == [("bf16", 1), ("bf16", 4), ("fp8", 1), ("fp8", 4)]
+    assert all(r["ms_per_step"] > 0 and r["hbm_floor_ms"] > 0 for r in report["speed"])
+    assert "6/6 engine checks ok" in capsys.readouterr().out
