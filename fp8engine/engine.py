@@ -66,6 +66,8 @@ class LLMEngine:
         if config.batch_invariant:  # the runner's method, not a closure over self: no engine <-> kv_scales cycle
             self.kv_scales.fixed_calibration = functools.partial(self.runner.forward_detached,
                                                                  self._calibration_tokens())
+        # FP8 KV kept across a scale change is re-quantized to the new scale (not a closure over self: no cycle)
+        self.kv_scales.rescale = functools.partial(_rescale_live_kv, self.runner, self.scheduler)
         self.eos_token_ids = self._eos_token_ids()
         self.outputs = OutputProcessor(self.scheduler, self.detokenizer, self.eos_token_ids, self.max_model_len,
                                        self.runner.routed_experts_of, self.runner.kernels.sample_rows)
@@ -264,31 +266,38 @@ class LLMEngine:
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
                        weight_version: int | None = None, kv_scales: Mapping | None = None,
-                       flush_cache: bool = True, in_flight: str = "wait") -> WeightUpdateReport:
+                       flush_cache: bool = True, in_flight: str = "wait",
+                       kv_on_update: str = "keep") -> WeightUpdateReport:
         """Write new weights into the engine's existing buffers (FP8 layers quantize on the way in).
 
         weights: a mapping or an iterable of (hf_name, tensor); whole or partial model, any order.
         Everything is validated before anything is written: a bad tensor (unknown name, shape,
-        dtype, NaN/Inf) or an iterable that raises leaves the engine exactly as it was.
-        in_flight: "wait" finishes unfinished requests on the old weights first (their outputs
-        come back from the next `step()`), "abort" aborts them. Returns a WeightUpdateReport.
+        dtype, NaN/Inf), a bad option or an iterable that raises leaves the engine exactly as it was.
+        in_flight: "wait" finishes unfinished requests on the old weights first (their outputs come back
+        from the next `step()`), "abort" aborts them, "keep" lets them go on: every token sampled after this
+        call returns is sampled by the new weights (CompletionOutput.token_weight_versions says which).
+        kv_on_update (with "keep"): "keep" keeps the KV they computed under the old weights (an FP8 cache whose
+        scales change is re-quantized to the new ones); "recompute" drops it and re-prefills prompt + generated
+        tokens under the new weights (counted in num_kv_recomputes, not as preemptions; the prefix cache is
+        reset, so no block of the old weights is reused). Returns a WeightUpdateReport.
         """
-        if in_flight not in ("wait", "abort"):
-            raise ValueError(f"in_flight must be 'wait' or 'abort', got {in_flight!r}")
+        check_update_options(in_flight, kv_on_update)
         new_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         start = time.perf_counter()
         staged = updater.stage(self.runner.model, weights, self.kv_scales, self.runner.kernels.block_scales)
         scales = self.kv_scales.check_external(kv_scales)
-        num_aborted = self.drain(in_flight)
+        num_aborted = self.drain(in_flight) if in_flight != "keep" else 0
+        recompute = in_flight == "keep" and kv_on_update == "recompute"
+        num_recomputed = len(self.scheduler.recompute_in_flight()) if recompute else 0
         num_quantized = updater.commit(staged, self.runner.kernels.quantize_into)
         self.kv_scales.on_weights_changed(staged.kv_scales | scales)
-        if flush_cache:
+        if flush_cache or recompute:
             self.scheduler.reset_prefix_cache()
-        self.weight_version = new_version
+        self.weight_version = self.outputs.weight_version = new_version
         seconds = time.perf_counter() - start
         self.last_weight_update_seconds = seconds
         return WeightUpdateReport(len(staged.items), staged.num_bytes, seconds, num_quantized,
-                                  new_version, num_aborted)
+                                  new_version, num_aborted, num_recomputed)
 
     def check_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Validate weights exactly as update_weights would (names, shapes, dtypes, values); writes nothing."""
@@ -332,13 +341,14 @@ class LLMEngine:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         weight_version: int | None = None, *, flush_cache: bool = True,
-                                        in_flight: str = "wait") -> WeightUpdateReport:
+                                        in_flight: str = "wait", kv_on_update: str = "keep") -> WeightUpdateReport:
         """Receive the tensors the trainer broadcasts in `names` order (dtypes: torch attribute names
         such as "bfloat16"; shapes: lists of ints) and apply them as `update_weights` does: all
         validated before anything is written. A transfer that fails (the trainer died, timeout_s
         passed) closes the group and leaves the engine on its old weights."""
+        check_update_options(in_flight, kv_on_update)
         return self.update_weights(self.receive_weights(names, dtypes, shapes), weight_version=weight_version,
-                                   flush_cache=flush_cache, in_flight=in_flight)
+                                   flush_cache=flush_cache, in_flight=in_flight, kv_on_update=kv_on_update)
 
     def receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]]
                         ) -> list[tuple[str, torch.Tensor]]:
@@ -378,7 +388,26 @@ class LLMEngine:
             attention_backend=kernels["attention"], decoder_backend=kernels["decoder"], kernels=kernels,
             device=self.config.device,
             last_weight_update_seconds=self.last_weight_update_seconds,
-            kv_recalibration_seconds_total=self.kv_scales.seconds_total)
+            kv_recalibration_seconds_total=self.kv_scales.seconds_total,
+            num_kv_recomputes_total=self.scheduler.num_kv_recomputes_total,
+            kv_rescale_seconds_total=self.kv_scales.rescale_seconds_total)
+
+
+def _rescale_live_kv(runner: ModelRunner, scheduler: Scheduler, layer: int, old: tuple[float, float],
+                     new: tuple[float, float]) -> None:
+    runner.rescale_kv(layer, scheduler.live_blocks(), old, new)
+
+
+IN_FLIGHT = ("wait", "abort", "keep")
+KV_ON_UPDATE = ("keep", "recompute")
+
+
+def check_update_options(in_flight: str, kv_on_update: str) -> None:
+    """ValueError naming a weight update's in_flight / kv_on_update when it is not one of the known values."""
+    if in_flight not in IN_FLIGHT:
+        raise ValueError(f"in_flight must be one of {list(IN_FLIGHT)}, got {in_flight!r}")
+    if kv_on_update not in KV_ON_UPDATE:
+        raise ValueError(f"kv_on_update must be one of {list(KV_ON_UPDATE)}, got {kv_on_update!r}")
 
 
 class _NoProgress:

@@ -12,14 +12,15 @@ import torch
 from fp8engine.detokenizer import Detokenizer
 from fp8engine.model_executor.layers.sampler import SampleRow, sample
 from fp8engine.outputs import CompletionOutput, RequestOutput
-from fp8engine.request import Request, ScheduledSeq, Sequence, SeqStatus
+from fp8engine.request import Request, ScheduledSeq, SeqStatus, Sequence
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.scheduler.scheduler import Scheduler
 
 
 class OutputProcessor:
     """read_routed(seq) -> the experts of seq's computed positions (MoE models with return_routed_experts);
-    sample_kernel: the kernel set's fused sampler op, or None."""
+    sample_kernel: the kernel set's fused sampler op, or None. weight_version: the weights that sample now (the
+    engine sets it on every update); each token records it."""
 
     def __init__(self, scheduler: Scheduler, detokenizer: Detokenizer, eos_token_ids: set[int], max_model_len: int,
                  read_routed: Callable[[Sequence], torch.Tensor], sample_kernel=None):
@@ -31,6 +32,7 @@ class OutputProcessor:
         self.sample_kernel = sample_kernel
         self.requests: dict[str, Request] = {}
         self.counters = dict(prompt_tokens=0, generation_tokens=0, finished=0)
+        self.weight_version = 0
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
@@ -62,9 +64,11 @@ class OutputProcessor:
 
     def output(self, request: Request) -> RequestOutput:
         outputs = [self._completion(seq) for seq in sorted(request.seqs, key=lambda s: s.index)]
-        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, request.finished,
-                             request.weight_version, request.prompt, request.prompt_logprobs,
-                             request.num_cached_tokens, prompt_top_logprobs=request.prompt_top_logprobs)
+        version = max((s.token_weight_versions[-1] for s in request.seqs if s.token_weight_versions),
+                      default=request.weight_version)
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, request.finished, version,
+                             request.prompt, request.prompt_logprobs, request.num_cached_tokens,
+                             prompt_top_logprobs=request.prompt_top_logprobs)
 
     # ------------------------------------------------------------------ a step's results
     def process(self, scheduled: list[ScheduledSeq], result) -> list[Request]:
@@ -120,6 +124,7 @@ class OutputProcessor:
 
     def _append_token(self, seq: Sequence, token: int, logprob, top, log_kept) -> None:
         seq.token_ids.append(token)
+        seq.token_weight_versions.append(self.weight_version)
         self.counters["generation_tokens"] += 1
         if seq.params.logprobs is not None:
             seq.logprobs.append(logprob)
@@ -234,7 +239,8 @@ class OutputProcessor:
             top_logprobs=list(seq.top_logprobs) if wants and seq.params.logprobs else None,
             log_kept_mass=list(seq.log_kept_mass) if wants and seq.params.logprobs_mode == "processed" else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            num_preemptions=seq.num_preemptions, seed=seq.request.seed, routed_experts=self._routed_experts(seq))
+            num_preemptions=seq.num_preemptions, seed=seq.request.seed, routed_experts=self._routed_experts(seq),
+            token_weight_versions=list(seq.token_weight_versions), num_kv_recomputes=seq.num_kv_recomputes)
 
     def _routed_experts(self, seq: Sequence) -> torch.Tensor | None:
         if not seq.params.return_routed_experts or seq.is_finished:

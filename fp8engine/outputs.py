@@ -15,6 +15,10 @@ class CompletionOutput:
         truncation (0 when nothing is truncated); add it to a processed logprob to get the
         logprob under the temperature-only distribution.
     num_preemptions: times this sample was preempted (and recomputed).
+    token_weight_versions[i]: the weight version that sampled token_ids[i] (a sample spans versions only
+        when an update ran with in_flight="keep").
+    num_kv_recomputes: times an update with kv_on_update="recompute" dropped this sample's KV (re-prefilled
+        under the new weights; not a preemption).
     seed: the request's sampling seed (SamplingParams.seed, or the one the engine drew when it had
         none); SamplingParams(seed=seed) with the same other params (and n > index) reproduces this
         sample, whose noise at each position is a function of (seed, index, position) alone.
@@ -34,6 +38,8 @@ class CompletionOutput:
     num_preemptions: int = 0
     seed: int | None = None
     routed_experts: torch.Tensor | None = None
+    token_weight_versions: list[int] = field(default_factory=list)
+    num_kv_recomputes: int = 0
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -42,7 +48,8 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """All samples of one request; weight_version is the weights that generated every token.
+    """All samples of one request; weight_version is the version that sampled its last token (the version at
+    admission before any token); each sample's token_weight_versions gives every token's.
 
     prompt_logprobs[i]: raw logprob of prompt token i (None for the first), with
     SamplingParams.prompt_logprobs set; prompt_top_logprobs[i]: {token_id: logprob} of its top-k
@@ -71,6 +78,7 @@ class WeightUpdateReport:
     num_quantized: int
     weight_version: int
     num_aborted: int = 0
+    num_kv_recomputed: int = 0  # in-flight samples whose KV was dropped and re-prefilled (kv_on_update="recompute")
 
 
 @dataclass(slots=True)
@@ -102,3 +110,5 @@ class EngineStats:
     device: str = "cpu"
     last_weight_update_seconds: float = 0.0
     kv_recalibration_seconds_total: float = 0.0
+    num_kv_recomputes_total: int = 0  # samples re-prefilled after an update (kv_on_update="recompute")
+    kv_rescale_seconds_total: float = 0.0  # FP8 KV kept across a scale change, re-quantized in place

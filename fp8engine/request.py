@@ -72,6 +72,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of full blocks, memoised by the block manager
         self.status = SeqStatus.WAITING
         self.num_preemptions = 0
+        self.num_kv_recomputes = 0
+        self.token_weight_versions: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.log_kept_mass: list[float] = []
@@ -113,6 +115,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child.block_hashes = list(self.block_hashes)
+        child.token_weight_versions = list(self.token_weight_versions)
         return child
 
 

@@ -111,14 +111,15 @@ class AsyncEngine:
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable, *,
                              weight_version: int | None = None, flush_cache: bool = True,
-                             in_flight: str = "wait") -> WeightUpdateReport:
-        """LLMEngine.update_weights in the engine thread.
+                             in_flight: str = "wait", kv_on_update: str = "keep") -> WeightUpdateReport:
+        """LLMEngine.update_weights in the engine thread, between two steps.
 
         in_flight="wait" finishes unfinished requests on the old weights first (even while paused in
         "keep" mode), inside the update: their last tokens arrive together when it is done. Pause in
-        "wait" mode first to keep streams smooth. "abort" aborts them.
+        "wait" mode first to keep streams smooth. "abort" aborts them. "keep" lets them go on, sampled by
+        the new weights from the next step (kv_on_update: their KV kept, or recomputed under the new weights).
         """
-        return await self._call(lambda: self._update(weights, weight_version, flush_cache, in_flight))
+        return await self._call(lambda: self._update(weights, weight_version, flush_cache, in_flight, kv_on_update))
 
     async def stats(self) -> EngineStats:
         return await self.call(LLMEngine.get_stats)
@@ -192,10 +193,10 @@ class AsyncEngine:
         self.pause_mode = mode
         return self._abort(list(self._streams)) if mode == "abort" else 0
 
-    def _update(self, weights, weight_version: int | None, flush_cache: bool,
-                in_flight: str) -> WeightUpdateReport:
-        report = self.engine.update_weights(weights, weight_version=weight_version,
-                                            flush_cache=flush_cache, in_flight=in_flight)
+    def _update(self, weights, weight_version: int | None, flush_cache: bool, in_flight: str,
+                kv_on_update: str) -> WeightUpdateReport:
+        report = self.engine.update_weights(weights, weight_version=weight_version, flush_cache=flush_cache,
+                                            in_flight=in_flight, kv_on_update=kv_on_update)
         self._step()
         return report
 

@@ -17,12 +17,14 @@ asks for the distribution actually sampled from. Echoed prompt logprobs are alwa
 Request extensions (both endpoints): top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
 repetition_penalty, return_token_ids, logprobs_mode ("raw" | "processed", default "raw"),
 return_routed_experts (MoE models).
-Choice extensions: logprobs_mode, num_preemptions, weight_version; token_ids and prompt_token_ids
+Choice extensions: logprobs_mode, num_preemptions, weight_version (the version of the choice's last token),
+token_weight_versions (the version that sampled each token; a choice spans versions only across an update
+with in_flight=keep); token_ids and prompt_token_ids
 with return_token_ids; log_kept_mass (per token, processed logprobs only) when logprobs are
 requested; seed (the request's sampling seed, drawn by the engine when none was given: with the
 same request it reproduces the choice), in a stream's first chunk of each choice; routed_experts
 with return_routed_experts, [positions fed][MoE layers][top_k] expert ids, once the choice finishes.
-In streams, token_ids / log_kept_mass hold the chunk's new tokens only.
+In streams, token_ids / token_weight_versions / log_kept_mass hold the chunk's new tokens only.
 """
 
 import itertools
@@ -32,7 +34,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from fp8engine.engine import Prompt
@@ -336,9 +345,13 @@ class PauseRequest(_Request):
 
 
 class WeightUpdateOptions(_Request):
+    """How an update treats requests in flight (LLMEngine.update_weights): in_flight "wait" | "abort" | "keep";
+    with "keep", kv_on_update "keep" (their KV stays) | "recompute" (re-prefilled under the new weights)."""
+
     weight_version: int | None = None
     flush_cache: bool = True
-    in_flight: Literal["wait", "abort"] = "wait"
+    in_flight: Literal["wait", "abort", "keep"] = "wait"
+    kv_on_update: Literal["keep", "recompute"] = "keep"
 
 
 class DiskUpdateRequest(WeightUpdateOptions):
@@ -417,6 +430,7 @@ class Piece:
     log_kept_mass: list[float] | None
     finish_reason: str | None
     num_preemptions: int
+    token_weight_versions: list[int]
     routed_experts: list | None = None  # the whole sample's, on its last piece
 
 
@@ -438,7 +452,7 @@ class Cursor:
             return None
         piece = Piece(new_text, len(self.text), out.token_ids[start:], _tail(out.logprobs, start),
                       _tail(out.top_logprobs, start), _tail(out.log_kept_mass, start),
-                      out.finish_reason, out.num_preemptions,
+                      out.finish_reason, out.num_preemptions, out.token_weight_versions[start:],
                       out.routed_experts.tolist() if finished and out.routed_experts is not None else None)
         self.text += new_text
         self.num_tokens = len(out.token_ids)
@@ -508,7 +522,7 @@ class ResponseBuilder:
 
     def _extensions(self, piece: Piece, out: RequestOutput, first: bool) -> dict:
         ext = {"logprobs_mode": self.request.logprobs_mode, "num_preemptions": piece.num_preemptions,
-               "weight_version": out.weight_version}
+               "weight_version": out.weight_version, "token_weight_versions": piece.token_weight_versions}
         if self.request.return_token_ids:
             ext["token_ids"] = piece.token_ids
             if first:

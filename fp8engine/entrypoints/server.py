@@ -9,9 +9,11 @@ accepted everywhere):
   RL:
   POST /pause {"mode": "abort"|"wait"|"keep"}   (see async_engine.py; "wait" answers once idle)
   POST /resume, POST /flush_cache
-  POST /update_weights_from_disk {"path", "weight_version", "flush_cache", "in_flight"}
+  POST /update_weights_from_disk {"path", "weight_version", "flush_cache", "in_flight", "kv_on_update"}
        reads path/*.safetensors; path must resolve inside an --allowed-weight-dir
-  POST /update_weights?weight_version=V&flush_cache=true&in_flight=wait   body: a safetensors file
+  POST /update_weights?weight_version=V&flush_cache=true&in_flight=wait&kv_on_update=keep   body: safetensors
+       (in_flight: wait | abort | keep, which lets requests go on under the new weights; kv_on_update with keep:
+       keep | recompute, see LLMEngine.update_weights)
        bucketed: ?bucket=start, then ?bucket=add once per bucket (body: a safetensors file), then
        ?bucket=commit&weight_version=V (an optional last bucket as its body). Each bucket is
        validated when it arrives (names, shapes, dtypes, finite values; a pre-quantized weight and
@@ -56,7 +58,12 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from safetensors import SafetensorError
 from starlette.exceptions import HTTPException
@@ -430,7 +437,7 @@ class Server:
         try:
             report = await self.engine.update_weights(tensors, weight_version=options.weight_version,
                                                       flush_cache=options.flush_cache,
-                                                      in_flight=options.in_flight)
+                                                      in_flight=options.in_flight, kv_on_update=options.kv_on_update)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="weights") from None
         self.metrics.update_seconds.observe(report.seconds)

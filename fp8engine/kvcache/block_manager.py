@@ -120,6 +120,10 @@ class BlockManager:
             hashes.append(hash((hashes[-1] if hashes else None, seq.block_tokens(len(hashes), self.block_size))))
         return hashes[i]
 
+    def live_blocks(self) -> list[int]:
+        """Blocks in use or holding prefix-cache content (what a KV-scale change must convert)."""
+        return [b.block_id for b in self.blocks if b.ref_count > 0 or b.hash is not None]
+
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             block.hash, block.token_ids = None, ()

@@ -9,6 +9,11 @@ external:  scales come from the trainer, via update_weights(kv_scales=...) or na
 static:    scales from the checkpoint (or 1.0), never changed.
 With a non-FP8 KV cache every scale is 1.0 and nothing is measured.
 
+When a layer's k/v scale changes while its cache holds values (an update with in_flight="keep" and
+kv_on_update="keep", or prefix-cache blocks kept with flush_cache=False), `rescale(layer index, old (k, v),
+new (k, v))` (set by the engine) converts what is stored to the new scale first: a later read returns what was
+written, within one more E4M3 rounding.
+
 With batch_invariant the recompute forward is not the first batch of requests (whose amax depends on
 what happened to be in it) but one forward of CALIBRATION_TEXT against a private cache, so the scales
 are a function of the weights alone, the same for every batch and reproducible by a trainer.
@@ -43,9 +48,12 @@ class KVScaleManager:
         self.fp8_attention = config.fp8_attention
         self.layers = layers
         self.seconds_total = 0.0
+        self.rescale_seconds_total = 0.0
         self.num_calibrations = 0
         # batch_invariant: runs the fixed calibration forward (set by the engine); None measures the live batch
         self.fixed_calibration: Callable[[], None] | None = None
+        self.rescale: Callable[[int, tuple[float, float], tuple[float, float]], None] | None = None
+        self._index = {id(layer): i for i, layer in enumerate(layers)}
         if self.enabled:
             for layer in layers:
                 layer.q_scale = 1.0 if self.fp8_attention else 0.0
@@ -82,10 +90,10 @@ class KVScaleManager:
         start = time.perf_counter()
         amax = torch.stack([k.abs().amax(), v.abs().amax(), q.abs().amax()]).float()
         k_s, v_s, q_s = (self._scale(float(a)) for a in amax.tolist())
-        layer.k_scale, layer.v_scale = k_s, v_s
+        self.seconds_total += time.perf_counter() - start
+        self._set(self._index[id(layer)], k_s, v_s)  # before the layer writes or reads its cache
         if self.fp8_attention:
             layer.q_scale = q_s
-        self.seconds_total += time.perf_counter() - start
 
     def _scale(self, amax: float) -> float:
         return max(amax, 1e-6) * self.margin / FP8_MAX
@@ -145,7 +153,16 @@ class KVScaleManager:
     def _apply(self, scales: dict[int, dict[str, float]]) -> None:
         for index, pair in scales.items():
             layer = self.layers[index]
-            layer.k_scale = pair.get("k", layer.k_scale)
-            layer.v_scale = pair.get("v", layer.v_scale)
+            self._set(index, pair.get("k", layer.k_scale), pair.get("v", layer.v_scale))
             if self.fp8_attention and "q" in pair:
                 layer.q_scale = pair["q"]
+
+    def _set(self, index: int, k_scale: float, v_scale: float) -> None:
+        """A layer's new k/v scales, the values its cache already holds converted to them."""
+        layer = self.layers[index]
+        old = (float(layer.k_scale), float(layer.v_scale))
+        if self.rescale is not None and old != (k_scale, v_scale):
+            start = time.perf_counter()
+            self.rescale(index, old, (k_scale, v_scale))
+            self.rescale_seconds_total += time.perf_counter() - start
+        layer.k_scale, layer.v_scale = k_scale, v_scale

@@ -8,6 +8,7 @@ from transformers import AutoConfig
 
 from fp8engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
 from fp8engine.model_executor import fused_decoder, kernel_set
+from fp8engine.model_executor.kernels.attention_ref import quantize_fp8
 from fp8engine.model_executor.layers.attention import AttentionMetadata
 from fp8engine.model_executor.models import model_class
 from fp8engine.model_executor.models.llama import LinearFactory
@@ -120,6 +121,18 @@ class ModelRunner:
             if self.routed_experts is not None:
                 routed = self.routed_experts.view(self.num_blocks, self.block_size, *self.routed_experts.shape[1:])
                 routed[dst] = routed[src]
+
+    @torch.inference_mode()
+    def rescale_kv(self, layer: int, blocks: list[int], old: tuple[float, float], new: tuple[float, float]) -> None:
+        """Re-quantize one layer's FP8 K and V in `blocks` from scales `old` (k, v) to `new`, in place: the values
+        they stand for stay what was written, within one more E4M3 rounding (attention_ref.quantize_fp8)."""
+        if not blocks or self.kv_cache.dtype != FP8_DTYPE:
+            return
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        for which, (before, after) in enumerate(zip(old, new)):
+            if before != after:
+                cache = self.kv_cache[layer, which]
+                cache[index] = quantize_fp8(cache[index].float() * before, after)
 
     @torch.inference_mode()
     def forward_detached(self, token_ids: list[int]) -> None:

@@ -76,8 +76,9 @@ def mis_mask(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
     return ((ratio >= lower) & (ratio <= upper) & valid).float()
 
 
-def mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor,
-                     mask: Tensor) -> dict[str, float]:
+def mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
+                     token_weight_versions: Tensor | None = None, current_version: int | None = None
+                     ) -> dict[str, float]:
     """Train/rollout mismatch statistics.
 
     Token statistics are means over all masked tokens of the batch pooled together (n tokens,
@@ -97,6 +98,11 @@ def mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor,
     - ``clip_frac``: fraction of tokens with r > TIS_CLIP (2, the default TIS C).
     - ``mis_frac``: fraction of tokens with r outside MIS_BOUNDS ([0.5, 2], the default MIS).
     - ``mean_abs_ratio_dev = mean(exp|log r|)``: >= 1; under ~1.03-1.05 is considered healthy.
+
+    With ``token_weight_versions`` ([batch, response_len], RolloutBatch.token_weight_versions) and the
+    trainer's ``current_version`` (the newest version among the tokens when None), staleness: each token's lag
+    = current_version - its version; ``staleness_mean``, ``staleness_max``, and ``tokens_at_lag_{k}`` (the
+    fraction of tokens k versions behind, for each lag present).
     """
     log_r, valid = _log_ratio(train_logprobs, rollout_logprobs, mask)
     if not valid.any():
@@ -124,7 +130,25 @@ def mismatch_metrics(train_logprobs: Tensor, rollout_logprobs: Tensor,
         "mis_frac": ((r < lo) | (r > hi)).float().mean(),
         "mean_abs_ratio_dev": lr.abs().exp().mean(),
     }
-    return {name: value.item() for name, value in metrics.items()}
+    out = {name: value.item() for name, value in metrics.items()}
+    if token_weight_versions is not None:
+        out |= staleness(token_weight_versions, mask, current_version)
+    return out
+
+
+def staleness(token_weight_versions: Tensor, mask: Tensor, current_version: int | None = None) -> dict[str, float]:
+    """How many weight versions behind the trainer the response tokens were sampled (see mismatch_metrics)."""
+    versions = token_weight_versions[mask.bool()]
+    if versions.numel() == 0:
+        raise ValueError("staleness needs at least one response token; the mask is all 0")
+    current = int(versions.max()) if current_version is None else int(current_version)
+    lag = current - versions
+    if bool((lag < 0).any()):
+        raise ValueError(f"a token was sampled by weight version {int(versions.max())}, after current_version "
+                         f"{current}")
+    lags, counts = lag.unique(return_counts=True)
+    out = {"staleness_mean": float(lag.float().mean()), "staleness_max": float(lag.max())}
+    return out | {f"tokens_at_lag_{int(k)}": float(c) / lag.numel() for k, c in zip(lags, counts)}
 
 
 def trainer_logprobs(logits: Tensor, token_ids: Tensor, *, temperature: float = 1.0,

@@ -90,8 +90,8 @@ def make_rollout_func(rollouts, sampling_params: SamplingParams | None = None) -
     accelerate, a PEFT model's adapters merged in as TRL does for vLLM), switches TRL's
     importance-sampling correction on for the engine's logprobs, and returns per completion:
     prompt_ids, completion_ids, logprobs (lists), and the extra fields num_preemptions,
-    weight_version, finish_reason ("stop" | "length" | "abort"), which reward functions receive as
-    keyword arguments. Metrics logged to TRL: fp8engine/{k1, k3, is_mean, is_min, is_max, ess}
+    weight_version, token_weight_versions (one per completion token), finish_reason ("stop" |
+    "length" | "abort"), which reward functions receive as keyword arguments. Metrics logged to TRL: fp8engine/{k1, k3, is_mean, is_min, is_max, ess}
     (the engine's logprobs vs TRL's old_per_token_logps, while vllm_importance_sampling_correction
     is on: TRL computes those only then), fp8engine/{weight_version, num_preemptions,
     rollout_seconds, sync_seconds}. One trainer process (no multi-GPU data parallelism yet); no
@@ -300,5 +300,6 @@ def _samples(batch: RolloutBatch) -> list[dict]:
     return [{"prompt_ids": prompt, "completion_ids": response,
              "logprobs": batch.rollout_logprobs[i, :len(response)].tolist(),
              "num_preemptions": int(batch.num_preemptions[i]), "weight_version": batch.weight_version,
+             "token_weight_versions": batch.token_weight_versions[i, :len(response)].tolist(),
              "finish_reason": batch.finish_reasons[i]}
             for i, (prompt, response) in enumerate(zip(prompts, responses))]

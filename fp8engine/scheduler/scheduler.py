@@ -10,7 +10,7 @@ manager: whatever adds, forks, advances or ends a sequence goes through it.
 from collections import deque
 
 from fp8engine.kvcache.block_manager import BlockManager
-from fp8engine.request import ScheduledSeq, Sequence, SeqStatus
+from fp8engine.request import ScheduledSeq, SeqStatus, Sequence
 
 
 class Scheduler:
@@ -22,6 +22,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
+        self.num_kv_recomputes_total = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -87,6 +88,25 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(seq)
+
+    def recompute_in_flight(self) -> list[Sequence]:
+        """Drop the KV of every running sequence and queue it to be recomputed from its first token (after the
+        weights changed under it): each goes back to the front of the queue, in its running order. Not a
+        preemption (counted apart, per sequence in num_kv_recomputes). Returns them."""
+        dropped = list(self.running)
+        for seq in reversed(dropped):
+            self.bm.free_seq(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SeqStatus.WAITING
+            seq.num_kv_recomputes += 1
+            self.waiting.appendleft(seq)
+        self.running.clear()
+        self.num_kv_recomputes_total += len(dropped)
+        return dropped
+
+    def live_blocks(self) -> list[int]:
+        """KV blocks whose contents may be read again: held by a sequence, or cached for prefix hits."""
+        return self.bm.live_blocks()
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence (finished or aborted) and free its blocks."""
