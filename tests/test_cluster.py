@@ -123,6 +123,28 @@ def test_pause_blocks_rollouts_until_resume(cluster):
     assert cluster.rollout(PROMPTS[:2], sampling_params=GREEDY).batch_size == 2
 
 
+def test_partial_rollouts_stop_every_replica_and_resume_as_one_engine_would(cluster, reference):
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=3)
+    prompts = [RAW[0], RAW[1] * 3, RAW[2], RAW[3] * 3, RAW[4], RAW[5]]
+    first = cluster.rollout(prompts, n=2, sampling_params=params, min_groups=2)
+    done = len(first.group_prompts)
+    assert done >= 2 and len(first.partial) == 6 - done and first.response_lengths.eq(24).all()
+    assert sorted(first.group_prompts + [g.prompt for g in first.partial]) == sorted(prompts)
+    heads = [s for g in first.partial for s in g.samples]
+    assert all(len(s.token_ids) == len(s.logprobs) == len(s.token_weight_versions) < 24 for s in heads)
+    stats = cluster.get_stats()
+    assert stats.num_running == 0 and stats.num_kv_blocks_free == stats.num_kv_blocks_total
+
+    second = cluster.rollout([RAW[6]], n=2, sampling_params=params, resume=first.partial)
+    assert second.group_prompts == [g.prompt for g in first.partial] + [RAW[6]] and not second.partial
+    for row, head in enumerate(heads):
+        k = len(head.token_ids)
+        assert second.response_ids[row, :k].tolist() == head.token_ids
+        assert second.rollout_logprobs[row, :k].tolist() == head.logprobs
+    # batch invariant, same seeds: one engine continues the same partial groups bit for bit alike
+    assert_same(second, reference.rollout([RAW[6]], n=2, sampling_params=params, resume=first.partial))
+
+
 def test_sync_of_a_perturbed_policy_equals_an_engine_with_those_weights(cluster, reference, default_dir):
     state = perturbed_state(default_dir, seed=11)
     old = cluster.rollout(PROMPTS, sampling_params=GREEDY)

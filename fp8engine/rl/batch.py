@@ -22,6 +22,7 @@ class Sample:
     weight_version: int
     text: str = ""
     routed_experts: Tensor | None = None  # [positions fed, MoE layers, top_k] (return_routed_experts)
+    token_weight_versions: list[int] | None = None  # per token; None: every token is weight_version's
 
 
 @dataclass(slots=True)
@@ -36,12 +37,18 @@ class RolloutBatch:
         requested mode (processed by default), 0 on padding.
     log_kept_mass: [B, R] float32 (processed mode), log of the probability mass kept by
         top-k/top-p/min-p per token, 0 on padding; None in raw mode.
-    num_preemptions: [B] int64. weight_version: the weights every token came from.
+    num_preemptions: [B] int64. weight_version: the newest weights any token came from.
+    token_weight_versions: [B, R] int64, the weight version that sampled each response token, -1 on padding (a
+        batch spans versions only when a sync ran with in_flight="keep" while it was generated).
     finish_reasons / response_texts: per sequence. n: samples per prompt.
     routed_experts: with SamplingParams(return_routed_experts=True) on a MoE model, int32
         [B, P + R, num_moe_layers, top_k] aligned with `input_ids`: column j holds the experts the engine
         routed the token at input_ids[:, j] to, for routing replay in the trainer; 0 on padding and on
         each response's last token (the engine never fed it). None otherwise.
+    group_prompts: the prompt (as given) of each group of n rows, in row order: with min_groups or resume the
+        rows follow the groups that finished (resumed ones first), not the prompts passed.
+    partial: with rollout(..., min_groups=K), the groups stopped unfinished (fp8engine.rl.groups.PartialGroup,
+        with their tokens, logprobs and versions so far), to pass as rollout(..., resume=batch.partial).
     stats: rollout statistics of this call (see `rollout_stats`).
     scorer: (prompts, responses, params) -> per-token logprobs from the engine that made the batch, with
         its weights and numerics (`response_logprobs(..., exact=True)`); None where there is none (HTTP).
@@ -60,6 +67,9 @@ class RolloutBatch:
     n: int
     pad_token_id: int
     routed_experts: Tensor | None = None
+    token_weight_versions: Tensor | None = None
+    group_prompts: list = field(default_factory=list)
+    partial: list = field(default_factory=list)
     stats: dict = field(default_factory=dict)
     scorer: Callable | None = field(default=None, repr=False, compare=False)
 
@@ -91,9 +101,8 @@ class RolloutBatch:
 
 def collate(samples: Sequence[Sample], n: int, pad_token_id: int) -> RolloutBatch:
     """Pad samples (already prompt-major) into a RolloutBatch; stats are left empty."""
-    versions = {s.weight_version for s in samples}
-    if len(versions) != 1:
-        raise RuntimeError(f"a rollout batch spans weight versions {sorted(versions)}")
+    token_versions = [s.token_weight_versions if s.token_weight_versions is not None
+                      else [s.weight_version] * len(s.token_ids) for s in samples]
     prompt_ids, prompt_mask = _pad([s.prompt_ids for s in samples], pad_token_id, left=True)
     response_ids, response_mask = _pad([s.token_ids for s in samples], pad_token_id, left=False)
     kept = [s.log_kept_mass for s in samples]
@@ -103,9 +112,10 @@ def collate(samples: Sequence[Sample], n: int, pad_token_id: int) -> RolloutBatc
         rollout_logprobs=pad_float([s.logprobs for s in samples], response_ids.shape[1]),
         log_kept_mass=None if None in kept else pad_float(kept, response_ids.shape[1]),
         num_preemptions=torch.tensor([s.num_preemptions for s in samples], dtype=torch.int64),
-        weight_version=versions.pop(), finish_reasons=[s.finish_reason for s in samples],
+        weight_version=max(s.weight_version for s in samples), finish_reasons=[s.finish_reason for s in samples],
         response_texts=[s.text for s in samples], n=n, pad_token_id=pad_token_id,
-        routed_experts=_pad_routed(samples, prompt_ids.shape[1], response_ids.shape[1]))
+        routed_experts=_pad_routed(samples, prompt_ids.shape[1], response_ids.shape[1]),
+        token_weight_versions=_pad_ints(token_versions, response_ids.shape[1], -1))
 
 
 def pad_token_id(tokenizer) -> int:
@@ -154,6 +164,13 @@ def _pad_routed(samples: Sequence[Sample], prompt_width: int, response_width: in
     for i, (sample, r) in enumerate(zip(samples, routed)):
         start = prompt_width - len(sample.prompt_ids)
         out[i, start:start + len(r)] = r
+    return out
+
+
+def _pad_ints(rows: list[list[int]], width: int, pad: int) -> Tensor:
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
     return out
 
 

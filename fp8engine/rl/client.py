@@ -1,8 +1,13 @@
 """RolloutClient: the trainer adapter over HTTP, against `fp8engine serve`."""
 
 import dataclasses
+import itertools
+import json
+import queue
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import torch
@@ -10,12 +15,40 @@ from safetensors.torch import save as safetensors_bytes
 from torch import nn
 from transformers import AutoTokenizer
 
-from fp8engine.engine import Prompt
+from fp8engine.engine import Prompt, check_update_options
 from fp8engine.outputs import EngineStats
-from fp8engine.rl.batch import RolloutBatch, Sample, collate, pad_token_id, rollout_stats
+from fp8engine.rl.batch import (
+    RolloutBatch,
+    Sample,
+    collate,
+    pad_token_id,
+    rollout_stats,
+)
+from fp8engine.rl.groups import (
+    UNFINISHED,
+    GroupBook,
+    MinGroups,
+    PartialGroup,
+    Slot,
+    check_min_groups,
+    check_resume,
+    continuation,
+    enough,
+    finished_at_length,
+    gather,
+    group_batch,
+)
 from fp8engine.rl.rollout import PauseMode, check_pause_mode, rollout_params
-from fp8engine.rl.sync import (DEFAULT_BUCKET_BYTES, SyncDtype, SyncReport, bucket_bytes_of,
-                               buckets, check_bucket_bytes, check_version, named_tensors)
+from fp8engine.rl.sync import (
+    DEFAULT_BUCKET_BYTES,
+    SyncDtype,
+    SyncReport,
+    bucket_bytes_of,
+    buckets,
+    check_bucket_bytes,
+    check_version,
+    named_tensors,
+)
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, dtype_name
@@ -64,10 +97,13 @@ class RolloutClient:
         self.http.close()
 
     def sync_weights(self, model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
-                     weight_version: int) -> SyncReport:
+                     weight_version: int, *, in_flight: str = "wait", kv_on_update: str = "keep") -> SyncReport:
         """POST the trainer's weights as safetensors buckets (start, add per bucket, commit);
-        the server validates every bucket on arrival and writes nothing before the commit."""
+        the server validates every bucket on arrival and writes nothing before the commit.
+        in_flight / kv_on_update: what the commit does to requests in flight, as in RolloutEngine.sync_weights
+        (with "keep" the rollouts and streams of other threads go on under the new weights)."""
         version = check_version(weight_version)
+        check_update_options(in_flight, kv_on_update)
         start = time.perf_counter()
         self._update("start")
         sizes, num_tensors = [], 0
@@ -75,26 +111,76 @@ class RolloutClient:
             self._update("add", safetensors_bytes(dict(bucket)))
             sizes.append(bucket_bytes_of(bucket))
             num_tensors += len(bucket)
-        self._update("commit", weight_version=version)
+        self._update("commit", weight_version=version, in_flight=in_flight, kv_on_update=kv_on_update)
         return SyncReport(time.perf_counter() - start, sum(sizes), num_tensors, len(sizes), version)
 
-    def rollout(self, prompts: Sequence[Prompt], n: int = 1,
-                sampling_params: SamplingParams | None = None) -> RolloutBatch:
-        """Generate `n` samples per prompt via /v1/completions; the same RolloutBatch as in-process."""
-        params = rollout_params(prompts, n, sampling_params)
+    def rollout(self, prompts: Sequence[Prompt], n: int = 1, sampling_params: SamplingParams | None = None, *,
+                min_groups: MinGroups = None, resume: Sequence[PartialGroup] | None = None) -> RolloutBatch:
+        """Generate `n` samples per prompt via /v1/completions; the same RolloutBatch as in-process.
+        min_groups / resume: as RolloutEngine.rollout; the groups then run as one streamed request each, and
+        the ones still running once enough finished are disconnected (the server aborts them) and kept, with
+        the tokens they streamed, in batch.partial."""
+        resume = check_resume(resume, n)
+        params = rollout_params(prompts, n, sampling_params, allow_empty=bool(resume))
+        check_min_groups(min_groups, len(resume) + len(prompts))
+        if min_groups is not None or resume:
+            return self._rollout_groups(prompts, params, min_groups, resume)
         token_prompts = [prompt_token_ids(self.tokenizer, p) for p in prompts]
-        body = {name: getattr(params, name) for name in SAMPLING_FIELDS}
         start = time.perf_counter()
-        answer = self._request("POST", "/v1/completions",
-                               json=body | {"prompt": token_prompts, "return_token_ids": True})
+        answer = self._request("POST", "/v1/completions", json=self._body(params) | {"prompt": token_prompts})
         seconds = time.perf_counter() - start
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts) * n:
             raise RuntimeError(f"the server returned {len(choices)} choices for {len(prompts)} "
                                f"prompts x n={n}")
         batch = collate([_sample(c) for c in choices], n, self.pad_token_id)
+        batch.group_prompts = list(prompts)
         batch.stats = rollout_stats(batch, seconds, self.get_stats())
         return batch
+
+    def _rollout_groups(self, prompts: Sequence[Prompt], params: SamplingParams, min_groups: MinGroups,
+                        resume: list[PartialGroup]) -> RolloutBatch:
+        start = time.perf_counter()
+        run = _HttpGroups(self, params.n, max_workers=len(prompts) + sum(g.num_unfinished for g in resume))
+        finished, views = [], []
+        try:
+            run.add(resume, prompts, params)
+            while run.active and not enough(min_groups, views):
+                for key, prompt, samples in run.wait():
+                    finished.append((key, prompt, samples))
+                    views.append(group_batch(samples, params.n, self.pad_token_id, prompt)
+                                 if callable(min_groups) else None)
+        finally:
+            partial = run.abort()
+        batch = gather(finished, params.n, self.pad_token_id, partial, max(
+            (s.weight_version for _, _, samples in finished for s in samples), default=-1))
+        batch.stats = rollout_stats(batch, time.perf_counter() - start, self.get_stats())
+        return batch
+
+    def stream(self, prompts: Iterable[Prompt], n: int = 1, sampling_params: SamplingParams | None = None, *,
+               max_groups_in_flight: int = 16) -> Iterator[RolloutBatch]:
+        """A RolloutBatch (n rows) per prompt group as it finishes, as RolloutEngine.stream: one streamed request
+        per group, at most max_groups_in_flight at a time; another thread may sync_weights(in_flight="keep")
+        meanwhile. Closing the iterator disconnects the groups still running (the server aborts them)."""
+        params = rollout_params([None], n, sampling_params)
+        if not isinstance(max_groups_in_flight, int) or max_groups_in_flight < 1:
+            raise ValueError(f"max_groups_in_flight must be an integer >= 1, got {max_groups_in_flight!r}")
+        source = iter(prompts)
+        run = _HttpGroups(self, n, max_workers=max_groups_in_flight)
+        try:
+            while True:
+                more = list(itertools.islice(source, max_groups_in_flight - run.book.num_running))
+                if more:
+                    run.add([], more, params)
+                if not run.active:
+                    return
+                for _, prompt, samples in run.wait():
+                    yield group_batch(samples, n, self.pad_token_id, prompt)
+        finally:
+            run.abort()
+
+    def _body(self, params: SamplingParams) -> dict:
+        return {name: getattr(params, name) for name in SAMPLING_FIELDS} | {"return_token_ids": True}
 
     def pause(self, mode: PauseMode = "abort") -> None:
         """Pause the server: in-flight requests are aborted ("abort"), finished ("wait"; new ones
@@ -182,4 +268,131 @@ def _sample(choice: dict) -> Sample:
     return Sample(choice["prompt_token_ids"], choice["token_ids"],
                   choice["logprobs"]["token_logprobs"], choice.get("log_kept_mass"),
                   choice["finish_reason"], choice["num_preemptions"], choice["weight_version"],
-                  choice["text"], None if routed is None else torch.tensor(routed, dtype=torch.int32))
+                  choice["text"], None if routed is None else torch.tensor(routed, dtype=torch.int32),
+                  choice.get("token_weight_versions"))
+
+
+class _Streamed:
+    """One sample as its stream chunks arrive (a choice's pieces joined)."""
+
+    def __init__(self, prompt_ids: list[int]):
+        self.sample = Sample(prompt_ids, [], [], None, UNFINISHED, 0, -1, "", None, [])
+
+    def add(self, choice: dict) -> None:
+        s = self.sample
+        s.token_ids += choice.get("token_ids") or []
+        s.logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if choice.get("log_kept_mass") is not None:
+            s.log_kept_mass = (s.log_kept_mass or []) + choice["log_kept_mass"]
+        s.token_weight_versions += choice.get("token_weight_versions") or []
+        s.text += choice.get("text") or ""
+        s.num_preemptions = choice.get("num_preemptions", s.num_preemptions)
+        s.weight_version = choice.get("weight_version", s.weight_version)
+        if choice.get("routed_experts") is not None:
+            s.routed_experts = torch.tensor(choice["routed_experts"], dtype=torch.int32)
+        if choice.get("finish_reason") is not None:
+            s.finish_reason = choice["finish_reason"]
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _HttpGroups:
+    """Prompt groups over HTTP: a streamed /v1/completions request per new group (its n samples) and per
+    resumed unfinished sample, each read by a worker thread; whole groups come out of `wait()` as they finish,
+    `abort()` disconnects the rest and keeps what they streamed."""
+
+    def __init__(self, client: "RolloutClient", n: int, max_workers: int):
+        self.client = client
+        self.book = GroupBook(n)
+        self.ready: list[tuple[int, object, list[Sample]]] = []
+        self.done: queue.Queue = queue.Queue()
+        self.pool = ThreadPoolExecutor(max(1, max_workers), thread_name_prefix="fp8engine-rollout")
+        self.responses: dict[str, httpx.Response] = {}
+        self.stopping = threading.Event()
+        self._keys = itertools.count()
+        self._ids = itertools.count()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.book.num_running or self.ready)
+
+    def add(self, resume: list[PartialGroup], prompts: Sequence[Prompt], params: SamplingParams) -> None:
+        for group in resume:
+            key = next(self._keys)
+            self.book.open(key, group.prompt, [None if s.finish_reason == UNFINISHED else s for s in group.samples])
+            for index, first in enumerate(group.samples):
+                if first.finish_reason != UNFINISHED:
+                    continue
+                more = continuation(params, first, index)
+                if more is None:
+                    self.book.samples[key][index] = finished_at_length(first)
+                else:
+                    self._submit(Slot(key, [index], [first]), first.prompt_ids + first.token_ids, more)
+            if (done := self.book.finished_now(key)) is not None:
+                self.ready.append(done)
+        for prompt in prompts:
+            key = next(self._keys)
+            self.book.open(key, prompt)
+            self._submit(Slot(key, list(range(params.n)), [None] * params.n),
+                         prompt_token_ids(self.client.tokenizer, prompt), params)
+
+    def _submit(self, slot: Slot, prompt_ids: list[int], params: SamplingParams) -> None:
+        request_id = str(next(self._ids))
+        self.book.track(request_id, slot)
+        body = self.client._body(params) | {"prompt": [prompt_ids], "stream": True}
+        self.pool.submit(self._read, request_id, prompt_ids, params.n, body)
+
+    def _read(self, request_id: str, prompt_ids: list[int], n: int, body: dict) -> None:
+        samples = [_Streamed(prompt_ids) for _ in range(n)]
+        error = None
+        try:
+            if not self.stopping.is_set():
+                with self.client.http.stream("POST", "/v1/completions", json=body) as response:
+                    self.responses[request_id] = response
+                    if self.stopping.is_set():  # abort() closed the responses before this one was known
+                        raise _Stopped
+                    if response.is_error:
+                        response.read()
+                        raise RuntimeError(f"POST /v1/completions failed with HTTP {response.status_code}: "
+                                           f"{response.text[:500]}")
+                    for line in response.iter_lines():
+                        if self.stopping.is_set() or line == "data: [DONE]":
+                            break
+                        if line.startswith("data: "):
+                            chunk = json.loads(line[6:])
+                            if "error" in chunk:
+                                raise RuntimeError(f"the server's stream failed: {chunk['error']}")
+                            for choice in chunk["choices"]:
+                                samples[choice["index"]].add(choice)
+        except Exception as exc:  # noqa: BLE001 (handed to the caller's thread)
+            if not self.stopping.is_set():  # closing a response under its reader raises: expected then
+                error = exc if isinstance(exc, RuntimeError) else RuntimeError(
+                    f"POST /v1/completions (streamed) failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.responses.pop(request_id, None)
+        self.done.put((request_id, [s.sample for s in samples], error))
+
+    def wait(self) -> list[tuple[int, object, list[Sample]]]:
+        """Block until a request ends; the groups that finished, as (key, prompt, samples)."""
+        done, self.ready = self.ready, []
+        if done:
+            return done
+        request_id, samples, error = self.done.get()
+        if error is not None:
+            raise error
+        group = self.book.fill(request_id, samples)
+        return [group] if group is not None else []
+
+    def abort(self) -> list[tuple[int, PartialGroup]]:
+        """Disconnect every request still running; the open groups with what they streamed, by key."""
+        self.stopping.set()
+        for response in list(self.responses.values()):
+            response.close()
+        self.pool.shutdown(wait=True)
+        while self.book.slots:
+            request_id, samples, _ = self.done.get()
+            if request_id in self.book.slots:
+                self.book.fill(request_id, samples, close=False)
+        return self.book.partial()

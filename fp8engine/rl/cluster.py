@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import itertools
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -25,17 +26,48 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from fp8engine.config import EngineConfig
-from fp8engine.engine import Prompt
+from fp8engine.engine import Prompt, check_update_options
 from fp8engine.outputs import EngineStats, WeightUpdateReport
-from fp8engine.rl.batch import RolloutBatch, Sample, collate, pad_token_id, rollout_stats
+from fp8engine.rl.batch import (
+    RolloutBatch,
+    Sample,
+    pad_token_id,
+    rollout_stats,
+)
 from fp8engine.rl.client import prompt_token_ids
-from fp8engine.rl.rollout import PauseMode, RolloutEngine, check_pause_mode, request_samples, rollout_params
-from fp8engine.rl.sync import (DEFAULT_BUCKET_BYTES, Bucket, SyncDtype, SyncReport, bucket_bytes_of, buckets,
-                               check_bucket_bytes, check_version, named_tensors)
+from fp8engine.rl.groups import (
+    UNFINISHED,
+    MinGroups,
+    PartialGroup,
+    check_min_groups,
+    check_resume,
+    enough,
+    gather,
+    group_batch,
+)
+from fp8engine.rl.rollout import (
+    GroupRun,
+    PauseMode,
+    RolloutEngine,
+    check_pause_mode,
+    rollout_params,
+)
+from fp8engine.rl.sync import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    SyncDtype,
+    SyncReport,
+    bucket_bytes_of,
+    buckets,
+    check_bucket_bytes,
+    check_version,
+    named_tensors,
+)
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights import dist_update
 from fp8engine.weights.default_model import default_model_path
 
+REPLICA_THREADS = 4  # a replica's actor threads: generate streams while a commit, stop or get_stats lands
 SyncMethod = Literal["object_store", "distributed"]
 SYNC_METHODS = ("object_store", "distributed")
 Packed = list[tuple[str, str, tuple[int, ...], object]]  # (name, dtype name, shape, numpy bytes)
@@ -43,16 +75,29 @@ Packed = list[tuple[str, str, tuple[int, ...], object]]  # (name, dtype name, sh
 
 @dataclass(slots=True)
 class PromptGroup:
-    """One prompt's n samples, which run on one replica (they share the prompt's KV blocks)."""
+    """One prompt's n samples, which run on one replica (they share the prompt's KV blocks); a resumed
+    group carries its PartialGroup, whose unfinished samples it continues."""
 
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    prompt: object = None
+    partial: PartialGroup | None = None
 
     @property
     def cost(self) -> int:
         """Tokens it keeps its replica busy with: the prompt once, then up to max_tokens per sample."""
-        return len(self.prompt_ids) + self.params.n * self.params.max_tokens
+        if self.partial is None:
+            return len(self.prompt_ids) + self.params.n * self.params.max_tokens
+        return len(self.prompt_ids) + sum(self.params.max_tokens - len(s.token_ids) for s in self.partial.samples
+                                          if s.finish_reason == UNFINISHED)
+
+    def unstarted(self) -> PartialGroup:
+        """The group as a PartialGroup that has generated nothing (or its own partial)."""
+        if self.partial is not None:
+            return self.partial
+        empty = Sample(self.prompt_ids, [], [], None, UNFINISHED, 0, -1, "", None, [])
+        return PartialGroup(self.prompt, [dataclasses.replace(empty) for _ in range(self.params.n)])
 
 
 @dataclass(slots=True)
@@ -75,7 +120,9 @@ class ClusterStats(EngineStats):
 
 
 class Replica:
-    """One engine in its own Ray actor process (RolloutCluster builds it with ray.remote).
+    """One engine in its own Ray actor process (RolloutCluster builds it with ray.remote, with threads enough
+    that a commit or a stop lands while `generate` streams: the engine is stepped in turns, see
+    RolloutEngine.turns).
 
     It streams each prompt group's samples as the group finishes (`generate`), and takes a weight
     sync in two phases: `stage` (receive and validate, nothing written), then `commit` or `discard`.
@@ -87,26 +134,36 @@ class Replica:
         self.rollouts = RolloutEngine(config)
         self.engine = self.rollouts.engine
         self.staged: list[tuple[str, torch.Tensor]] = []
+        self.stops: dict[int, threading.Event] = {}
 
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    def generate(self, groups: list[PromptGroup]) -> Iterator[tuple[int, list[Sample]]]:
-        """(group index, its samples) for each group, as it finishes."""
+    def generate(self, run_id: int, groups: list[PromptGroup]) -> Iterator[tuple[str, int, object]]:
+        """("done", group index, its samples) for each group as it finishes; once `stop(run_id)` was called,
+        ("partial", group index, PartialGroup) for each group still running (aborted, kept), then the end."""
         if self.rollouts.paused:
             raise RuntimeError(f"the replica is paused (mode {self.rollouts.paused!r})")
-        ids: dict[str, int] = {}
+        stop = self.stops.setdefault(run_id, threading.Event())
+        run = GroupRun(self.rollouts, groups[0].params.n if groups else 1)
         try:
-            for group in groups:
-                ids[self.engine.add_request(group.prompt_ids, group.params)] = group.index
-        except ValueError:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-            raise
-        while ids:
-            for out in self.engine.step(finished_only=True):
-                if out.finished and out.request_id in ids:
-                    yield ids.pop(out.request_id), request_samples(out)
+            for group in groups:  # GroupRun numbers them 0, 1, ... in this order
+                if group.partial is not None:
+                    run.add([group.partial], [], group.params)
+                else:
+                    run.add([], [group.prompt_ids], group.params)
+            while run.active and not stop.is_set():
+                for key, _, samples in run.step():
+                    yield "done", groups[key].index, samples
+        finally:
+            self.stops.pop(run_id, None)
+            kept = run.abort()
+        for key, partial in kept:
+            yield "partial", groups[key].index, PartialGroup(groups[key].prompt, partial.samples)
+
+    def stop(self, run_id: int) -> None:
+        """Have generate(run_id) abort and return its unfinished groups (before it started, too)."""
+        self.stops.setdefault(run_id, threading.Event()).set()
 
     def stage(self, packed: Packed) -> int:
         """Validate one bucket (read in place from the object store) and keep it for `commit`."""
@@ -122,9 +179,11 @@ class Replica:
         self.staged += tensors
         return len(tensors)
 
-    def commit(self, weight_version: int) -> WeightUpdateReport:
+    def commit(self, weight_version: int, in_flight: str = "wait", kv_on_update: str = "keep") -> WeightUpdateReport:
         staged, self.staged = self.staged, []
-        return self.engine.update_weights(staged, weight_version=weight_version)
+        with self.rollouts.turns.sync():
+            return self.engine.update_weights(staged, weight_version=weight_version, in_flight=in_flight,
+                                              kv_on_update=kv_on_update)
 
     def discard(self) -> None:
         self.staged = []
@@ -147,6 +206,29 @@ class Replica:
     def call(self, fn):
         """fn(engine) in the replica's process, for inspection (e.g. a weight checksum)."""
         return fn(self.engine)
+
+
+@dataclass(eq=False, slots=True)
+class _Run:
+    """One cluster rollout's results so far, and whether it has enough (min_groups) to stop."""
+
+    id: int
+    min_groups: MinGroups
+    n: int
+    pad_token_id: int
+    done: dict[int, list[Sample]] = field(default_factory=dict)
+    partial: dict[int, PartialGroup] = field(default_factory=dict)
+    placement: dict[int, int] = field(default_factory=dict)
+    views: list = field(default_factory=list)
+    stopped: bool = False
+
+    def finish(self, group: PromptGroup, samples: list[Sample], replica_id: int) -> None:
+        self.done[group.index], self.placement[group.index] = samples, replica_id
+        self.views.append(group_batch(samples, self.n, self.pad_token_id, group.prompt)
+                          if callable(self.min_groups) else None)
+
+    def enough(self) -> bool:
+        return enough(self.min_groups, self.views)
 
 
 @dataclass(eq=False, slots=True)
@@ -202,6 +284,8 @@ class RolloutCluster:
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         self._group_ids = itertools.count()
+        self._run_ids = itertools.count()
+        self._current_run: _Run | None = None
         self._group = None
         self._dead: set[int] = set()
         self._weights: list = []  # object refs of the last object-store sync's buckets
@@ -209,7 +293,8 @@ class RolloutCluster:
         gpu = config.device == "cuda"
         cpus = num_cpus_per_replica or max(1, int(ray.cluster_resources().get("CPU", 1)) // num_replicas)
         self._threads = None if gpu else cpus
-        self._actor_class = ray.remote(Replica).options(num_cpus=1 if gpu else cpus, num_gpus=1 if gpu else 0)
+        self._actor_class = ray.remote(Replica).options(num_cpus=1 if gpu else cpus, num_gpus=1 if gpu else 0,
+                                                        max_concurrency=REPLICA_THREADS)
         self._members = self._start(num_replicas)
 
     @property
@@ -218,23 +303,30 @@ class RolloutCluster:
         return [m.actor for m in self._members]
 
     # ------------------------------------------------------------------ rollouts
-    def rollout(self, prompts: Sequence[Prompt], n: int = 1,
-                sampling_params: SamplingParams | None = None) -> RolloutBatch:
+    def rollout(self, prompts: Sequence[Prompt], n: int = 1, sampling_params: SamplingParams | None = None, *,
+                min_groups: MinGroups = None, resume: Sequence[PartialGroup] | None = None) -> RolloutBatch:
         """RolloutEngine.rollout over the replicas. A replica that dies meanwhile has its unfinished
         prompt groups rerun on the others (same seeds): the batch still comes back complete.
-        batch.stats adds replica_of_prompt (the replica id that made each prompt's samples) and
-        num_prompt_groups_rerun."""
+        min_groups / resume: as RolloutEngine.rollout, over the cluster's groups: once enough finished, every
+        replica stops and returns its unfinished ones for batch.partial (the groups of a replica that died
+        after that come back unstarted). batch.stats adds replica_of_prompt (the replica id that made each
+        group's samples, in row order) and num_prompt_groups_rerun."""
         if self.paused:
             raise RuntimeError(f"the cluster is paused (mode {self.paused!r}); call resume() first")
-        params = rollout_params(prompts, n, sampling_params)
-        groups = [PromptGroup(i, prompt_token_ids(self.tokenizer, p), self._seeded(params))
-                  for i, p in enumerate(prompts)]
+        resume = check_resume(resume, n)
+        params = rollout_params(prompts, n, sampling_params, allow_empty=bool(resume))
+        check_min_groups(min_groups, len(resume) + len(prompts))
+        groups = [PromptGroup(i, g.samples[0].prompt_ids, self._seeded(params), g.prompt, g)
+                  for i, g in enumerate(resume)]
+        groups += [PromptGroup(len(groups) + i, prompt_token_ids(self.tokenizer, p), self._seeded(params), p)
+                   for i, p in enumerate(prompts)]
         start = time.perf_counter()
-        samples, placement, num_rerun = self._run(groups)
+        samples, partial, placement, num_rerun = self._run(groups, min_groups)
         seconds = time.perf_counter() - start
-        batch = collate([s for group in groups for s in samples[group.index]], n, self.pad_token_id)
+        batch = gather([(i, groups[i].prompt, s) for i, s in samples.items()], n, self.pad_token_id,
+                       sorted(partial.items()), self.weight_version)
         batch.stats = rollout_stats(batch, seconds, self.get_stats()) | {
-            "replica_of_prompt": placement, "num_prompt_groups_rerun": num_rerun}
+            "replica_of_prompt": [placement[i] for i in sorted(samples)], "num_prompt_groups_rerun": num_rerun}
         return batch
 
     def _seeded(self, params: SamplingParams) -> SamplingParams:
@@ -242,16 +334,21 @@ class RolloutCluster:
             return params
         return dataclasses.replace(params, seed=int(torch.randint(0, 2**62, (1,), generator=self._seeds)))
 
-    def _run(self, groups: list[PromptGroup]) -> tuple[dict[int, list[Sample]], list[int], int]:
-        done: dict[int, list[Sample]] = {}
-        placement = [-1] * len(groups)
+    def _run(self, groups: list[PromptGroup], min_groups: MinGroups = None
+             ) -> tuple[dict[int, list[Sample]], dict[int, PartialGroup], dict[int, int], int]:
+        run = _Run(next(self._run_ids), min_groups, groups[0].params.n if groups else 1, self.pad_token_id)
+        self._current_run = run
         todo, num_rerun = groups, 0
         while todo:
             self._check_live()
-            todo = self._collect(self._dispatch(todo), done, placement)
+            lost = self._collect(self._dispatch(todo), run)
+            if run.stopped:
+                run.partial |= {g.index: g.unstarted() for g in lost}
+                break
+            todo = lost
             num_rerun += len(todo)
         self.num_prompt_groups_rerun += num_rerun
-        return done, placement, num_rerun
+        return run.done, run.partial, run.placement, num_rerun
 
     def _dispatch(self, groups: list[PromptGroup]) -> dict:
         """One streaming `generate` call per replica that gets groups: {stream: (member, its groups)}."""
@@ -260,43 +357,53 @@ class RolloutCluster:
         for i, member in enumerate(self._members):
             mine = [g for g, r in zip(groups, plan) if r == i]
             if mine:
-                stream = member.actor.generate.options(num_returns="streaming").remote(mine)
+                stream = member.actor.generate.options(num_returns="streaming").remote(self._current_run.id, mine)
                 streams[stream] = (member, {g.index: g for g in mine})
         return streams
 
-    def _collect(self, streams: dict, done: dict[int, list[Sample]], placement: list[int]) -> list[PromptGroup]:
-        """Gather every stream's groups; returns the unfinished groups of replicas that died."""
+    def _collect(self, streams: dict, run: "_Run") -> list[PromptGroup]:
+        """Gather every stream's groups (stopping them all once the run has enough); returns the unfinished
+        groups of replicas that died."""
         ray = _ray()
         lost: list[PromptGroup] = []
         while streams:
             [stream], _ = ray.wait(list(streams), num_returns=1)
             member, unfinished = streams[stream]
             try:
-                index, samples = ray.get(next(stream))
+                kind, index, value = ray.get(next(stream))
             except ray.exceptions.RayActorError as exc:
                 self._lose(member, exc)
                 lost += unfinished.values()
                 unfinished.clear()
             else:
-                del unfinished[index]
-                done[index], placement[index] = samples, member.id
+                group = unfinished.pop(index)
+                if kind == "done":
+                    run.finish(group, value, member.id)
+                else:
+                    run.partial[index] = value
+                if not run.stopped and run.enough():
+                    run.stopped = True
+                    for m, _ in streams.values():
+                        m.actor.stop.remote(run.id)
             if not unfinished:
                 del streams[stream]
         return sorted(lost, key=lambda g: g.index)
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
-                     weight_version: int) -> SyncReport:
+                     weight_version: int, *, in_flight: str = "wait", kv_on_update: str = "keep") -> SyncReport:
         """All replicas or none: every replica stages (receives and validates) the whole update, and
         commits only once all have staged it. A bad tensor raises ValueError naming the replica and
         the tensor, every replica keeping its weights and version. A replica that dies meanwhile is
-        dropped (get_stats reports it) and the others go on."""
+        dropped (get_stats reports it) and the others go on. in_flight / kv_on_update: as
+        RolloutEngine.sync_weights, on every replica."""
         version = check_version(weight_version)
+        check_update_options(in_flight, kv_on_update)
         self._check_live()
         start = time.perf_counter()
         stage = self._stage_distributed if self.sync_method == "distributed" else self._stage_object_store
         refs, num_bytes, num_tensors, num_buckets = stage(named_tensors(model_or_state_dict), list(self._members))
-        self._commit(version, list(self._members))
+        self._commit(version, list(self._members), in_flight, kv_on_update)
         self.weight_version, self._weights, self._synced = version, refs, True
         return SyncReport(time.perf_counter() - start, num_bytes, num_tensors, num_buckets, version)
 
@@ -360,8 +467,10 @@ class RolloutCluster:
         self._wait(calls)
         self._wait([(m, m.actor.discard.remote()) for m in self._live(members)])
 
-    def _commit(self, version: int, members: list[_Member]) -> None:
-        for member, result in self._wait([(m, m.actor.commit.remote(version)) for m in members]):
+    def _commit(self, version: int, members: list[_Member], in_flight: str = "wait",
+                kv_on_update: str = "keep") -> None:
+        for member, result in self._wait([(m, m.actor.commit.remote(version, in_flight, kv_on_update))
+                                          for m in members]):
             if isinstance(result, BaseException):
                 raise RuntimeError(f"replica {member.id} failed to commit a staged update: {result}")
 

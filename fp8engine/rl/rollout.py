@@ -1,20 +1,46 @@
 """RolloutEngine: the trainer adapter over an in-process LLMEngine."""
 
+import contextlib
 import dataclasses
 import functools
+import itertools
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Literal
 
 import torch
 from torch import nn
 
 from fp8engine.config import EngineConfig
-from fp8engine.engine import LLMEngine, Prompt
+from fp8engine.engine import LLMEngine, Prompt, check_update_options
 from fp8engine.outputs import EngineStats, RequestOutput
-from fp8engine.rl.batch import RolloutBatch, Sample, collate, pad_token_id, rollout_stats
-from fp8engine.rl.sync import (DEFAULT_BUCKET_BYTES, Bucket, SyncDtype, SyncReport, bucket_bytes_of,
-                               buckets, check_bucket_bytes, check_version, named_tensors)
+from fp8engine.rl.batch import RolloutBatch, Sample, pad_token_id, rollout_stats
+from fp8engine.rl.groups import (
+    UNFINISHED,
+    GroupBook,
+    MinGroups,
+    PartialGroup,
+    Slot,
+    check_min_groups,
+    check_resume,
+    continuation,
+    enough,
+    finished_at_length,
+    gather,
+    group_batch,
+)
+from fp8engine.rl.sync import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    SyncDtype,
+    SyncReport,
+    bucket_bytes_of,
+    buckets,
+    check_bucket_bytes,
+    check_version,
+    named_tensors,
+)
 from fp8engine.sampling_params import SamplingParams
 
 PauseMode = Literal["abort", "wait", "keep"]
@@ -37,41 +63,102 @@ class RolloutEngine:
         self.sync_dtype = None if sync_dtype == "auto" else sync_dtype
         self.paused: PauseMode | None = None
         self.pad_token_id = pad_token_id(self.engine.tokenizer)
+        self.turns = Turns()
+        self.finished: dict[str, RequestOutput] = {}  # finished outputs not yet taken by their GroupRun
 
     def sync_weights(self, model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
-                     weight_version: int) -> SyncReport:
+                     weight_version: int, *, in_flight: str = "wait", kv_on_update: str = "keep") -> SyncReport:
         """Stream the trainer's weights into the engine in buckets; the engine validates the
-        whole stream before writing anything, then tags later rollouts with `weight_version`.
-        Requests in flight finish on the old weights first."""
+        whole stream before writing anything, then tags the tokens it samples with `weight_version`.
+        Requests in flight finish on the old weights first ("wait"), are aborted ("abort"), or go on under
+        the new ones ("keep"; kv_on_update "keep" | "recompute", see LLMEngine.update_weights)."""
         version = check_version(weight_version)
+        check_update_options(in_flight, kv_on_update)
         start = time.perf_counter()
         sizes: list[int] = []
         stream = buckets(named_tensors(model_or_state_dict), self.bucket_bytes, self.sync_dtype)
-        report = self.engine.update_weights(_flatten(stream, sizes), weight_version=version)
+        with self.turns.sync():
+            report = self.engine.update_weights(_flatten(stream, sizes), weight_version=version, in_flight=in_flight,
+                                                kv_on_update=kv_on_update)
         return SyncReport(time.perf_counter() - start, sum(sizes), report.num_tensors, len(sizes),
                           version)
 
-    def rollout(self, prompts: Sequence[Prompt], n: int = 1,
-                sampling_params: SamplingParams | None = None) -> RolloutBatch:
+    def rollout(self, prompts: Sequence[Prompt], n: int = 1, sampling_params: SamplingParams | None = None, *,
+                min_groups: MinGroups = None, resume: Sequence[PartialGroup] | None = None) -> RolloutBatch:
         """Generate `n` samples per prompt (str, token ids or chat messages) and pad them into a
-        RolloutBatch of B = len(prompts) * n rows, prompt-major, with per-token logprobs."""
-        if self.paused:
-            raise RuntimeError(f"the engine is paused (mode {self.paused!r}); call resume() first")
-        params = rollout_params(prompts, n, sampling_params)
+        RolloutBatch of B = len(prompts) * n rows, prompt-major, with per-token logprobs.
+
+        min_groups: return once this many prompt groups finished (an int), or once the callable, given the
+            finished groups (a RolloutBatch each, in finish order), returns True (DAPO's dynamic sampling);
+            the unfinished groups are aborted and kept in batch.partial. resume: a batch.partial to continue
+            first (see fp8engine.rl.groups); prompts may then be empty. Rows follow the finished groups,
+            resumed ones first (batch.group_prompts names each group's prompt).
+        """
+        self._check_not_paused()
+        resume = check_resume(resume, n)
+        params = rollout_params(prompts, n, sampling_params, allow_empty=bool(resume))
+        check_min_groups(min_groups, len(resume) + len(prompts))
         start = time.perf_counter()
-        outputs = self.engine.generate(list(prompts), params)
-        seconds = time.perf_counter() - start
-        batch = collate([s for out in outputs for s in request_samples(out)], n, self.pad_token_id)
-        batch.stats = rollout_stats(batch, seconds, self.engine.get_stats())
-        batch.scorer = functools.partial(self._score, batch.weight_version)
+        run = GroupRun(self, n)
+        run.add(resume, prompts, params)
+        finished: list[tuple[int, object, list[Sample]]] = []
+        views: list[RolloutBatch] = []
+        try:
+            while run.active and not enough(min_groups, views):
+                for key, prompt, samples in run.step():
+                    finished.append((key, prompt, samples))
+                    if callable(min_groups):
+                        views.append(group_batch(samples, n, self.pad_token_id, prompt))
+                    else:
+                        views.append(None)
+        finally:
+            partial = run.abort()
+        batch = gather(finished, n, self.pad_token_id, partial, self.engine.weight_version)
+        batch.stats = rollout_stats(batch, time.perf_counter() - start, self.engine.get_stats())
+        batch.scorer = functools.partial(self._score, batch_versions(batch))
         return batch
 
-    def _score(self, weight_version: int, prompts: list[list[int]], responses: list[list[int]],
+    def stream(self, prompts: Iterable[Prompt], n: int = 1, sampling_params: SamplingParams | None = None, *,
+               max_groups_in_flight: int | None = None) -> Iterator[RolloutBatch]:
+        """A RolloutBatch (n rows) per prompt group as it finishes, in finish order. `prompts` may be any
+        iterable, endless too: at most max_groups_in_flight groups are in the engine at a time (default: enough
+        to fill max_num_seqs twice). Another thread may call sync_weights meanwhile (in_flight="keep": the
+        groups go on under the new weights); closing the iterator aborts the groups still running."""
+        self._check_not_paused()
+        params = rollout_params([None], n, sampling_params)
+        limit = max_groups_in_flight or 2 * -(-self.engine.config.max_num_seqs // n)
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_groups_in_flight must be an integer >= 1, got {max_groups_in_flight!r}")
+        source = iter(prompts)
+        run = GroupRun(self, n)
+        try:
+            while True:
+                more = list(itertools.islice(source, limit - run.book.num_running))
+                if more:
+                    run.add([], more, params)
+                if not run.active:
+                    return
+                for key, prompt, samples in run.step():
+                    batch = group_batch(samples, n, self.pad_token_id, prompt)
+                    batch.scorer = functools.partial(self._score, batch_versions(batch))
+                    yield batch
+        finally:
+            run.abort()
+
+    def _score(self, versions: list[int], prompts: list[list[int]], responses: list[list[int]],
                params: SamplingParams) -> list[list[float]]:
+        if len(versions) > 1:
+            raise ValueError(f"the batch spans weight versions {versions} (a sync with in_flight='keep' ran while "
+                             f"it was generated); exact logprobs need the one set of weights that sampled it")
+        weight_version = versions[0]
         if self.engine.weight_version != weight_version:
             raise ValueError(f"the batch came from weight version {weight_version} but the engine now holds "
                              f"{self.engine.weight_version}; exact logprobs need the weights that sampled it")
         return self.engine.score(prompts, responses, params)
+
+    def _check_not_paused(self) -> None:
+        if self.paused:
+            raise RuntimeError(f"the engine is paused (mode {self.paused!r}); call resume() first")
 
     def pause(self, mode: PauseMode = "abort") -> None:
         """Stop generating. In-flight requests (added to `.engine` directly) are aborted
@@ -80,7 +167,8 @@ class RolloutEngine:
         ("keep"; a sync meanwhile finishes them on the old weights: no rollout spans two
         versions). rollout() raises while paused."""
         if check_pause_mode(mode) != "keep":
-            self.engine.drain(mode)
+            with self.turns.sync():
+                self.engine.drain(mode)
         self.paused = mode
 
     def resume(self) -> None:
@@ -96,10 +184,10 @@ def check_pause_mode(mode) -> PauseMode:
     return mode
 
 
-def rollout_params(prompts: Sequence[Prompt], n: int,
-                   sampling_params: SamplingParams | None) -> SamplingParams:
+def rollout_params(prompts: Sequence[Prompt], n: int, sampling_params: SamplingParams | None, *,
+                   allow_empty: bool = False) -> SamplingParams:
     """`sampling_params` with n set and logprobs on; checks the arguments of a rollout call."""
-    if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence) or not prompts:
+    if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence) or not (prompts or allow_empty):
         raise ValueError("prompts must be a non-empty list of prompts (each a str, token ids or "
                          f"chat messages), got {type(prompts).__name__}")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -121,4 +209,122 @@ def _flatten(stream: Iterator[Bucket], sizes: list[int]) -> Iterator[tuple[str, 
 def request_samples(out: RequestOutput) -> list[Sample]:
     """A finished request's samples, as a RolloutBatch takes them."""
     return [Sample(out.prompt_token_ids, c.token_ids, c.logprobs, c.log_kept_mass, c.finish_reason,
-                   c.num_preemptions, out.weight_version, c.text, c.routed_experts) for c in out.outputs]
+                   c.num_preemptions, out.weight_version, c.text, c.routed_experts, c.token_weight_versions)
+            for c in out.outputs]
+
+
+def batch_versions(batch: RolloutBatch) -> list[int]:
+    """The weight versions that sampled a batch's tokens (its own when it has no token)."""
+    versions = batch.token_weight_versions[batch.response_mask.bool()].unique().tolist()
+    return versions or [batch.weight_version]
+
+
+class Turns:
+    """One engine, several threads: rollout steps take turns, and a weight sync (or pause) waiting for its
+    turn goes before the next step, so that a sync from the trainer's thread lands between two steps of a
+    stream instead of waiting for the stream to end."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._busy = False
+        self._syncs_waiting = 0
+
+    @contextlib.contextmanager
+    def step(self):
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy and not self._syncs_waiting)
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def sync(self):
+        with self._cond:
+            self._syncs_waiting += 1
+            self._cond.wait_for(lambda: not self._busy)
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._syncs_waiting -= 1
+                self._cond.notify_all()
+
+
+class GroupRun:
+    """Prompt groups on a RolloutEngine's engine: a request per new group (its n samples), one per resumed
+    unfinished sample; whole groups come out of `step()` as they finish, `abort()` keeps the rest."""
+
+    def __init__(self, rollouts: RolloutEngine, n: int):
+        self.rollouts = rollouts
+        self.engine = rollouts.engine
+        self.book = GroupBook(n)
+        self.ready: list[tuple[int, object, list[Sample]]] = []
+        self._keys = itertools.count()
+
+    @property
+    def active(self) -> bool:
+        """Whether a group is still running or finished but not yet returned by step()."""
+        return bool(self.book.num_running or self.ready)
+
+    def add(self, resume: list[PartialGroup], prompts: Sequence[Prompt], params: SamplingParams) -> None:
+        """Queue resumed groups, then new prompts; a prompt the engine refuses aborts all of this call's."""
+        added: list[str | None] = []
+        keys: list[int] = []
+        ready = len(self.ready)
+        with self.rollouts.turns.step():
+            try:
+                for group in resume:
+                    keys.append(key := next(self._keys))
+                    self.book.open(key, group.prompt, [None if s.finish_reason == UNFINISHED else s
+                                                       for s in group.samples])
+                    for index, sample in enumerate(group.samples):
+                        if sample.finish_reason == UNFINISHED:
+                            added.append(self._continue(key, index, sample, params))
+                    if (done := self.book.finished_now(key)) is not None:
+                        self.ready.append(done)
+                for prompt in prompts:
+                    keys.append(key := next(self._keys))
+                    self.book.open(key, prompt)
+                    added.append(self.engine.add_request(prompt, params))
+                    self.book.track(added[-1], Slot(key, list(range(params.n)), [None] * params.n))
+            except ValueError:
+                for request_id in filter(None, added):
+                    self.engine.abort_request(request_id)
+                self.book.drop(keys)
+                del self.ready[ready:]
+                raise
+
+    def _continue(self, key: int, index: int, first: Sample, params: SamplingParams) -> str | None:
+        more = continuation(params, first, index)
+        if more is None:
+            self.book.samples[key][index] = finished_at_length(first)
+            return None
+        request_id = self.engine.add_request(first.prompt_ids + first.token_ids, more)
+        self.book.track(request_id, Slot(key, [index], [first]))
+        return request_id
+
+    def step(self) -> list[tuple[int, object, list[Sample]]]:
+        """Run one engine step; the groups that finished, as (key, prompt, samples)."""
+        done, self.ready = self.ready, []
+        with self.rollouts.turns.step():
+            for out in self.engine.step(finished_only=True):
+                self.rollouts.finished[out.request_id] = out
+            mine = [self.rollouts.finished.pop(r) for r in list(self.book.slots) if r in self.rollouts.finished]
+        for out in mine:
+            if (group := self.book.fill(out.request_id, request_samples(out))) is not None:
+                done.append(group)
+        return done
+
+    def abort(self) -> list[tuple[int, PartialGroup]]:
+        """Abort every request still running; the open groups with what they generated, by key."""
+        with self.rollouts.turns.step():
+            outs = [self.rollouts.finished.pop(r, None) or self.engine.abort_request(r) for r in list(self.book.slots)]
+        for out in outs:
+            self.book.fill(out.request_id, request_samples(out), close=False)
+        return self.book.partial()
