@@ -77,6 +77,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.num_steps = 0
+        self.step_seconds_total = 0.0
         self.last_weight_update_seconds = 0.0
         logger.info("fp8engine: %s on %s, %d KV blocks of %d tokens (%s), kernels: %s", self.model_dir,
                     config.device, self.runner.num_blocks, config.block_size, self.runner.kv_dtype,
@@ -126,12 +127,15 @@ class LLMEngine:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress with work queued (internal error)")
             return outputs
+        start = time.perf_counter()
         self.runner.copy_blocks(self.scheduler.take_pending_copies())
         with self.kv_scales.calibrating():
             result = self.runner.execute(scheduled)
         self.num_steps += 1
         touched = self.outputs.process(scheduled, result)
-        return outputs + [self.outputs.emit(r) for r in touched if r.finished or not finished_only]
+        outputs += [self.outputs.emit(r) for r in touched if r.finished or not finished_only]
+        self.step_seconds_total += time.perf_counter() - start
+        return outputs
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -311,7 +315,8 @@ class LLMEngine:
             self._pending_outputs += [o for o in map(self.abort_request, ids) if o is not None]
             return len(ids)
         while self.requests:
-            self._pending_outputs += self.step(finished_only=True)
+            # step() hands back the outputs still pending with the new ones: they stay pending, each once
+            self._pending_outputs = self.step(finished_only=True)
         return 0
 
     def flush_prefix_cache(self) -> None:
@@ -383,7 +388,8 @@ class LLMEngine:
             kv_scales=self.kv_scales.current(),
             num_prompt_tokens_total=self.outputs.counters["prompt_tokens"],
             num_generation_tokens_total=self.outputs.counters["generation_tokens"],
-            num_steps_total=self.num_steps, num_requests_finished=self.outputs.counters["finished"],
+            num_steps_total=self.num_steps, step_seconds_total=self.step_seconds_total,
+            num_requests_finished=self.outputs.counters["finished"],
             kv_cache_dtype=self.config.kv_cache_dtype, linear_backend=self.runner.kernels.linear_name,
             attention_backend=kernels["attention"], decoder_backend=kernels["decoder"], kernels=kernels,
             device=self.config.device,

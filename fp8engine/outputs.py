@@ -101,6 +101,7 @@ class EngineStats:
     num_prompt_tokens_total: int = 0
     num_generation_tokens_total: int = 0
     num_steps_total: int = 0
+    step_seconds_total: float = 0.0  # time inside steps that ran the model (busy; the rest of the wall time is idle)
     num_requests_finished: int = 0
     kv_cache_dtype: str = "auto"
     linear_backend: str = "torch"

@@ -196,3 +196,19 @@ def test_rollout_batches_carry_versions_and_staleness_is_measured(model):
     assert metrics["staleness_mean"] == pytest.approx(0.4 * 2 + 0.6 * 1) and metrics["k3"] == 0
     with pytest.raises(ValueError, match="kv_on_update must be one of"):
         rollouts.sync_weights(_new_weights(model), weight_version=2, in_flight="keep", kv_on_update="later")
+
+
+def test_a_waiting_update_hands_back_each_drained_output_once(model):
+    """in_flight="wait" runs the requests in flight to the end over many steps; the next step() returns each
+    finished request exactly once (the pending outputs once doubled at every drain step)."""
+    engine = make_engine(model, num_kv_blocks=64)
+    lengths = [6, 12, 24]  # finishing at different drain steps
+    ids = [engine.add_request([5 + i, 6, 7], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+           for i, n in enumerate(lengths)]
+    engine.step()
+    engine.update_weights(_new_weights(model), weight_version=1, in_flight="wait")
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == sorted(ids) and all(o.finished for o in outs)
+    got = {o.request_id: o for o in outs}
+    assert [len(got[i].outputs[0].token_ids) for i in ids] == lengths and all(o.weight_version == 0 for o in outs)
+    assert engine.step() == [] and not engine.has_unfinished_requests()
