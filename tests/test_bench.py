@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from fp8engine.benchmarks import llama_cpp, replicas, soak, throughput
+from fp8engine.benchmarks import in_flight, llama_cpp, replicas, soak, throughput
 from fp8engine.entrypoints.cli import main
 from fp8engine.weights.loader import iter_safetensors
 
@@ -355,3 +355,42 @@ def test_a_malformed_event_counts_as_a_stream_error_and_the_soak_goes_on():
     body = (whole + "data: [DONE]\n\n").encode()
     asyncio.run(soak._read_events(httpx.Response(200, content=body), tally, 0.0, None))
     assert (dict(tally.stream_errors), tally.completed, tally.output_tokens) == ({}, 1, 1)
+
+
+# ------------------------------------------------------------------ weight updates during generation
+def test_update_policies_side_by_side_on_one_stream_of_groups(tiny_qwen3_dir, capsys):
+    """--update-every: the same groups and lengths under every policy; "keep" changes nothing of the schedule,
+    "wait" drains before each update (more, smaller steps), "keep+recompute" re-prefills what is in flight, and
+    with an FP8 KV cache every update that moves the scales re-quantizes the live blocks."""
+    spec = throughput.shaped("rl-long", num_prompts=4, n=2, output_len=12)
+    report = in_flight.run(spec, "fp8-kv", 4, ["none", "wait", "keep", "keep+recompute"], model=tiny_qwen3_dir,
+                           threads=1)
+    rows = {r["policy"]: r for r in report["results"]}
+    total = sum(report["lengths"]) * 2
+    assert all(r["output_tokens"] == total for r in rows.values())
+    assert rows["none"]["updates"] == 0 and "stall_s_per_update" not in rows["none"]
+    assert rows["keep"]["steps"] == rows["none"]["steps"] and rows["keep"]["recomputed_seqs"] == 0
+    assert rows["keep"]["updates"] == rows["keep+recompute"]["updates"] >= 2
+    assert rows["keep"]["kv_rescale_ms_per_update"] > 0
+    assert rows["keep+recompute"]["recomputed_seqs"] > 0 and rows["wait"]["recomputed_seqs"] == 0
+    assert rows["wait"]["updates"] >= 1 and rows["wait"]["steps"] >= rows["none"]["steps"]
+    assert all("stall_s_per_update" in rows[p] for p in ("wait", "keep", "keep+recompute"))
+    assert "keep+recompute" in in_flight.format_table(report)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--update-every", "0"], "--update-every must be an integer >= 1"),
+    (["--update-every", "4", "--in-flight", "drain"], "--in-flight"),
+    (["--update-every", "4", "--replicas", "1"], "--update-every compares"),
+    (["--workload", "sync", "--update-every", "4"], "--update-every"),
+])
+def test_bad_update_flags_are_refused_before_any_model_loads(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(in_flight, "run_policy", lambda *args: pytest.fail("a policy ran"))
+    monkeypatch.setattr(in_flight, "prompt_ids", lambda *args: pytest.fail("loaded the tokenizer"))
+    argv = ["bench", *(["--workload", "rl-long"] if "--workload" not in argv else []), *argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse refuses an unknown choice itself
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err

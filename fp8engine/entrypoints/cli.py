@@ -95,7 +95,7 @@ def _print_text(outs, summary: dict) -> None:
 # flags that shape or extend a throughput workload, and mean nothing to sync, serve and soak
 THROUGHPUT_FLAGS = {"num_prompts": "--num-prompts", "n": "--n", "input_len": "--input-len",
                     "output_len": "--output-len", "threads": "--threads", "replicas": "--replicas",
-                    "gguf": "--gguf", "llama_bin": "--llama-bin"}
+                    "gguf": "--gguf", "llama_bin": "--llama-bin", "update_every": "--update-every"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -134,6 +134,15 @@ def bench_throughput(args: argparse.Namespace) -> dict:
     from fp8engine.benchmarks import throughput
     spec = throughput.shaped(args.workload, args.num_prompts, args.n, args.input_len, args.output_len,
                              args.prompt_kind)
+    if args.update_every is not None:
+        if args.replicas is not None or args.baseline is not None or args.plot:
+            raise ValueError("--update-every compares --in-flight policies of one mode; it takes neither "
+                             "--replicas, --baseline nor --plot")
+        from fp8engine.benchmarks import in_flight
+        report = in_flight.run(spec, args.modes[0], args.update_every, args.in_flight, args.model, args.dtype,
+                               args.device, threads=args.threads)
+        print(in_flight.format_table(report))
+        return report
     if args.replicas is not None:
         if args.baseline is not None or args.plot:
             raise ValueError("--replicas compares replica counts of one mode; it takes neither --baseline nor --plot")

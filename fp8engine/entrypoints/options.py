@@ -15,7 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
-from fp8engine.benchmarks.workloads import BASELINES, MODES, PROMPT_KINDS, WORKLOADS
+from fp8engine.benchmarks.workloads import (
+    BASELINES,
+    IN_FLIGHT_POLICIES,
+    MODES,
+    PROMPT_KINDS,
+    WORKLOADS,
+)
 from fp8engine.config import EngineConfig
 from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
 
@@ -269,6 +275,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--replicas",), "replicas", "bench", ("bench",), "throughput workloads: run through RolloutCluster "
            "(Ray) with each of these replica counts of --threads threads, side by side, the first of --modes",
            convert=_argument_type(_int_list, "int list"), metavar="K[,K...]"),
+    Option(("--update-every",), "update_every", "bench", ("bench",), "throughput workloads: prompt groups "
+           "streamed in and a weight update every N engine steps, the --in-flight policies side by side on the "
+           "first of --modes", convert=int, metavar="N"),
+    Option(("--in-flight",), "in_flight", "bench", ("bench",), "--update-every: what each update does to the "
+           "requests in flight (none: no update, the reference the stalls are measured against)",
+           ",".join(IN_FLIGHT_POLICIES), choices=IN_FLIGHT_POLICIES, many=True),
     Option(("--json",), "json", "bench", ("bench",), "write the report to FILE as JSON", metavar="FILE"),
     Option(("--plot",), "plot", "bench", ("bench",), "draw the report into FILE (PNG)", metavar="FILE"),
     Option(("--rounds",), "rounds", "bench", ("bench",), "run every mode (or replica count), and the baseline, "
