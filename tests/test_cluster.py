@@ -346,3 +346,31 @@ def test_weight_update_group_over_http_and_a_trainer_that_dies(server_url, check
     assert_same(client.rollout(PROMPTS, n=2, sampling_params=SEEDED), local)
     client.destroy_weights_update_group()  # already closed by the failure: a no-op
     client.close()
+
+
+def test_a_client_on_a_weight_update_group_syncs_by_broadcast(server_url, checkpoint_rollouts, broadcast):
+    """RolloutClient.use_weights_update_group: sync_weights broadcasts the tensors instead of POSTing them, with
+    the update options of the HTTP path, and the server ends where an in-process update of the same tensors
+    does; close() leaves the group."""
+    _, _, tensors = broadcast
+    client = RolloutClient(server_url, sync_dtype=None)
+    version = client.weight_version() + 1
+    client.use_weights_update_group()
+    try:
+        with pytest.raises(ValueError, match="in_flight"):
+            client.sync_weights(tensors, weight_version=version, in_flight="later")
+        report = client.sync_weights(tensors, weight_version=version, in_flight="keep", kv_on_update="recompute")
+        remote = client.rollout(PROMPTS, n=2, sampling_params=SEEDED)
+    finally:
+        client.close()
+    assert client.group is None
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert (report.num_tensors, report.num_bytes, report.weight_version) == (len(tensors), num_bytes, version)
+    assert remote.weight_version == version
+
+    engine, before = checkpoint_rollouts.engine, checkpoint_rollouts.engine.weight_version
+    originals = {name: engine.get_weights_by_name(name).clone() for name in tensors}
+    engine.update_weights(tensors, weight_version=version)
+    local = checkpoint_rollouts.rollout(PROMPTS, n=2, sampling_params=SEEDED)
+    engine.update_weights(originals, weight_version=before)
+    assert_same(remote, local)

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from fp8engine.benchmarks.throughput import machine_info, rl_prompts
 from fp8engine.config import EngineConfig
 from fp8engine.engine import LLMEngine
 from fp8engine.sampling_params import SamplingParams
+from fp8engine.weights.dist_update import free_port
 
 
 def run(base_url: str, concurrency: int, num_requests: int, max_tokens: int, *, api_key: str | None = None,
@@ -188,12 +188,6 @@ def wait_until_healthy(base_url: str, server: subprocess.Popen, log, timeout: fl
             pass
         time.sleep(0.5)
     raise RuntimeError(f"the server did not become healthy within {timeout:.0f} s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _flags(options: dict) -> list[str]:

@@ -51,7 +51,13 @@ from fp8engine.rl.sync import (
 )
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights.default_model import default_model_path
-from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, dtype_name
+from fp8engine.weights.dist_update import (
+    DEFAULT_TIMEOUT_S,
+    broadcast_weights,
+    dtype_name,
+    free_port,
+    init_process_group,
+)
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop",
                    "stop_token_ids", "ignore_eos", "seed", "logprobs", "logprobs_mode", "return_routed_experts",
@@ -92,9 +98,33 @@ class RolloutClient:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer or default_model_path())
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id(tokenizer)
+        self.group = None  # a weight-update group with the server (use_weights_update_group)
 
     def close(self) -> None:
+        """Leave the weight-update group (when use_weights_update_group joined one) and close the connection."""
+        if self.group is not None:
+            group, self.group = self.group, None
+            try:
+                self.destroy_weights_update_group()
+            finally:
+                torch.distributed.destroy_process_group(group)
         self.http.close()
+
+    def use_weights_update_group(self, master_address: str = "127.0.0.1", master_port: int | None = None, *,
+                                 backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Sync over a torch.distributed group from now on: this trainer (rank 0) and the server (rank 1) join a
+        group of their own (on master_port, a free one by default), and every later `sync_weights` broadcasts the
+        tensors (cast to sync_dtype, a bucket at a time) instead of POSTing safetensors buckets — no
+        serialization and no HTTP body, which the server reads at well under 100 MB/s (docs/async-rl.md). The
+        server receives, validates and applies them as the HTTP path does, in_flight and kv_on_update included;
+        a trainer that dies mid-broadcast leaves it on its old weights. close() leaves the group."""
+        if self.group is not None:
+            raise ValueError("this client already syncs over a weight-update group")
+        port = master_port or free_port()
+        with ThreadPoolExecutor(1, thread_name_prefix="fp8engine-group") as pool:
+            group = pool.submit(init_process_group, master_address, port, 0, 2, backend=backend, timeout_s=timeout_s)
+            self.init_weights_update_group(master_address, port, 1, 2, backend=backend, timeout_s=timeout_s)
+            self.group = group.result()
 
     def sync_weights(self, model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
                      weight_version: int, *, in_flight: str = "wait", kv_on_update: str = "keep") -> SyncReport:
@@ -105,6 +135,8 @@ class RolloutClient:
         version = check_version(weight_version)
         check_update_options(in_flight, kv_on_update)
         start = time.perf_counter()
+        if self.group is not None:
+            return self._broadcast(model_or_state_dict, version, in_flight, kv_on_update, start)
         self._update("start")
         sizes, num_tensors = [], 0
         for bucket in buckets(named_tensors(model_or_state_dict), self.bucket_bytes, self.sync_dtype):
@@ -113,6 +145,22 @@ class RolloutClient:
             num_tensors += len(bucket)
         self._update("commit", weight_version=version, in_flight=in_flight, kv_on_update=kv_on_update)
         return SyncReport(time.perf_counter() - start, sum(sizes), num_tensors, len(sizes), version)
+
+    def _broadcast(self, source, version: int, in_flight: str, kv_on_update: str, start: float) -> SyncReport:
+        """sync_weights over the group: the server is told the names, dtypes and shapes (after the cast), then
+        receives the broadcast while this thread sends it, a bucket of copies at a time."""
+        specs = [(name, self.sync_dtype if self.sync_dtype is not None and t.is_floating_point() else t.dtype,
+                  list(t.shape)) for name, t in named_tensors(source)]
+        names, dtypes, shapes = (list(x) for x in zip(*specs)) if specs else ([], [], [])
+        num_bytes = num_buckets = 0
+        with ThreadPoolExecutor(1, thread_name_prefix="fp8engine-sync") as pool:
+            applied = pool.submit(self.update_weights_from_distributed, names, dtypes, shapes, version,
+                                  in_flight=in_flight, kv_on_update=kv_on_update)
+            for bucket in buckets(named_tensors(source), self.bucket_bytes, self.sync_dtype):
+                num_bytes += broadcast_weights(self.group, bucket)
+                num_buckets += 1
+            applied.result()
+        return SyncReport(time.perf_counter() - start, num_bytes, len(names), num_buckets, version)
 
     def rollout(self, prompts: Sequence[Prompt], n: int = 1, sampling_params: SamplingParams | None = None, *,
                 min_groups: MinGroups = None, resume: Sequence[PartialGroup] | None = None) -> RolloutBatch:
@@ -218,12 +266,15 @@ class RolloutClient:
             "world_size": world_size, "group_name": group_name, "backend": backend, "timeout_s": timeout_s})
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str | torch.dtype],
-                                        shapes: list[list[int]], weight_version: int | None = None) -> dict:
+                                        shapes: list[list[int]], weight_version: int | None = None, *,
+                                        in_flight: str = "wait", kv_on_update: str = "keep") -> dict:
         """The server receives the tensors rank 0 broadcasts meanwhile (in `names` order) and applies
-        them as update_weights does; returns its WeightUpdateReport as a dict."""
+        them as update_weights does (in_flight / kv_on_update as there); returns its WeightUpdateReport as a dict."""
+        check_update_options(in_flight, kv_on_update)
         return self._request("POST", "/update_weights_from_distributed", json={
             "names": list(names), "dtypes": [d if isinstance(d, str) else dtype_name(d) for d in dtypes],
-            "shapes": [list(s) for s in shapes], "weight_version": weight_version})
+            "shapes": [list(s) for s in shapes], "weight_version": weight_version, "in_flight": in_flight,
+            "kv_on_update": kv_on_update})
 
     def destroy_weights_update_group(self) -> None:
         self._request("POST", "/destroy_weights_update_group")

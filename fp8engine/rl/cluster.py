@@ -13,7 +13,6 @@ when a cluster is built, never by `import fp8engine.rl`.
 import contextlib
 import dataclasses
 import itertools
-import socket
 import threading
 import time
 import warnings
@@ -497,7 +496,7 @@ class RolloutCluster:
             return self._group
         ray = _ray()
         address = self.master_address or ray.util.get_node_ip_address()
-        port, world_size = _free_port(), len(members) + 1
+        port, world_size = dist_update.free_port(), len(members) + 1
         name = f"fp8engine-cluster-{id(self):x}-{next(self._group_ids)}"
         backend = "nccl" if self.config.device == "cuda" else "gloo"
         calls = [(m, m.actor.init_weights_update_group.remote(address, port, rank, world_size, name, backend,
@@ -644,12 +643,6 @@ def unpack(packed: Packed) -> list[tuple[str, torch.Tensor]]:
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return [(name, torch.from_numpy(data).view(dist_update.parse_dtype(dtype)).reshape(shape))
                 for name, dtype, shape, data in packed]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _ray():

@@ -16,6 +16,7 @@ Trainer side (the engines call init_weights_update_group / update_weights_from_d
 """
 
 import datetime
+import socket
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -46,6 +47,13 @@ def init_process_group(master_address: str, master_port: int, rank: int, world_s
                                          group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a group's rendezvous or a server)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
