@@ -10,6 +10,7 @@ import torch
 
 from fp8engine import EngineConfig, SamplingParams
 from fp8engine.rl import RolloutEngine
+from fp8engine.rl.batch import concat
 from fp8engine.rl.groups import PartialGroup
 from tests.test_async_updates import _new_weights
 from tests.tiny_models import tiny_dir  # noqa: F401 (a fixture)
@@ -164,12 +165,13 @@ def client(model):
 
 
 def test_partial_rollouts_over_http_resume_with_their_first_part_intact(client, model):
+    version = client.weight_version()  # the module's server: the other test may have synced first
     first = client.rollout(PROMPTS, n=2, sampling_params=PARAMS, min_groups=1)
     assert first.batch_size == 2 and first.response_lengths.tolist() == [8, 8] and len(first.partial) == 3
     assert sorted(map(str, first.group_prompts + [g.prompt for g in first.partial])) == sorted(map(str, PROMPTS))
     heads = [s for g in first.partial for s in g.samples]
     assert all(len(s.token_ids) == len(s.logprobs) == len(s.token_weight_versions) < 8 for s in heads)
-    client.sync_weights(_new_weights(model), weight_version=1, in_flight="keep")
+    client.sync_weights(_new_weights(model), weight_version=version + 1, in_flight="keep")
     second = client.rollout([], n=2, sampling_params=PARAMS, resume=first.partial)
     assert second.group_prompts == [g.prompt for g in first.partial] and not second.partial
     assert second.response_lengths.tolist() == [8] * 6
@@ -177,7 +179,7 @@ def test_partial_rollouts_over_http_resume_with_their_first_part_intact(client, 
         k = len(head.token_ids)
         assert second.response_ids[row, :k].tolist() == head.token_ids
         assert second.rollout_logprobs[row, :k].tolist() == pytest.approx(head.logprobs, abs=1e-6)
-        assert second.token_weight_versions[row].tolist() == [0] * k + [1] * (8 - k)
+        assert second.token_weight_versions[row].tolist() == [version] * k + [version + 1] * (8 - k)
     stats = client.get_stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.num_kv_blocks_free == stats.num_kv_blocks_total
 
@@ -203,3 +205,26 @@ def test_an_http_stream_goes_on_through_a_sync_from_another_thread(client, model
     assert all(g.response_lengths.tolist() == [12, 12] for g in got)
     assert all(row == sorted(row) for g in got for row in g.token_weight_versions.tolist())
     assert got[-1].token_weight_versions.eq(version).all()
+
+
+def test_concat_joins_streamed_groups_into_one_training_batch(rollouts):
+    groups = list(rollouts.stream(PROMPTS, n=2, sampling_params=PARAMS))
+    batch = concat(groups)
+    assert batch.batch_size == 8 and batch.n == 2 and batch.group_prompts == [g.group_prompts[0] for g in groups]
+    prompts, responses = batch.prompts_and_responses()
+    assert prompts == [p for g in groups for p in g.prompts_and_responses()[0]]
+    assert responses == [r for g in groups for r in g.prompts_and_responses()[1]]
+    assert batch.prompt_ids.shape[1] == 40 and batch.attention_mask.sum().item() == sum(
+        g.attention_mask.sum().item() for g in groups)
+    rows = [(g, i) for g in groups for i in range(g.batch_size)]
+    for row, (g, i) in enumerate(rows):
+        k = int(g.response_mask[i].sum())
+        assert batch.rollout_logprobs[row, :k].tolist() == g.rollout_logprobs[i, :k].tolist()
+        assert batch.token_weight_versions[row].tolist() == g.token_weight_versions[i].tolist()
+    one = concat(groups[:1])
+    assert torch.equal(one.input_ids, groups[0].input_ids) and torch.equal(one.position_ids, groups[0].position_ids)
+    with pytest.raises(ValueError, match="at least one batch"):
+        concat([])
+    other = rollouts.rollout(PROMPTS[:1], n=1, sampling_params=PARAMS)
+    with pytest.raises(ValueError, match="one n and pad token"):
+        concat([groups[0], other])

@@ -400,7 +400,7 @@ def test_single_shot_update_equals_the_in_process_update(server, update_rollouts
     assert report.pop("seconds") > 0
     num_bytes = sum(t.numel() * t.element_size() for t in new_weights.values())
     assert report == {"num_tensors": 3, "num_bytes": num_bytes, "num_quantized": 0, "weight_version": 3,
-                      "num_aborted": 0}
+                      "num_aborted": 0, "num_kv_recomputed": 0}
     assert server.admin.get("/weight_version").json() == {"weight_version": 3}
     _assert_rollouts(_server_greedy(server), new, version=3, tolerance=1e-5)
 

@@ -87,7 +87,7 @@ def test_rollout_func_fields_equal_the_engine(rollouts, default_dir, tmp_path):
     batch = rollouts.rollout([tokenizer(p)["input_ids"] for p in PROMPTS[:2]], n=3, sampling_params=params)
     prompts, responses = batch.prompts_and_responses()
     assert set(out) == {"prompt_ids", "completion_ids", "logprobs", "num_preemptions", "weight_version",
-                        "finish_reason"}
+                        "finish_reason", "token_weight_versions"}
     assert out["prompt_ids"] == prompts == repeated([tokenizer(p)["input_ids"] for p in PROMPTS[:2]], 3)
     assert out["completion_ids"] == responses
     assert out["logprobs"] == [batch.rollout_logprobs[i, :len(r)].tolist() for i, r in enumerate(responses)]

@@ -179,3 +179,51 @@ def pad_float(rows: list[list[float]], width: int) -> Tensor:
     for i, row in enumerate(rows):
         out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
     return out
+
+
+def concat(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """Several batches (e.g. the groups `stream` yields) as one, re-padded: prompts left, responses right.
+    Their n and pad token must agree; weight_version is the newest; stats and scorer are dropped (the exact
+    scorer replays one call's batch only)."""
+    if not batches:
+        raise ValueError("concat needs at least one batch")
+    first = batches[0]
+    for b in batches[1:]:
+        if (b.n, b.pad_token_id) != (first.n, first.pad_token_id):
+            raise ValueError(f"concat needs batches with one n and pad token; got n={b.n}, pad={b.pad_token_id} "
+                             f"beside n={first.n}, pad={first.pad_token_id}")
+    width_p = max(b.prompt_ids.shape[1] for b in batches)
+    width_r = max(b.response_ids.shape[1] for b in batches)
+
+    def cat(get, left: int | None, value):
+        """get(b) [B, W, ...] padded to width_p (left=True) or width_r (left=False), then stacked."""
+        parts = []
+        for b in batches:
+            t = get(b)
+            extra = (width_p if left else width_r) - t.shape[1]
+            pad = torch.full((t.shape[0], extra, *t.shape[2:]), value, dtype=t.dtype)
+            parts.append(torch.cat([pad, t] if left else [t, pad], dim=1))
+        return torch.cat(parts)
+
+    def split(get, value):
+        """A [B, P + R, ...] tensor: its prompt columns left-padded, its response columns right-padded."""
+        prompt = cat(lambda b: get(b)[:, :b.prompt_ids.shape[1]], True, value)
+        response = cat(lambda b: get(b)[:, b.prompt_ids.shape[1]:], False, value)
+        return torch.cat([prompt, response], dim=1)
+
+    kept = None if any(b.log_kept_mass is None for b in batches) else cat(lambda b: b.log_kept_mass, False, 0.0)
+    routed = (None if any(b.routed_experts is None for b in batches)
+              else split(lambda b: b.routed_experts, 0))
+    versions = cat(lambda b: (b.token_weight_versions if b.token_weight_versions is not None
+                              else torch.where(b.response_mask.bool(), b.weight_version, -1)), False, -1)
+    return RolloutBatch(
+        prompt_ids=cat(lambda b: b.prompt_ids, True, first.pad_token_id),
+        response_ids=cat(lambda b: b.response_ids, False, first.pad_token_id),
+        attention_mask=split(lambda b: b.attention_mask, 0), response_mask=cat(lambda b: b.response_mask, False, 0),
+        rollout_logprobs=cat(lambda b: b.rollout_logprobs, False, 0.0), log_kept_mass=kept,
+        num_preemptions=torch.cat([b.num_preemptions for b in batches]),
+        weight_version=max(b.weight_version for b in batches),
+        finish_reasons=[r for b in batches for r in b.finish_reasons],
+        response_texts=[t for b in batches for t in b.response_texts], n=first.n, pad_token_id=first.pad_token_id,
+        routed_experts=routed, token_weight_versions=versions,
+        group_prompts=[p for b in batches for p in b.group_prompts], partial=[g for b in batches for g in b.partial])
