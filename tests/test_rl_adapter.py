@@ -396,3 +396,23 @@ def test_client_sends_every_sampling_field(tokenizer):
     body = bodies[0]
     assert (body["presence_penalty"], body["frequency_penalty"], body["repetition_penalty"]) == (0.5, 0.25, 1.2)
     assert body["logit_bias"] == {"17": -5.0} and body["max_tokens"] == 4
+
+
+def test_async_grpo_smoke(tmp_path):
+    """examples/async_grpo.py --smoke: 2 steps synchronous, then 2 asynchronous against one server, weights by
+    broadcast; the JSON is the async run's: per-step metrics finite, versions at most the loop's bound behind."""
+    out = tmp_path / "async.json"
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "async_grpo.py"), "--smoke", "--json", str(out)],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "sync: held-out greedy accuracy at step 0" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["config"]["label"] == "async (in_flight=keep)" and [s["step"] for s in result["steps"]] == [0, 1]
+    for step in result["steps"]:
+        assert step["tokens"] >= 4 and step["sync_bytes"] == 269_030_016  # the default model in BF16
+        assert step["reward_mean"] * 4 in (0, 1, 2, 3, 4) and math.isfinite(step["k3"]) and step["k3"] >= 0
+        assert 0 <= step["staleness_mean"] <= step["staleness_max"] <= step["step"] + 1
+    totals = result["totals"]
+    assert 0 <= totals["engine_idle_fraction"] <= 1 and 0 <= totals["trainer_idle_fraction"] <= 1
+    assert totals["generated_tokens_per_s"] >= totals["trained_tokens_per_s"] > 0
+    assert totals["held_out_accuracy_after"] * 16 == round(totals["held_out_accuracy_after"] * 16)
