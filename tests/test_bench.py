@@ -363,8 +363,8 @@ def test_update_policies_side_by_side_on_one_stream_of_groups(tiny_qwen3_dir, ca
     """--update-every: the same groups and lengths under every policy; "keep" changes nothing of the schedule,
     "wait" drains before each update (more, smaller steps), "keep+recompute" re-prefills what is in flight, and
     with an FP8 KV cache every update that moves the scales re-quantizes the live blocks."""
-    spec = throughput.shaped("rl-long", num_prompts=4, n=2, output_len=12)
-    report = in_flight.run(spec, "fp8-kv", 4, ["none", "wait", "keep", "keep+recompute"], model=tiny_qwen3_dir,
+    spec = throughput.shaped("rl-long", num_prompts=4, n=2, output_len=8)
+    report = in_flight.run(spec, "fp8-kv", 3, ["none", "wait", "keep", "keep+recompute"], model=tiny_qwen3_dir,
                            threads=1)
     rows = {r["policy"]: r for r in report["results"]}
     total = sum(report["lengths"]) * 2

@@ -399,13 +399,14 @@ def test_client_sends_every_sampling_field(tokenizer):
 
 
 def test_async_grpo_smoke(tmp_path):
-    """examples/async_grpo.py --smoke: 2 steps synchronous, then 2 asynchronous against one server, weights by
-    broadcast; the JSON is the async run's: per-step metrics finite, versions at most the loop's bound behind."""
+    """examples/async_grpo.py, 2 asynchronous steps of 2 groups x n=2 (--smoke runs --sync first as well; CI time),
+    weights by broadcast: per-step metrics finite, versions at most the loop's bound behind."""
     out = tmp_path / "async.json"
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / "async_grpo.py"), "--smoke", "--json", str(out)],
-                         cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "async_grpo.py"), "--steps", "2", "--prompts", "2",
+                          "--n", "2", "--eval-prompts", "16", "--json", str(out)], cwd=ROOT, capture_output=True,
+                         text=True)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "sync: held-out greedy accuracy at step 0" in run.stdout
+    assert "async: held-out greedy accuracy at step 0" in run.stdout
     result = json.loads(out.read_text())
     assert result["config"]["label"] == "async (in_flight=keep)" and [s["step"] for s in result["steps"]] == [0, 1]
     for step in result["steps"]:
