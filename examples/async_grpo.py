@@ -34,6 +34,7 @@ from collections.abc import Iterator
 
 import torch
 from addition import answer_reward, make_problems
+from grpo_tiny import group_advantages
 from transformers import AutoModelForCausalLM
 
 from fp8engine import SamplingParams, default_model_path
@@ -98,11 +99,6 @@ def rewards(batch: RolloutBatch, answers: dict[str, int]) -> torch.Tensor:
     """[B] float32: 1 where the response's first integer is the answer of its group's prompt."""
     return torch.tensor([answer_reward(text, answers[batch.group_prompts[i // batch.n]])
                          for i, text in enumerate(batch.response_texts)])
-
-
-def group_advantages(reward: torch.Tensor, n: int) -> torch.Tensor:
-    groups = reward.view(-1, n)
-    return ((groups - groups.mean(-1, keepdim=True)) / (groups.std(-1, keepdim=True) + 1e-6)).view(-1)
 
 
 def train_step(policy, optimizer, batch: RolloutBatch, params: SamplingParams, reward: torch.Tensor,

@@ -149,14 +149,15 @@ class RolloutClient:
     def _broadcast(self, source, version: int, in_flight: str, kv_on_update: str, start: float) -> SyncReport:
         """sync_weights over the group: the server is told the names, dtypes and shapes (after the cast), then
         receives the broadcast while this thread sends it, a bucket of copies at a time."""
+        items = list(named_tensors(source))  # one pass: for an FSDP model each pass is a collective gather
         specs = [(name, self.sync_dtype if self.sync_dtype is not None and t.is_floating_point() else t.dtype,
-                  list(t.shape)) for name, t in named_tensors(source)]
+                  list(t.shape)) for name, t in items]
         names, dtypes, shapes = (list(x) for x in zip(*specs)) if specs else ([], [], [])
         num_bytes = num_buckets = 0
         with ThreadPoolExecutor(1, thread_name_prefix="fp8engine-sync") as pool:
             applied = pool.submit(self.update_weights_from_distributed, names, dtypes, shapes, version,
                                   in_flight=in_flight, kv_on_update=kv_on_update)
-            for bucket in buckets(named_tensors(source), self.bucket_bytes, self.sync_dtype):
+            for bucket in buckets(items, self.bucket_bytes, self.sync_dtype):
                 num_bytes += broadcast_weights(self.group, bucket)
                 num_buckets += 1
             applied.result()
