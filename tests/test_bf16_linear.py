@@ -179,7 +179,7 @@ def test_gemm_split_over_threads_gives_the_same_bits(ops, gemm, threads):
 
 def test_the_wrapper_takes_the_kernel_where_it_beats_torch(ops):
     takes = functools.partial(bf16_linear_cpu.kernel_takes, batch_invariant=False)
-    assert [takes(m, gemm="avx512") for m in (1, 4, 5, 256, 257)] == [True, True, False, False, False]
+    assert [takes(m, gemm="avx512") for m in (1, 8, 16, 17, 256)] == [True, True, True, False, False]
     assert [takes(m, gemm="amx") for m in (1, 4, 5, 256, 257)] == [True, True, True, True, False]
     assert all(bf16_linear_cpu.kernel_takes(m, True, "avx512") for m in (1, 5, 257))
 
@@ -200,7 +200,8 @@ def test_the_environment_picks_the_gemm(ops, monkeypatch):
     monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "tiles")
     with pytest.raises(ValueError, match=r"FP8ENGINE_BF16_GEMM must be one of \('auto', 'avx512', 'amx'\), got 'tiles'"):
         _bf16_gemm()
-    with pytest.raises(RuntimeError, match="gemm must be 'auto', 'avx512' or 'amx', got 'tiles'"):
+    with pytest.raises(RuntimeError, match="gemm must be 'auto', 'avx512', 'amx', 'avx512-gemv', 'avx512-nt' or "
+                                           "'avx512-gemm', got 'tiles'"):
         ops.bf16_linear(x, w, None, True, gemm="tiles")
     monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "amx")
     if AMX:
@@ -298,3 +299,33 @@ def test_the_environment_picks_the_float32_head(ops, monkeypatch):
     monkeypatch.setenv("FP8ENGINE_FP32_HEAD", "fp64")
     with pytest.raises(ValueError, match=r"FP8ENGINE_FP32_HEAD must be one of \('tiles', 'fma'\), got 'fp64'"):
         head()
+
+
+@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (77, 40), (300, 33)])
+def test_nt_kernel_gives_the_gemms_bits_at_every_m(ops, k, n):
+    """The nt kernel (weight rows in the lanes) sums every output as the AVX-512 GEMM does (per 256-k block one
+    chain over the same pairs, the blocks added in order, the bias last): forced at the same M they give the same
+    bits, bf16 and float32 out, ragged N and odd K; the gemv is within one rounding of the float32 product."""
+    gen = torch.Generator().manual_seed(k + 5 * n)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 3, 8, 9, 17, 33, 64, 70):
+        x = torch.randn(m, k, generator=gen).to(BF16)
+        for b in (None, bias):
+            for f32 in (False, True):
+                nt, gemm, gemv = (ops.bf16_linear(x, w, b, False, f32, kernel)
+                                  for kernel in ("avx512-nt", "avx512-gemm", "avx512-gemv"))
+                assert torch.equal(nt, gemm), (m, b is None, f32)
+                if not f32:
+                    _assert_one_rounding(gemv, x, w, b)
+                    _assert_one_rounding(nt, x, w, b)
+
+
+@pytest.mark.parametrize("m", [1, 9, 40])
+def test_nt_kernel_does_not_read_past_k(ops, m):
+    """Rows K + pad apart with NaN in the padding: the nt kernel's in-place weight rows and its copies of the last
+    block stop at K."""
+    x, w = _padded(m, 300, 5), _padded(70, 300, 3)
+    y = ops.bf16_linear(x, w, None, False, False, "avx512-nt")
+    assert not y.isnan().any()
+    _assert_one_rounding(y, x, w, None)

@@ -59,7 +59,8 @@ def test_backend_name_follows_the_gemm(ops, monkeypatch):
     monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "tiles")
     with pytest.raises(ValueError, match=r"FP8ENGINE_FP8_GEMM must be one of \('auto', 'avx512', 'amx'\), got 'tiles'"):
         _fp8_backend()
-    with pytest.raises(RuntimeError, match="gemm must be 'auto', 'avx512' or 'amx', got 'tiles'"):
+    with pytest.raises(RuntimeError, match="gemm must be 'auto', 'avx512', 'amx', 'avx512-gemv', 'avx512-nt' or "
+                                           "'avx512-gemm', got 'tiles'"):
         ops.fp8_block_linear(torch.ones(1, 128), *quant.quantize_weight_blockwise(torch.ones(1, 128)), None, False,
                              gemm="tiles")
     monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "amx")
@@ -336,3 +337,46 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch(ops, gemm, k, n):
             batch = torch.randn(size, k, generator=gen).bfloat16()
             batch[at] = x[row]
             assert torch.equal(linear(batch)[at], alone[0]), (row, size, at)
+
+
+AVX512_KERNELS = ("avx512-gemv", "avx512-nt", "avx512-gemm")
+
+
+@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (130, 33), (64, 200)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nt_kernel_gives_the_gemms_bits_at_every_m(ops, k, n, dtype):
+    """The small-M kernel with weight rows in the lanes (nt) sums every output as the AVX-512 GEMM does (one chain
+    per K block over the same pairs, the same scaling, the bias last): forced at the same M they give the same
+    bits, from 1 row to past a 16-row vector and a register tile of 8, with ragged N and K, bias and stacked scale
+    rows; the gemv (K in the lanes) stays within the reference's bounds."""
+    gen = torch.Generator().manual_seed(k * 7 + n)
+    w_q, w_s = quant.quantize_weight_blockwise(torch.randn(n, k, generator=gen))
+    rows = (torch.arange(n, dtype=torch.int32) // 128).flip(0).contiguous()
+    bias = torch.randn(n, generator=gen).to(dtype)
+    for m in (1, 2, 5, 8, 9, 16, 17, 31, 64, 70):
+        x = (torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, k)).to(dtype)
+        for b, r in ((None, None), (bias, rows)):
+            out = {kernel: ops.fp8_block_linear(x, w_q, w_s, b, False, r, False, kernel) for kernel in AVX512_KERNELS}
+            assert torch.equal(out["avx512-nt"], out["avx512-gemm"]), (m, b is None)
+            ref = quant.fp8_block_linear_ref(x, w_q, w_s, b, scale_rows=r)
+            _assert_linear_close(out["avx512-gemv"], ref)
+            _assert_linear_close(out["avx512-nt"], ref)
+
+
+def test_batch_invariant_rows_are_the_same_bits_on_either_side_of_the_kernel_switch(ops):
+    """batch_invariant takes the nt kernel up to 64 rows and the GEMM above (without AMX): a row's bits are the same
+    in a batch of 1, 64 or 65 rows, where a plain call takes the gemv (1 row) and nt (64) and the GEMM (65)."""
+    if AMX:
+        pytest.skip("with AMX tiles batch_invariant runs the tiles for every M")
+    gen = torch.Generator().manual_seed(3)
+    w_q, w_s = quant.quantize_weight_blockwise(torch.randn(960, 576, generator=gen))
+    x = torch.randn(65, 576, generator=gen).bfloat16()
+    full = ops.fp8_block_linear(x, w_q, w_s, None, False, None, True, "avx512")
+    assert torch.equal(full, ops.fp8_block_linear(x, w_q, w_s, None, False, None, False, "avx512-gemm"))
+    for size in (1, 6, 7, 64):
+        assert torch.equal(ops.fp8_block_linear(x[:size].contiguous(), w_q, w_s, None, False, None, True, "avx512"),
+                           full[:size]), size
+    # without batch_invariant one row takes the gemv, whose sums run in another order
+    alone = ops.fp8_block_linear(x[:1].contiguous(), w_q, w_s, None, False, None, False, "avx512")
+    assert torch.equal(alone, ops.fp8_block_linear(x[:1].contiguous(), w_q, w_s, None, False, None, False,
+                                                   "avx512-gemv"))

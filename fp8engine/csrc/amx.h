@@ -80,15 +80,27 @@ inline bool amx_allowed() {
 #endif
 }
 
-// Whether a GEMM runs on AMX tiles, by the caller's choice `gemm`: "auto" (where the build, the CPU and the OS
-// allow them), "avx512" or "amx". The engine makes the choice once, when it starts
+// Which kernel a linear runs, by the caller's choice `gemm`: "auto" (AMX tiles where the build, the CPU and the OS
+// allow them), "avx512" or "amx", the kernel then picked by M; or one AVX-512 kernel forced whatever M is, for the
+// benchmarks and tests that compare them at one M: "avx512-gemv" (K in the lanes), "avx512-nt" (weight rows in the
+// lanes) or "avx512-gemm" (activation rows in the lanes). The engine makes the choice once, when it starts
 // (fp8engine/model_executor/kernel_set.py); `op` names the kernel in errors.
-inline bool use_amx(const std::string& gemm, const char* op) {
-  TORCH_CHECK(gemm == "auto" || gemm == "avx512" || gemm == "amx", op, ": gemm must be 'auto', 'avx512' or 'amx', got '",
-              gemm, "'");
+enum class Avx512Kernel { kByM, kGemv, kNt, kGemm };
+
+struct GemmChoice {
+  bool amx;
+  Avx512Kernel kernel;
+};
+
+inline GemmChoice choose_gemm(const std::string& gemm, const char* op) {
+  if (gemm == "avx512-gemv") return {false, Avx512Kernel::kGemv};
+  if (gemm == "avx512-nt") return {false, Avx512Kernel::kNt};
+  if (gemm == "avx512-gemm") return {false, Avx512Kernel::kGemm};
+  TORCH_CHECK(gemm == "auto" || gemm == "avx512" || gemm == "amx", op,
+              ": gemm must be 'auto', 'avx512', 'amx', 'avx512-gemv', 'avx512-nt' or 'avx512-gemm', got '", gemm, "'");
   TORCH_CHECK(gemm != "amx" || amx_allowed(), op,
               ": gemm='amx', but this build, CPU or OS does not allow AMX tiles (amx_bf16, amx_tile)");
-  return gemm == "auto" ? amx_allowed() : gemm == "amx";
+  return {gemm == "auto" ? amx_allowed() : gemm == "amx", Avx512Kernel::kByM};
 }
 
 }  // namespace fp8e

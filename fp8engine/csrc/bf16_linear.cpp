@@ -102,6 +102,61 @@ void linear_small_m(const Problem& p, OutT* y) {
   });
 }
 
+// ---- small M: weight rows across the lanes (linear_common.h) ----------------------------------------
+
+constexpr int64_t kBlockK = 256;  // K per block, here and in the GEMM below: the chains must match
+
+// A task's rows of K block k0 for nt_transpose: in place where the block is whole, else from pad (zero past N
+// and K). The next block's lines are prefetched: the transposes read 64 bytes of each of 32 rows K apart.
+void nt_rows(const Problem& p, int64_t n0, int64_t k0, uint16_t* pad, const uint16_t* (&rows)[kNtRows]) {
+  const bool whole = k0 + kBlockK <= p.k;
+  for (int64_t r = 0; r < kNtRows; ++r) {
+    const int64_t n = n0 + r;
+    if (n < p.n && whole) {
+      rows[r] = p.w + n * p.ldw + k0;
+      if (k0 + kBlockK < p.k)
+        for (int line = 0; line < kBlockK * 2 / 64; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(rows[r] + kBlockK) + 64 * line, _MM_HINT_T0);
+      continue;
+    }
+    uint16_t* dst = pad + r * kBlockK;
+    for (int64_t c = 0; c < kBlockK; c += 32)
+      _mm512_store_si512(dst + c, n < p.n ? _mm512_maskz_loadu_epi16(tail_mask32(p.k - k0 - c), p.w + n * p.ldw + k0 + c)
+                                          : _mm512_setzero_si512());
+    rows[r] = dst;
+  }
+}
+
+template <typename OutT>
+void linear_nt(const Problem& p, OutT* y) {
+  const int64_t kpad = cdiv(p.k, kBlockK) * kBlockK;
+  auto x = alloc_buffer<uint16_t>(p.m * kpad);  // zero past K, as the GEMM's packed activations
+  for (int64_t m = 0; m < p.m; ++m) {
+    std::memcpy(x.get() + m * kpad, p.x + m * p.ldx, sizeof(uint16_t) * p.k);
+    std::memset(x.get() + m * kpad + p.k, 0, sizeof(uint16_t) * (kpad - p.k));
+  }
+  const int64_t per_pass = nt_rows_per_pass(p.m);
+  const __m512 no_scales[kNtVecs] = {};
+  at::parallel_for(0, cdiv(p.n, kNtRows), 1, [&](int64_t begin, int64_t end) {
+    auto pad = alloc_buffer<uint16_t>(kNtRows * kBlockK);
+    auto wt = alloc_buffer<float>(kBlockK / 2 * kNtRows);
+    auto tot = alloc_buffer<float>(p.m * kNtRows);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kNtRows;
+      for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
+        const uint16_t* rows[kNtRows];
+        nt_rows(p, n0, k0, pad.get(), rows);
+        const int64_t pairs = cdiv(std::min(kBlockK, p.k - k0), 2);  // as the GEMM's
+        nt_transpose(rows, cdiv(pairs, 16), wt.get());
+        for (int64_t m0 = 0; m0 < p.m; m0 += per_pass)
+          kNtBlock<false>[std::min(per_pass, p.m - m0)](wt.get(), x.get() + m0 * kpad + k0, kpad, pairs, nullptr, 0,
+                                                        no_scales, tot.get() + m0 * kNtRows, k0 == 0);
+      }
+      nt_write(p.m, p.n, n0, p.bias, tot.get(), y);
+    }
+  });
+}
+
 // ---- large M ---------------------------------------------------------------------------------------
 //
 // A task owns kTileN weight rows and a range of 16-row activation vectors. Per kBlockK columns it
@@ -109,7 +164,6 @@ void linear_small_m(const Problem& p, OutT* y) {
 // and accumulates the micro kernel's block results in a float32 tile.
 
 constexpr int64_t kTileN = 48;
-constexpr int64_t kBlockK = 256;
 
 // Activations packed as bf16 pairs, one 32-bit lane per row, zero past M and K: the pairs of 16-row vector
 // mv and 32-k chunk c, 16 pairs ld() floats apart, from at(c, mv). The AVX-512 GEMM reads the pairs of all
@@ -348,31 +402,41 @@ void linear_amx(const Problem& p, OutT* y) {
 
 #endif  // FP8E_AMX
 
-// Up to here the small-M path beats the GEMM: streaming the weights per 4 rows beats padding M to 16 (AVX-512);
-// against AMX tiles only at 1 row (default model shapes, 1 core of an Emerald Rapids Xeon: 0.8-0.97x the
-// tiles' time at M = 1, 1.0-1.2x at M = 2).
-constexpr int64_t kSmallM = 7;
+// Which AVX-512 kernel M picks, measured with every layer's weights from DRAM (benchmarks/linear_stream.py, a
+// 2-core Zen 5, ms per forward of the default model's 30 layers): the gemv up to 8 rows (12.1 against nt's 15.3
+// at 8), nt to 64 (at 16 15.6 vs the GEMM's 26.7; 1 thread, at 48 44.6 vs 58.5), the GEMM above. Without
+// batch_invariant the wrapper gives torch's GEMM the calls above 16 rows (bf16_linear_cpu.kernel_takes). On AMX
+// machines the gemv beats the tiles at 1 row (default model shapes, 1 core of an Emerald Rapids Xeon: 0.8-0.97x
+// the tiles' time at M = 1, 1.0-1.2x at M = 2).
+constexpr int64_t kGemvMaxM = 8;
+constexpr int64_t kNtMaxM = 64;
 constexpr int64_t kSmallMAmx = 1;
 
 template <typename OutT>
-void linear_impl(const Problem& p, OutT* out, bool batch_invariant, bool amx) {
-  if (!batch_invariant && p.m <= (amx ? kSmallMAmx : kSmallM)) {
-    linear_small_m(p, out);
-  } else if (amx) {
+void linear_impl(const Problem& p, OutT* out, bool batch_invariant, GemmChoice g) {
+  Avx512Kernel kernel = g.kernel;
+  if (kernel == Avx512Kernel::kByM && g.amx) {
 #ifdef FP8E_AMX
-    linear_amx(p, out);
+    if (batch_invariant || p.m > kSmallMAmx) return linear_amx(p, out);
 #endif
-  } else {
-    linear_large_m(p, out);
+    return linear_small_m(p, out);
   }
+  if (kernel == Avx512Kernel::kByM)
+    kernel = !batch_invariant && p.m <= kGemvMaxM ? Avx512Kernel::kGemv
+             : p.m <= kNtMaxM                     ? Avx512Kernel::kNt
+                                                  : Avx512Kernel::kGemm;
+  if (kernel == Avx512Kernel::kGemv) return linear_small_m(p, out);
+  if (kernel == Avx512Kernel::kNt) return linear_nt(p, out);
+  linear_large_m(p, out);
 }
 
-// The small-M path sums a row's products in another order than the GEMMs, which give every row the same
-// arithmetic whatever M is and wherever the row sits: batch_invariant takes a GEMM for every M (AMX tiles
-// or AVX-512, chosen by `gemm`, never by M). float32_out: y in float32, the sums not rounded to bf16.
+// The gemv sums a row's products in another order than the nt kernel and the GEMMs, which give every row the
+// same arithmetic whatever M is and wherever the row sits (nt and the AVX-512 GEMM the same bits, see
+// linear_common.h): batch_invariant takes nt then the AVX-512 GEMM by M, or AMX tiles for every M (chosen by
+// `gemm`, never by M). float32_out: y in float32, the sums not rounded to bf16.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                        bool batch_invariant, bool float32_out, const std::string& gemm) {
-  const bool amx = use_amx(gemm, "bf16_linear");
+  const GemmChoice choice = choose_gemm(gemm, "bf16_linear");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "bf16_linear: x and w must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
@@ -392,9 +456,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
                   static_cast<const uint16_t*>(w.data_ptr()), w.stride(0),
                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
   if (float32_out) {
-    linear_impl(p, y.data_ptr<float>(), batch_invariant, amx);
+    linear_impl(p, y.data_ptr<float>(), batch_invariant, choice);
   } else {
-    linear_impl(p, y.data_ptr<at::BFloat16>(), batch_invariant, amx);
+    linear_impl(p, y.data_ptr<at::BFloat16>(), batch_invariant, choice);
   }
   return y;
 }

@@ -426,6 +426,21 @@ RowsBf16 quantize_rows(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8m0
   return out;
 }
 
+// dst[0, 128) = bf16 of w[row, 128 b + c] (zero past K), in lane order.
+void convert_row_block(const Problem& p, const E4m3ToBf16& cvt, int64_t row, int64_t b, uint16_t* dst) {
+  const int64_t k0 = b * kBlock;
+  const uint8_t* src = p.w + row * p.k + k0;
+  __m512i v[4];
+  if (p.k - k0 >= kBlock) {  // plain loads: masked ones cost more on Zen 5 even with every lane set
+    cvt(_mm512_loadu_si512(src), v[0], v[1]);
+    cvt(_mm512_loadu_si512(src + 64), v[2], v[3]);
+  } else {
+    cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0), src), v[0], v[1]);
+    cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0 - 64), src + 64), v[2], v[3]);
+  }
+  for (int i = 0; i < 4; ++i) _mm512_store_si512(dst + 32 * i, v[i]);
+}
+
 // acc[i][j] += x row i . w row j over [k0, kend) (at most one K block), in 64-k chunks. Each weight
 // load also prefetches the line `ahead` bytes on (the next tile's row at the same k): rows of a few
 // hundred bytes are too short for the hardware prefetchers to get going, and without this the loop
@@ -603,16 +618,6 @@ PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8
 // stream from DRAM (converting one 128-column block at a time read tile_n short strided pieces and
 // stalled on each, without a software prefetch). The tile stays in L2 for the K blocks and the groups of
 // activation rows that follow.
-// dst[0, 128) = bf16 of w[row, 128 b + c] (zero past K), in lane order.
-void convert_row_block(const Problem& p, const E4m3ToBf16& cvt, int64_t row, int64_t b, uint16_t* dst) {
-  const int64_t k0 = b * kBlock;
-  const uint8_t* src = p.w + row * p.k + k0;
-  __m512i v[4];
-  cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0), src), v[0], v[1]);
-  cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0 - 64), src + 64), v[2], v[3]);
-  for (int i = 0; i < 4; ++i) _mm512_store_si512(dst + 32 * i, v[i]);
-}
-
 void convert_weight_tile(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t tile_n, uint16_t* wb) {
   const int64_t rows = std::min(tile_n, p.n - n0);
   for (int64_t r = 0; r < rows; ++r)
@@ -658,6 +663,63 @@ void linear_large_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
       const GemmTask t{i / chunks * kTileN, c * mvecs / chunks, (c + 1) * mvecs / chunks};
       gemm_task(p, x, cvt, t, wb.get(), ct.get(), y);
     }
+  });
+}
+
+// ---- small M: weight rows across the lanes (linear_common.h) ----------------------------------------
+
+// Converts K block b of the task's weight rows n0.. (zero past N and K) into rows_bf16 ([kNtRows][kBlock], lane
+// order) and transposes it into wt, prefetching the next block's lines (rows K bytes apart are too far apart
+// for the hardware prefetchers at this stride).
+void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t b, uint16_t* rows_bf16, float* wt) {
+  const uint16_t* rows[kNtRows];
+  for (int64_t r = 0; r < kNtRows; ++r) {
+    uint16_t* dst = rows_bf16 + r * kBlock;
+    rows[r] = dst;
+    if (n0 + r >= p.n) {
+      std::memset(dst, 0, sizeof(uint16_t) * kBlock);
+      continue;
+    }
+    if (b + 1 < p.nkb) {
+      const char* next = reinterpret_cast<const char*>(p.w + (n0 + r) * p.k + (b + 1) * kBlock);
+      _mm_prefetch(next, _MM_HINT_T0);
+      _mm_prefetch(next + 64, _MM_HINT_T0);
+    }
+    convert_row_block(p, cvt, n0 + r, b, dst);
+  }
+  nt_transpose(rows, kBlock / 32, wt);
+}
+
+template <typename OutT>
+void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, uint16_t* rows_bf16, float* wt,
+             float* tot, OutT* y) {
+  const int64_t per_pass = nt_rows_per_pass(p.m);
+  for (int64_t b = 0; b < p.nkb; ++b) {
+    nt_convert_block(p, cvt, n0, b, rows_bf16, wt);
+    __m512 sw[kNtVecs];
+    for (int v = 0; v < kNtVecs; ++v) {
+      alignas(64) float s[16];
+      for (int j = 0; j < 16; ++j) s[j] = p.sw_at(std::min(n0 + 16 * v + j, p.n - 1), b);
+      sw[v] = _mm512_load_ps(s);
+    }
+    const int64_t pairs = cdiv(std::min(kBlock, p.k - b * kBlock), 64) * 32;  // whole 64-k chunks, as the GEMM
+    for (int64_t m0 = 0; m0 < p.m; m0 += per_pass)
+      kNtBlock<true>[std::min(per_pass, p.m - m0)](wt, x.x.get() + m0 * x.kp + b * kBlock, x.kp, pairs,
+                                                   x.scale.get() + m0 * p.nkb + b, p.nkb, sw, tot + m0 * kNtRows,
+                                                   b == 0);
+  }
+  nt_write(p.m, p.n, n0, p.bias, tot, y);
+}
+
+template <typename T>
+void linear_nt(const Problem& p, const T* xin, bool ue8m0, T* y) {
+  const RowsBf16 x = quantize_rows(xin, p.m, p.k, p.nkb, ue8m0);
+  at::parallel_for(0, cdiv(p.n, kNtRows), 1, [&](int64_t begin, int64_t end) {
+    const E4m3ToBf16 cvt;
+    auto rows_bf16 = alloc_buffer<uint16_t>(kNtRows * kBlock);
+    auto wt = alloc_buffer<float>(kBlock / 2 * kNtRows);
+    auto tot = alloc_buffer<float>(p.m * kNtRows);
+    for (int64_t t = begin; t < end; ++t) nt_task(p, cvt, x, t * kNtRows, rows_bf16.get(), wt.get(), tot.get(), y);
   });
 }
 
@@ -830,27 +892,36 @@ void linear_amx(const Problem& p, const T* xin, bool ue8m0, T* y) {
 
 #endif  // FP8E_AMX
 
-// Up to here the small-M path beats the GEMM: re-converting weights per 4 rows beats padding to 16 (AVX-512);
-// against AMX tiles only at 1 and 2 rows (default model shapes, 1 or 2 cores of an Emerald Rapids Xeon: at
-// M = 2 it takes 0.9x the tiles' time, at M = 3 1.04x-1.2x).
-constexpr int64_t kSmallM = 7;
+// Which AVX-512 kernel M picks, measured with every layer's weights from DRAM as in a forward (benchmarks/
+// linear_stream.py: the default model's 30 layers, a 2-core Zen 5, ms per forward): the gemv up to 6 rows (at 1
+// row 4.3 against nt's 8.5, at 6 9.0 vs 9.5), nt to 64 (at 8 10.3 vs the gemv's 12.7 and the GEMM's 19.8; 1
+// thread, at 32 28.0 vs the GEMM's 34.0, at 48 38.1 vs 45.4), the GEMM above. On AMX machines the gemv beats the
+// tiles at 1 and 2 rows (default model shapes, 1 or 2 cores of an Emerald Rapids Xeon: at M = 2 it takes 0.9x
+// the tiles' time, at M = 3 1.04x-1.2x).
+constexpr int64_t kGemvMaxM = 6;
+constexpr int64_t kNtMaxM = 64;
 constexpr int64_t kSmallMAmx = 2;
 
-// The paths sum a row's products in different orders (along K in 16 lanes, then across them; one lane
-// per row, pair after pair; or in the tile unit), so a row's result depends on which one M picks. The
-// GEMMs give every row the same arithmetic whatever M is and wherever the row sits: batch_invariant takes
-// one of them for every M (which one depends on the CPU, not on M).
+// The gemv sums a row's products in another order (along K in 16 lanes, then across them) than the nt kernel
+// and the AVX-512 GEMM (one lane per output, pair after pair: the same bits, see linear_common.h) and the AMX
+// tiles, so a row's result depends on which one M picks. batch_invariant never takes the gemv: nt then the
+// AVX-512 GEMM by M, or AMX tiles for every M (which depends on the CPU, not on M).
 template <typename T>
-void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant, bool amx) {
-  if (!batch_invariant && p.m <= (amx ? kSmallMAmx : kSmallM)) {
-    linear_small_m(p, x, ue8m0, y);
-  } else if (amx) {
+void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant, GemmChoice g) {
+  Avx512Kernel kernel = g.kernel;
+  if (kernel == Avx512Kernel::kByM && g.amx) {
 #ifdef FP8E_AMX
-    linear_amx(p, x, ue8m0, y);
+    if (batch_invariant || p.m > kSmallMAmx) return linear_amx(p, x, ue8m0, y);
 #endif
-  } else {
-    linear_large_m(p, x, ue8m0, y);
+    return linear_small_m(p, x, ue8m0, y);
   }
+  if (kernel == Avx512Kernel::kByM)
+    kernel = !batch_invariant && p.m <= kGemvMaxM ? Avx512Kernel::kGemv
+             : p.m <= kNtMaxM                     ? Avx512Kernel::kNt
+                                                  : Avx512Kernel::kGemm;
+  if (kernel == Avx512Kernel::kGemv) return linear_small_m(p, x, ue8m0, y);
+  if (kernel == Avx512Kernel::kNt) return linear_nt(p, x, ue8m0, y);
+  linear_large_m(p, x, ue8m0, y);
 }
 
 #else  // portable scalar path
@@ -859,7 +930,7 @@ float e4m3_to_f32(uint8_t v) { return f32_from_bits(static_cast<uint32_t>(kE4m3B
 
 // One row at a time in a fixed order: batch invariant as it stands.
 template <typename T>
-void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_invariant*/, bool /*amx*/) {
+void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_invariant*/, GemmChoice /*gemm*/) {
   const int64_t kp = p.nkb * kBlock;
   auto xq = alloc_buffer<uint8_t>(p.m * kp);
   auto sx = alloc_buffer<float>(p.m * p.nkb);
@@ -893,7 +964,7 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at
                             const std::optional<at::Tensor>& bias, bool ue8m0,
                             const std::optional<at::Tensor>& scale_rows, bool batch_invariant,
                             const std::string& gemm) {
-  const bool amx = use_amx(gemm, "fp8_block_linear");
+  const GemmChoice choice = choose_gemm(gemm, "fp8_block_linear");
   TORCH_CHECK(x.device().is_cpu() && w_q.device().is_cpu() && w_scale_inv.device().is_cpu(),
               "fp8_block_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "fp8_block_linear: x must be a contiguous [M, K] tensor");
@@ -927,9 +998,9 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at
                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
                   mapped ? scale_rows->data_ptr<int32_t>() : nullptr};
   if (x.scalar_type() == at::kFloat) {
-    linear_impl(p, x.data_ptr<float>(), ue8m0, y.data_ptr<float>(), batch_invariant, amx);
+    linear_impl(p, x.data_ptr<float>(), ue8m0, y.data_ptr<float>(), batch_invariant, choice);
   } else {
-    linear_impl(p, x.data_ptr<at::BFloat16>(), ue8m0, y.data_ptr<at::BFloat16>(), batch_invariant, amx);
+    linear_impl(p, x.data_ptr<at::BFloat16>(), ue8m0, y.data_ptr<at::BFloat16>(), batch_invariant, choice);
   }
   return y;
 }

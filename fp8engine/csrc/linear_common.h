@@ -152,6 +152,82 @@ template <bool kScaled>
 inline constexpr MicroFn kMicro[kMaxMv + 1] = {nullptr, gemm_micro<1, kScaled>, gemm_micro<2, kScaled>,
                                                gemm_micro<3, kScaled>, gemm_micro<4, kScaled>};
 
+// ---- small M: weight rows across the lanes -----------------------------------------------------
+//
+// The GEMMs above put activation rows in the lanes, so below 16 rows most of each dot product is padding;
+// the gemv puts K in the lanes and streams the weights again for every few rows. The "nt" kernels put 16
+// weight rows in the lanes instead: a task transposes each K block of its kNtRows weight rows once, so that
+// a vector holds one bf16 pair of 16 weight rows, and applies it to every activation row from registers,
+// the row's pair broadcast. No lane is padding and the weights stream once whatever M is. Each output is
+// its GEMM's arithmetic exactly — per K block one vdpbf16ps chain over the same pairs in the same order from
+// zero, the same operands (weights first), the block's result added (scaled, in the FP8 kernel) into the
+// running sum, the bias last — so a row gets the same bits from either, and batch_invariant can take this
+// path at small M and the GEMM above it.
+
+constexpr int64_t kNtRows = 32;  // weight rows per task: two vectors
+constexpr int kNtVecs = static_cast<int>(kNtRows / 16);
+constexpr int kNtMaxRows = 8;  // activation rows per register tile: 8 x 2 accumulator chains
+
+// wt[(16 c + i) * kNtVecs + v] = pair 16 c + i of the 16 rows of vector v, from rows[r] (bf16, pairs in the
+// order the chain takes them): 16 x 16 transposes of 32-bit pairs.
+inline void nt_transpose(const uint16_t* const (&rows)[kNtRows], int64_t pair_chunks, float* wt) {
+  for (int v = 0; v < kNtVecs; ++v)
+    for (int64_t c = 0; c < pair_chunks; ++c) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[16 * v + i]) + 16 * c);
+      transpose16x16(r);
+      for (int i = 0; i < 16; ++i) _mm512_store_ps(wt + ((16 * c + i) * kNtVecs + v) * 16, r[i]);
+    }
+}
+
+// tot[i][v] (running sums of activation row i and weight vector v) gets the K block's chain over `pairs`
+// pairs of wt against x rows xb (ldx bf16 apart): tot = chain x (sx[i] * sw[v]) + tot when kScaled, else
+// chain + tot; `first` starts the sums (tot taken as zero).
+template <int MR, bool kScaled>
+void nt_block(const float* wt, const uint16_t* xb, int64_t ldx, int64_t pairs, const float* sx, int64_t sx_ld,
+              const __m512 (&sw)[kNtVecs], float* tot, bool first) {
+  __m512 acc[MR][kNtVecs];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  int64_t q = 0;
+  do {  // pairs >= 1
+    __m512bh wv[kNtVecs];
+    for (int v = 0; v < kNtVecs; ++v) wv[v] = as_bh(_mm512_castps_si512(_mm512_load_ps(wt + (q * kNtVecs + v) * 16)));
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, xb + i * ldx + 2 * q, 4);
+      const __m512bh xv = as_bh(_mm512_set1_epi32(pair));
+      for (int v = 0; v < kNtVecs; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], wv[v], xv);
+    }
+  } while (++q < pairs);
+  for (int i = 0; i < MR; ++i) {
+    const __m512 sxv = kScaled ? _mm512_set1_ps(sx[i * sx_ld]) : _mm512_setzero_ps();
+    for (int v = 0; v < kNtVecs; ++v) {
+      float* t = tot + (i * kNtVecs + v) * 16;
+      const __m512 prev = first ? _mm512_setzero_ps() : _mm512_load_ps(t);
+      _mm512_store_ps(t, kScaled ? _mm512_fmadd_ps(acc[i][v], _mm512_mul_ps(sxv, sw[v]), prev)
+                                 : _mm512_add_ps(acc[i][v], prev));
+    }
+  }
+}
+
+using NtBlockFn = void (*)(const float*, const uint16_t*, int64_t, int64_t, const float*, int64_t,
+                           const __m512 (&)[kNtVecs], float*, bool);
+template <bool kScaled>
+inline constexpr NtBlockFn kNtBlock[kNtMaxRows + 1] = {
+    nullptr,
+    nt_block<1, kScaled>,
+    nt_block<2, kScaled>,
+    nt_block<3, kScaled>,
+    nt_block<4, kScaled>,
+    nt_block<5, kScaled>,
+    nt_block<6, kScaled>,
+    nt_block<7, kScaled>,
+    nt_block<8, kScaled>};
+
+// Activation rows per register tile for m rows: as even as the tiles allow.
+inline int64_t nt_rows_per_pass(int64_t m) { return cdiv(m, cdiv(m, kNtMaxRows)); }
+
 struct GemmTask {
   int64_t n0, mv0, mv1;  // weight rows [n0, n0 + tile_n), activation vectors [mv0, mv1)
 };
@@ -212,6 +288,18 @@ void write_tile(int64_t rows_m, int64_t cols_n, int64_t tile_n, const float* bia
       for (int i = 0; i < 16 && mv * 16 + i < rows_m; ++i)
         store_row(y + (mv * 16 + i) * cols_n + t.n0 + nb, _mm512_add_ps(r[i], bv), nmask);
     }
+  }
+}
+
+// y[m, n0 + 16 v + j] = tot[m][v][j] + bias, for the nt kernels' running sums of all m rows.
+template <typename OutT>
+void nt_write(int64_t rows_m, int64_t cols_n, int64_t n0, const float* bias, const float* tot, OutT* y) {
+  for (int v = 0; v < kNtVecs && n0 + 16 * v < cols_n; ++v) {
+    const int64_t n = n0 + 16 * v;
+    const __mmask16 mask = tail_mask16(cols_n - n);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < rows_m; ++m)
+      store_row(y + m * cols_n + n, _mm512_add_ps(_mm512_load_ps(tot + (m * kNtVecs + v) * 16), bv), mask);
   }
 }
 

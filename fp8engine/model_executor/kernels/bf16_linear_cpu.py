@@ -7,13 +7,12 @@ from torch.nn import functional as F
 
 from fp8engine.model_executor.kernels.layer_ops_ref import float32_linear_ref
 
-# Rows the kernel takes in one pass over the weight. Measured on a 2-core Zen 5 with every layer's
-# weights coming from DRAM, as in a model forward (30 layers of the default model): at M = 1 the
-# kernel takes 4.7 ms where torch takes 11.7 (6.9 before it prefetched the next tile's rows), at
-# M = 4 8.3 vs 10.0 (before the prefetch); from M = 16 on torch's GEMM wins
-# (12.4 vs 18.4 ms at M = 16, 37.8 vs 43.5 at M = 128) although the kernel's GEMM ties or beats it
-# when the weights are cache-hot (benchmarks/fp8_linear_micro.py).
-_STREAM_MAX_M = 4
+# Rows up to which the C++ kernels beat torch's GEMM on AVX-512 alone (the gemv up to 8 rows, then the nt kernel,
+# weight rows in the lanes). Measured with every layer's weights from DRAM as in a forward (benchmarks/
+# linear_stream.py: the default model's 30 layers, a 2-core Zen 5): at M = 1 8.7 ms against torch's 17.3, at 8
+# 12.1 vs 22.1, at 16 15.6 vs 21.7 (the head: 2.8 vs 4.8 ms at 8 rows, 4.3 vs 4.8 at 16); from 24 rows on
+# torch's GEMM is as fast or faster (1 thread: 29.7 vs 32.0 ms at 24, 34.8 vs 37.6 at 32).
+_STREAM_MAX_M = 16
 # With AMX tiles (an Emerald Rapids Xeon, 1 thread) the kernel's GEMM takes 0.35-0.85x torch's time from M = 2 to
 # 128 (default model shapes, weights cache-hot or streamed from L3), 0.9-1.0x at 256 and 1.1-1.2x from 512 on.
 _AMX_MAX_M = 256
@@ -41,10 +40,10 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def kernel_takes(m: int, batch_invariant: bool, gemm: str) -> bool:
-    """Whether bf16_linear gives m rows to the C++ kernel: every M when batch invariant (its GEMM is, torch's is
-    not), else decode-sized batches (M <= 4), and up to 256 rows where its GEMM runs on AMX tiles. The decoder
+    """Whether bf16_linear gives m rows to the C++ kernel: every M when batch invariant (its kernels are, torch's
+    GEMM is not), else decode-sized batches (M <= 16), and up to 256 rows where its GEMM runs on AMX tiles. The decoder
     plan (model_executor/fused_decoder.py) calls the kernel directly, so it runs only where this holds."""
-    return batch_invariant or m <= _STREAM_MAX_M or (m <= _AMX_MAX_M and gemm == "amx")
+    return batch_invariant or m <= (_AMX_MAX_M if gemm == "amx" else _STREAM_MAX_M)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

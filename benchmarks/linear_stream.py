@@ -1,0 +1,120 @@
+"""Micro-benchmark: the CPU linear kernels as a model forward runs them, every layer's weights from DRAM.
+
+fp8_linear_micro.py times one weight over and over, so it stays in the caches; a decode step streams all 30
+layers' weights (106 MB in FP8, 212 MB in BF16 for the default model) and the LM head (57 MB, BF16) once. Here
+each kernel runs the 30 layers' four projections of the default model's shapes, each layer its own weights, then
+the head, at each M, in alternating rounds (the best round kept). Each AVX-512 kernel is forced by its `gemm`
+name ("avx512-gemv": K in the lanes, "avx512-nt": weight rows in the lanes, "avx512-gemm": activation rows in the
+lanes; "auto": what the engine runs at that M), beside torch's F.linear for BF16. The DRAM floor is the bytes a
+forward reads over the stream bandwidth measured here (a copy of a 256 MB tensor).
+
+    python benchmarks/linear_stream.py [--rows 1,2,4,8,16,24,32,64] [--threads 2] [--kernels fp8,bf16,head]
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
+from fp8engine.weights import quant
+
+LAYERS = 30
+PROJ = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+HEAD = (49152, 576)
+ROWS = (1, 2, 4, 8, 16, 24, 32, 64)
+PATHS = ("auto", "avx512-gemv", "avx512-nt", "avx512-gemm")
+
+
+def stream_bandwidth(mb: int = 256) -> float:
+    """Bytes/s of a copy (read + write) of an mb-MB tensor, best of 5."""
+    src = torch.empty(mb << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() / best
+
+
+def _best(fns: dict, rounds: int) -> dict:
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def run(rows=ROWS, kernels=("fp8", "bf16", "head"), rounds: int = 5) -> dict:
+    ops = load_cpu_ops()
+    torch.manual_seed(0)
+    bf16 = [{name: torch.randn(n, k, dtype=torch.bfloat16) * 0.05 for name, (n, k) in PROJ.items()}
+            for _ in range(LAYERS)]
+    fp8 = [{name: quant.quantize_weight_blockwise(w) for name, w in layer.items()} for layer in bf16]
+    head = torch.randn(*HEAD, dtype=torch.bfloat16) * 0.05
+    bytes_ = {"fp8": sum(q.numel() for layer in fp8 for q, _ in layer.values()),
+              "bf16": 2 * sum(w.numel() for layer in bf16 for w in layer.values()), "head": 2 * head.numel()}
+    bandwidth = stream_bandwidth()
+    results = []
+    for m in rows:
+        xs = {name: torch.randn(m, PROJ[name][1], dtype=torch.bfloat16) for name in PROJ}
+        xh = torch.randn(m, HEAD[1], dtype=torch.bfloat16)
+
+        def fp8_forward(path):
+            return lambda: [ops.fp8_block_linear(xs[name], q, s, None, False, None, False, path)
+                            for layer in fp8 for name, (q, s) in layer.items()]
+
+        def bf16_forward(path):
+            if path == "torch":
+                return lambda: [F.linear(xs[name], w) for layer in bf16 for name, w in layer.items()]
+            return lambda: [ops.bf16_linear(xs[name], w, None, False, False, path)
+                            for layer in bf16 for name, w in layer.items()]
+
+        def head_forward(path):
+            if path == "torch":
+                return lambda: F.linear(xh, head)
+            return lambda: ops.bf16_linear(xh, head, None, False, False, path)
+
+        fns = {}
+        for kind, make in (("fp8", fp8_forward), ("bf16", bf16_forward), ("head", head_forward)):
+            if kind in kernels:
+                for path in PATHS + (("torch",) if kind != "fp8" else ()):
+                    fns[(kind, path)] = make(path)
+        for (kind, path), seconds in _best(fns, rounds).items():
+            results.append({"kind": kind, "path": path, "M": m, "ms": seconds * 1e3,
+                            "floor_ms": bytes_[kind] / bandwidth * 1e3})
+    return {"threads": torch.get_num_threads(), "stream_GBps": bandwidth / 1e9, "bytes": bytes_,
+            "results": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kernels", default="fp8,bf16,head")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = run(tuple(int(m) for m in args.rows.split(",")), tuple(args.kernels.split(",")), args.rounds)
+    print(f"threads {report['threads']}, stream bandwidth {report['stream_GBps']:.1f} GB/s (copy), "
+          f"bytes per forward: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in report["bytes"].items()))
+    kinds = dict.fromkeys(r["kind"] for r in report["results"])
+    for kind in kinds:
+        rs = [r for r in report["results"] if r["kind"] == kind]
+        paths = list(dict.fromkeys(r["path"] for r in rs))
+        print(f"\n{kind}: ms per forward (DRAM floor {rs[0]['floor_ms']:.2f} ms)")
+        print(f"{'M':>4} " + " ".join(f"{p:>12}" for p in paths))
+        for m in dict.fromkeys(r["M"] for r in rs):
+            row = {r["path"]: r["ms"] for r in rs if r["M"] == m}
+            print(f"{m:>4} " + " ".join(f"{row[p]:>12.2f}" for p in paths))
+
+
+if __name__ == "__main__":
+    main()
