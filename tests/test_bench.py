@@ -293,7 +293,7 @@ else:
     seconds = 0.01 * sum(map(len, spec["prompt_token_ids"])) + 0.05 * spec["output_len"]
     out = dict(versions, seconds=seconds, output_tokens=sequences * spec["output_len"],
                output_tok_s=sequences * spec["output_len"] / seconds, sequences=sequences, threads=spec["threads"],
-               omp_threads_bind=env["VLLM_CPU_OMP_THREADS_BIND"], compilation_mode="DYNAMO_TRACE_ONCE",
+               cpus=spec["cpus"], omp_threads_bind=env["VLLM_CPU_OMP_THREADS_BIND"], compilation_mode="DYNAMO_TRACE_ONCE",
                compilation_backend="inductor", enforce_eager=False, max_num_batched_tokens=4096,
                kv_cache_bytes=spec["kv_cache_bytes"])
 with open(record, "a") as f:
@@ -338,11 +338,12 @@ def test_vllm_row_comes_after_the_modes_with_the_engines_prompts_and_threads(vll
     [prompts] = engine_prompts
     workload = timed["workload"]
     assert workload["prompt_token_ids"] == prompts and [len(p) for p in prompts] == [7, 7, 7]
-    assert (workload["n"], workload["output_len"], workload["temperature"], workload["threads"]) == (2, 5, 1.0, 1)
+    first_cpu = min(os.sched_getaffinity(0))
+    assert (workload["n"], workload["output_len"], workload["temperature"], workload["threads"], workload["cpus"]) == (
+        2, 5, 1.0, 1, [first_cpu])
     assert (workload["dtype"], workload["max_num_seqs"], workload["kv_cache_bytes"]) == ("bfloat16", 256, 1 << 30)
     assert workload["model"] == throughput.model_dir("default")
-    first_cpu = str(min(os.sched_getaffinity(0)))
-    assert timed["env"] == {"VLLM_CPU_OMP_THREADS_BIND": first_cpu, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+    assert timed["env"] == {"VLLM_CPU_OMP_THREADS_BIND": str(first_cpu), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                             "PYTHONPATH": None}
     report = json.loads(out.read_text())
     engine, vllm = report["results"]
@@ -352,7 +353,7 @@ def test_vllm_row_comes_after_the_modes_with_the_engines_prompts_and_threads(vll
     assert vllm["output_tok_s"] == pytest.approx(30 / seconds)
     assert vllm["ratio_vs_first"] == pytest.approx(30 / seconds / 60.0)
     assert (vllm["vllm"]["torch"], vllm["vllm"]["sequences"], vllm["vllm"]["omp_threads_bind"]) == (
-        "2.13.0+cpu", 6, first_cpu)
+        "2.13.0+cpu", 6, str(first_cpu))
     text = capsys.readouterr().out.splitlines()
     assert text[2].split()[0] == "bf16" and text[3].split()[:3] == ["vllm", "0.99.1", "(cpu)"]
     assert text[4].startswith("vllm: 0.99.1 on torch 2.13.0+cpu (cpu), 6 sequences of 5 tokens")
@@ -445,11 +446,13 @@ def test_the_runner_reads_the_workload_and_counts_every_sample(tmp_path, monkeyp
     platforms.current_platform = types.SimpleNamespace(device_type="cpu")
     for name, module in {"vllm": vllm, "vllm.inputs": inputs, "vllm.platforms": platforms}.items():
         monkeypatch.setitem(sys.modules, name, module)
-    threads = []
+    threads, pinned = [], []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: pinned.append((pid, cpus)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0,1")
-    spec = dict(prompt_token_ids=[[5, 6, 7], [8, 9]], n=3, output_len=4, temperature=0.7, threads=2, model="m",
-                dtype="bfloat16", max_num_seqs=64, kv_cache_bytes=1 << 30, seed=0)
+    spec = dict(prompt_token_ids=[[5, 6, 7], [8, 9]], n=3, output_len=4, temperature=0.7, threads=2, cpus=[0, 1],
+                model="m", dtype="bfloat16", max_num_seqs=64, kv_cache_bytes=1 << 30, seed=0)
     path = tmp_path / "workload.json"
     path.write_text(json.dumps(spec))
     assert vllm_runner.main([str(path)]) == 0
@@ -462,9 +465,9 @@ def test_the_runner_reads_the_workload_and_counts_every_sample(tmp_path, monkeyp
     assert timed == ("generate", [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}],
                      dict(n=3, temperature=0.7, top_p=1.0, top_k=0, max_tokens=4, min_tokens=4, ignore_eos=True,
                           logprobs=0), False)
-    assert threads == [2]
+    assert threads == [2] and pinned == [(0, [0, 1])]
     assert (out["vllm"], out["torch"], out["platform"]) == ("0.99.1", torch.__version__, "cpu")
-    assert (out["output_tokens"], out["sequences"], out["omp_threads_bind"]) == (24, 6, "0,1")
+    assert (out["output_tokens"], out["sequences"], out["cpus"], out["omp_threads_bind"]) == (24, 6, [0, 1], "0,1")
     assert out["output_tok_s"] == pytest.approx(24 / out["seconds"])
     assert (out["compilation_mode"], out["enforce_eager"], out["max_num_batched_tokens"]) == (
         "NONE", True, 2048)
@@ -479,10 +482,11 @@ def test_the_runner_reads_the_workload_and_counts_every_sample(tmp_path, monkeyp
     (dict(prompt_token_ids=[[1], []]), "prompt_token_ids must be non-empty lists of token ids"),
     (dict(prompt_token_ids=[[1, 2.5]]), "prompt_token_ids must be non-empty lists of token ids"),
     (dict(model=3), "model must be of type str, got 3"),
+    (dict(cpus=[]), "cpus must be a non-empty list of CPU ids, got []"),
 ])
 def test_the_runner_refuses_a_malformed_workload(change, message, tmp_path):
-    spec = dict(prompt_token_ids=[[5, 6]], n=1, output_len=4, temperature=0, threads=1, model="m", dtype="bfloat16",
-                max_num_seqs=8, kv_cache_bytes=1 << 30, seed=0)
+    spec = dict(prompt_token_ids=[[5, 6]], n=1, output_len=4, temperature=0, threads=1, cpus=[0], model="m",
+                dtype="bfloat16", max_num_seqs=8, kv_cache_bytes=1 << 30, seed=0)
     spec.update(change)
     path = tmp_path / "workload.json"
     path.write_text(json.dumps({k: v for k, v in spec.items() if v is not None}))

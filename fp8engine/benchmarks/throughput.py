@@ -289,7 +289,8 @@ def _llama_cpp_note(run: dict) -> str:
 def _vllm_note(own: dict) -> str:
     return (f"vllm: {own['vllm']} on torch {own['torch']} ({own['platform']}), {own['sequences']} sequences of "
             f"{own['output_tokens'] // own['sequences']} tokens, compilation {own['compilation_mode']} "
-            f"({own['compilation_backend']}), OpenMP threads on CPUs {own['omp_threads_bind']}; output tok/s = "
+            f"({own['compilation_backend']}), its processes and OpenMP threads on CPUs {own['omp_threads_bind']}; "
+            f"output tok/s = "
             f"output tokens / one generate's seconds, prefill and sampling included")
 
 

@@ -5,7 +5,8 @@ vLLM pins its own torch and transformers, so it runs as a subprocess: vllm_runne
 samples of exactly --output-len tokens each (ignore_eos and min_tokens), the workload's temperature, the model's
 Hugging Face directory in the same dtype, the KV budget in bytes of the engine's BF16 mode and the same threads:
 torch's in the runner, and vLLM's CPU worker bound to the first `threads` CPUs this process may use
-(VLLM_CPU_OMP_THREADS_BIND). After a warm-up it times one generate of all B = num_prompts x n sequences: output
+(VLLM_CPU_OMP_THREADS_BIND), on which all of vLLM's processes run (its front end, engine core and worker are three
+processes; unpinned, the first two would take CPU time beyond `threads`). After a warm-up it times one generate of all B = num_prompts x n sequences: output
 tokens/s end to end, prefill and sampling included, as the engine rows count them.
 """
 
@@ -26,16 +27,21 @@ TORCHVISION_HINT = ("PyPI's torchvision, torchaudio and torchcodec are CUDA buil
                     "torchaudio torchcodec` in that venv, as `make bench-baselines` does")
 
 
-def child_env(threads: int) -> dict[str, str]:
-    """The runner's environment: vLLM's OpenMP threads bound to the first `threads` CPUs this process may use,
-    its log on stderr (stdout carries the result), nothing fetched from the Hugging Face hub, no usage stats;
-    PYTHONPATH dropped, so the venv sees its own packages only."""
+def bound_cpus(threads: int) -> list[int]:
+    """The first `threads` CPUs this process may use: vLLM binds one OpenMP thread to each."""
     cpus = sorted(os.sched_getaffinity(0))
     if threads > len(cpus):
         raise ValueError(f"--threads {threads}: vLLM binds one thread to each CPU, and this process may use "
                          f"{len(cpus)}")
+    return cpus[:threads]
+
+
+def child_env(cpus: list[int]) -> dict[str, str]:
+    """The runner's environment: vLLM's OpenMP threads bound to `cpus`, its log on stderr (stdout carries the
+    result), nothing fetched from the Hugging Face hub, no usage stats; PYTHONPATH dropped, so the venv sees its
+    own packages only."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus[:threads])), OMP_NUM_THREADS=str(threads),
+    env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)), OMP_NUM_THREADS=str(len(cpus)),
                VLLM_LOGGING_STREAM="ext://sys.stderr", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
     return env
@@ -53,7 +59,7 @@ def check_python(vllm_python: str | None, threads: int) -> tuple[Path, dict]:
         raise ValueError(f"--vllm-python {vllm_python!r} is not executable")
     args = [str(path), str(RUNNER), "--check"]
     try:
-        done = subprocess.run(args, capture_output=True, text=True, env=child_env(threads))
+        done = subprocess.run(args, capture_output=True, text=True, env=child_env(bound_cpus(threads)))
     except OSError as exc:
         raise ValueError(f"--vllm-python {vllm_python!r} does not run: {exc}") from None
     info = _json_line(done.stdout)
@@ -73,14 +79,15 @@ def runner(vllm_python: str | None, threads: int):
 def run(python: Path, info: dict, prompts: list[list[int]], workload: Workload, model_dir: str, dtype: str,
         threads: int, kv_cache_bytes: int) -> dict:
     """One timed vLLM generate as a report row, the runner's own JSON under "vllm"."""
+    cpus = bound_cpus(threads)
     spec = dict(prompt_token_ids=prompts, n=workload.n, output_len=workload.max_tokens,
-                temperature=workload.temperature, threads=threads, model=model_dir, dtype=dtype,
+                temperature=workload.temperature, threads=threads, cpus=cpus, model=model_dir, dtype=dtype,
                 max_num_seqs=workload.max_num_seqs, kv_cache_bytes=kv_cache_bytes, seed=0)
     with tempfile.TemporaryDirectory(prefix="fp8engine-vllm-") as tmp:
         path = Path(tmp) / "workload.json"
         path.write_text(json.dumps(spec))
         args = [str(python), str(RUNNER), str(path)]
-        done = subprocess.run(args, capture_output=True, text=True, env=child_env(threads))
+        done = subprocess.run(args, capture_output=True, text=True, env=child_env(cpus))
     if done.returncode != 0:
         raise RuntimeError(f"vLLM {info['vllm']} exited with status {done.returncode}: {' '.join(args)}\n"
                            f"{output_tail(done.stdout + done.stderr)}")

@@ -5,9 +5,10 @@ prompt, and one JSON line on stdout with the figures and what ran.
     python vllm_runner.py --check          # {"vllm": ..., "torch": ..., "platform": ...}
     python vllm_runner.py WORKLOAD.json    # {"vllm": ..., "seconds": ..., "output_tok_s": ..., ...}
 
-WORKLOAD.json: prompt_token_ids (lists of ints), n, output_len, temperature, threads, model, dtype, max_num_seqs,
-kv_cache_bytes, seed. The OpenMP threads of vLLM's CPU worker come from the environment the parent sets
-(VLLM_CPU_OMP_THREADS_BIND); torch's threads in this process from `threads`.
+WORKLOAD.json: prompt_token_ids (lists of ints), n, output_len, temperature, threads, cpus, model, dtype,
+max_num_seqs, kv_cache_bytes, seed. This process, and the engine core and worker processes vLLM starts from it, run
+on `cpus`; the worker's OpenMP threads are bound to them by the environment the parent sets
+(VLLM_CPU_OMP_THREADS_BIND), torch's threads in this process are `threads`.
 """
 
 import argparse
@@ -16,8 +17,8 @@ import os
 import sys
 import time
 
-FIELDS = {"prompt_token_ids": list, "n": int, "output_len": int, "temperature": float, "threads": int, "model": str,
-          "dtype": str, "max_num_seqs": int, "kv_cache_bytes": int, "seed": int}
+FIELDS = {"prompt_token_ids": list, "n": int, "output_len": int, "temperature": float, "threads": int, "cpus": list,
+          "model": str, "dtype": str, "max_num_seqs": int, "kv_cache_bytes": int, "seed": int}
 POSITIVE = ("n", "output_len", "threads", "max_num_seqs", "kv_cache_bytes")
 
 
@@ -39,6 +40,8 @@ def load_workload(path: str) -> dict:
     prompts = spec["prompt_token_ids"]
     if not prompts or not all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompts):
         raise ValueError(f"{path}: prompt_token_ids must be non-empty lists of token ids")
+    if not spec["cpus"] or not all(type(c) is int and c >= 0 for c in spec["cpus"]):
+        raise ValueError(f"{path}: cpus must be a non-empty list of CPU ids, got {spec['cpus']!r}")
     return spec
 
 
@@ -65,6 +68,7 @@ def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    os.sched_setaffinity(0, spec["cpus"])  # before LLM starts its processes: they inherit it
     torch.set_num_threads(spec["threads"])
     llm = LLM(model=spec["model"], dtype=spec["dtype"], seed=spec["seed"], max_num_seqs=spec["max_num_seqs"],
               kv_cache_memory_bytes=spec["kv_cache_bytes"])
@@ -80,7 +84,7 @@ def run(spec: dict) -> dict:
     compilation = config.compilation_config
     return {**versions(), "seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
             "sequences": sum(len(o.outputs) for o in outs), "threads": spec["threads"],
-            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "cpus": sorted(os.sched_getaffinity(0)), "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
             "compilation_mode": compilation.mode.name, "compilation_backend": compilation.backend,
             "enforce_eager": config.model_config.enforce_eager,
             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
