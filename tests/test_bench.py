@@ -1,20 +1,24 @@
 """The throughput benchmark's rounds (alternating mode order, median run per mode), its shape flags, the
 llama.cpp baseline (against a stub llama-batched-bench that checks its arguments and prints llama.cpp's
-formats), replica counts through RolloutCluster, and the soak workload (a live server under load, weight
-updates, disconnects and flushes)."""
+formats), the vLLM baseline (against a stub venv python that answers as vllm_runner.py does, and the runner
+itself against a stub vllm module), replica counts through RolloutCluster, and the soak workload (a live server
+under load, weight updates, disconnects and flushes)."""
 
 import asyncio
+import importlib.util
 import json
 import os
+import re
 import stat
 import sys
 import textwrap
+import types
 
 import httpx
 import pytest
 import torch
 
-from fp8engine.benchmarks import in_flight, llama_cpp, replicas, soak, throughput
+from fp8engine.benchmarks import in_flight, llama_cpp, replicas, soak, throughput, vllm_baseline, vllm_runner
 from fp8engine.entrypoints.cli import main
 from fp8engine.weights.loader import iter_safetensors
 
@@ -92,6 +96,10 @@ def test_chat_prompts_report_their_lengths_as_the_engine_renders_them(tokenizer)
     (["--baseline", "llama.cpp", "--gguf", "m.gguf"], "--baseline llama.cpp needs --llama-bin DIR"),
     (["--baseline", "llama.cpp", "--llama-bin", "nowhere"], "--llama-bin 'nowhere' is not a directory"),
     (["--baseline", "llama.cpp", "--llama-bin", "."], "no llama-batched-bench in --llama-bin '.' nor in its bin/"),
+    (["--vllm-python", "python"], "--vllm-python is for --baseline vllm"),
+    (["--baseline", "vllm"], "--baseline vllm needs --vllm-python PATH"),
+    (["--baseline", "vllm", "--vllm-python", "nowhere/python"], "--vllm-python 'nowhere/python' is not a file"),
+    (["--baseline", "hf,vllm,hf", "--vllm-python", "python"], "choose each at most once"),
 ])
 def test_bad_bench_flags_exit_2_naming_the_flag_before_any_model_loads(argv, message, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
@@ -261,6 +269,231 @@ def test_a_llama_cpp_binary_that_fails_or_prints_no_row_is_an_error(llama_bin, t
     os.chmod(binary, 0o644)
     with pytest.raises(ValueError, match="llama-batched-bench is not executable"):
         llama_cpp.find_binary(str(llama_bin))
+
+
+# ------------------------------------------------------------------ vLLM baseline
+VLLM_STUB = """\
+#!{python}
+# A stand-in for a vLLM venv's python: run as `python vllm_runner.py --check` or `python vllm_runner.py FILE`, it
+# checks the workload with the runner's own load_workload, records its arguments, environment and workload, and
+# prints the runner's JSON line with times from the shape (0.01 s per prompt token, 0.05 s per decode step).
+import json, os, sys
+runner, args = sys.argv[1], sys.argv[2:]
+sys.path.insert(0, os.path.dirname(runner))
+import vllm_runner
+record = os.path.join(os.path.dirname(__file__), "calls.jsonl")
+env = {{k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "PYTHONPATH")}}
+versions = dict(vllm="0.99.1", torch="2.13.0+cpu", platform="cpu")
+if args == ["--check"]:
+    call, out = dict(args=sys.argv[1:], env=env), versions
+else:
+    spec = vllm_runner.load_workload(args[0])
+    call = dict(args=sys.argv[1:], env=env, workload=spec)
+    sequences = len(spec["prompt_token_ids"]) * spec["n"]
+    seconds = 0.01 * sum(map(len, spec["prompt_token_ids"])) + 0.05 * spec["output_len"]
+    out = dict(versions, seconds=seconds, output_tokens=sequences * spec["output_len"],
+               output_tok_s=sequences * spec["output_len"] / seconds, sequences=sequences, threads=spec["threads"],
+               cpus=spec["cpus"], omp_threads_bind=env["VLLM_CPU_OMP_THREADS_BIND"], compilation_mode="DYNAMO_TRACE_ONCE",
+               compilation_backend="inductor", enforce_eager=False, max_num_batched_tokens=4096,
+               kv_cache_bytes=spec["kv_cache_bytes"])
+with open(record, "a") as f:
+    f.write(json.dumps(call) + "\\n")
+print("INFO vllm logs a line to stdout")
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture()
+def vllm_python(tmp_path):
+    """A venv-like bin/python: the stub above."""
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(VLLM_STUB.format(python=sys.executable))
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return python
+
+
+def vllm_calls(vllm_python) -> list[dict]:
+    return [json.loads(line) for line in (vllm_python.parent / "calls.jsonl").read_text().splitlines()]
+
+
+def test_vllm_row_comes_after_the_modes_with_the_engines_prompts_and_threads(vllm_python, tmp_path, monkeypatch,
+                                                                              capsys):
+    """3 random prompts x n=2 x 5 tokens, one thread: vLLM gets the very token ids the engine got, and its row is
+    the runner's figures, named by its version, compared with the first mode."""
+    engine_prompts = []
+
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+        engine_prompts.append(prompts)
+        return {"mode": mode, "output_tokens": 30, "seconds": 0.5, "output_tok_s": 60.0}
+
+    monkeypatch.setattr(throughput, "run_engine", fake_run_engine)
+    out = tmp_path / "report.json"
+    assert main(["bench", "--num-prompts", "3", "--n", "2", "--prompts", "random", "--input-len", "7",
+                 "--output-len", "5", "--threads", "1", "--baseline", "vllm", "--vllm-python", str(vllm_python),
+                 "--json", str(out)]) == 0
+    check, timed = vllm_calls(vllm_python)
+    assert check["args"] == [str(vllm_baseline.RUNNER), "--check"]
+    assert timed["args"][0] == str(vllm_baseline.RUNNER) and timed["args"][1].endswith("workload.json")
+    [prompts] = engine_prompts
+    workload = timed["workload"]
+    assert workload["prompt_token_ids"] == prompts and [len(p) for p in prompts] == [7, 7, 7]
+    first_cpu = min(os.sched_getaffinity(0))
+    assert (workload["n"], workload["output_len"], workload["temperature"], workload["threads"], workload["cpus"]) == (
+        2, 5, 1.0, 1, [first_cpu])
+    assert (workload["dtype"], workload["max_num_seqs"], workload["kv_cache_bytes"]) == ("bfloat16", 256, 1 << 30)
+    assert workload["model"] == throughput.model_dir("default")
+    assert timed["env"] == {"VLLM_CPU_OMP_THREADS_BIND": str(first_cpu), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                            "PYTHONPATH": None}
+    report = json.loads(out.read_text())
+    engine, vllm = report["results"]
+    assert (engine["mode"], engine["ratio_vs_first"]) == ("bf16", 1.0)
+    seconds = 0.01 * 21 + 0.05 * 5
+    assert (vllm["mode"], vllm["output_tokens"], vllm["seconds"]) == ("vllm 0.99.1 (cpu)", 30, pytest.approx(seconds))
+    assert vllm["output_tok_s"] == pytest.approx(30 / seconds)
+    assert vllm["ratio_vs_first"] == pytest.approx(30 / seconds / 60.0)
+    assert (vllm["vllm"]["torch"], vllm["vllm"]["sequences"], vllm["vllm"]["omp_threads_bind"]) == (
+        "2.13.0+cpu", 6, str(first_cpu))
+    text = capsys.readouterr().out.splitlines()
+    assert text[2].split()[0] == "bf16" and text[3].split()[:3] == ["vllm", "0.99.1", "(cpu)"]
+    assert text[4].startswith("vllm: 0.99.1 on torch 2.13.0+cpu (cpu), 6 sequences of 5 tokens")
+
+
+def test_both_subprocess_baselines_run_in_every_round_after_the_modes(vllm_python, llama_bin, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+        calls.append(mode)
+        return {"mode": mode, "output_tokens": 8, "seconds": 1.0, "output_tok_s": 8.0}
+
+    def recorded(name, run):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return run(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(throughput, "run_engine", fake_run_engine)
+    monkeypatch.setattr(vllm_baseline, "run", recorded("vllm", vllm_baseline.run))
+    monkeypatch.setattr(llama_cpp, "run", recorded("llama.cpp", llama_cpp.run))
+    spec = throughput.shaped("quick", num_prompts=2, n=1, prompts="random", input_len=4, output_len=8)
+    report = throughput.run(spec, ["bf16"], ["llama.cpp", "vllm"], threads=1, rounds=2,
+                            gguf=str(tmp_path / "model.gguf"), llama_bin=str(llama_bin), vllm_python=str(vllm_python))
+    assert calls == ["bf16", "llama.cpp", "vllm", "vllm", "llama.cpp", "bf16"]
+    assert [r["mode"] for r in report["results"]] == ["bf16", "llama.cpp", "vllm 0.99.1 (cpu)"]
+    assert len(report["results"][2]["output_tok_s_rounds"]) == 2
+    assert len(vllm_calls(vllm_python)) == 3  # one check, then a run per round
+
+
+def test_a_vllm_python_that_fails_is_refused_before_any_mode_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(throughput, "run_engine", lambda *args: pytest.fail("ran the engine"))
+    spec = throughput.shaped("quick", num_prompts=1, n=1, output_len=2)
+    text = tmp_path / "python"
+    text.write_text("not a program\n")
+    with pytest.raises(ValueError, match="--vllm-python '.*python' is not executable"):
+        throughput.run(spec, ["bf16"], "vllm", vllm_python=str(text))
+    text.chmod(0o755)
+    with pytest.raises(ValueError, match="--vllm-python '.*python' does not run: .*Exec format error"):
+        throughput.run(spec, ["bf16"], "vllm", vllm_python=str(text))
+    if importlib.util.find_spec("vllm") is None:  # this python is one without vllm
+        with pytest.raises(ValueError, match=r"(?s)has no vllm \(`.*vllm_runner.py --check` exited with status 1\); "
+                                             r"`make bench-baselines` builds.*No module named 'vllm'"):
+            throughput.run(spec, ["bf16"], "vllm", vllm_python=sys.executable)
+    with pytest.raises(ValueError, match="--threads 99: vLLM binds one thread to each CPU"):
+        throughput.run(spec, ["bf16"], "vllm", vllm_python=sys.executable, threads=99)
+
+
+def test_a_vllm_run_that_fails_names_its_status_and_output(tmp_path):
+    python = tmp_path / "python"
+    python.write_text(f"#!{sys.executable}\nimport sys\nprint('RuntimeError: no ISA for this kernel')\nsys.exit(3)\n")
+    python.chmod(0o755)
+    info = {"vllm": "0.99.1"}
+    spec = throughput.shaped("quick", num_prompts=1, n=1, output_len=2)
+    with pytest.raises(RuntimeError, match="(?s)vLLM 0.99.1 exited with status 3: .*no ISA for this kernel"):
+        vllm_baseline.run(python, info, [[1, 2]], spec, "model", "bfloat16", 1, 1 << 30)
+    python.write_text(f"#!{sys.executable}\nprint('INFO started')\n")
+    with pytest.raises(RuntimeError, match="(?s)vLLM 0.99.1 printed no result: .*INFO started"):
+        vllm_baseline.run(python, info, [[1, 2]], spec, "model", "bfloat16", 1, 1 << 30)
+
+
+class _StubLLM:
+    """vLLM's LLM as vllm_runner uses it: records its arguments and calls, returns n outputs of max_tokens ids."""
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+        compilation = types.SimpleNamespace(mode=types.SimpleNamespace(name="NONE"), backend="eager")
+        config = types.SimpleNamespace(compilation_config=compilation,
+                                       model_config=types.SimpleNamespace(enforce_eager=True),
+                                       scheduler_config=types.SimpleNamespace(max_num_batched_tokens=2048))
+        self.llm_engine = types.SimpleNamespace(vllm_config=config)
+        _StubLLM.last = self
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.calls.append(("generate", prompts, params.kwargs, use_tqdm))
+        sample = types.SimpleNamespace(token_ids=[0] * params.kwargs["max_tokens"])
+        return [types.SimpleNamespace(outputs=[sample] * params.kwargs.get("n", 1)) for _ in prompts]
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def test_the_runner_reads_the_workload_and_counts_every_sample(tmp_path, monkeypatch, capsys):
+    vllm = types.ModuleType("vllm")
+    vllm.__version__, vllm.LLM = "0.99.1", _StubLLM
+    vllm.SamplingParams = lambda **kwargs: types.SimpleNamespace(kwargs=kwargs)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict  # a TypedDict in vLLM
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(device_type="cpu")
+    for name, module in {"vllm": vllm, "vllm.inputs": inputs, "vllm.platforms": platforms}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    threads, pinned = [], []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: pinned.append((pid, cpus)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0,1")
+    spec = dict(prompt_token_ids=[[5, 6, 7], [8, 9]], n=3, output_len=4, temperature=0.7, threads=2, cpus=[0, 1],
+                model="m", dtype="bfloat16", max_num_seqs=64, kv_cache_bytes=1 << 30, seed=0)
+    path = tmp_path / "workload.json"
+    path.write_text(json.dumps(spec))
+    assert vllm_runner.main([str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    llm = _StubLLM.last
+    assert llm.kwargs == dict(model="m", dtype="bfloat16", seed=0, max_num_seqs=64, kv_cache_memory_bytes=1 << 30)
+    warm, reset, timed = llm.calls
+    assert warm == ("generate", [{"prompt_token_ids": [5, 6, 7]}], {"max_tokens": 2}, False)
+    assert reset == ("reset_prefix_cache",)
+    assert timed == ("generate", [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}],
+                     dict(n=3, temperature=0.7, top_p=1.0, top_k=0, max_tokens=4, min_tokens=4, ignore_eos=True,
+                          logprobs=0), False)
+    assert threads == [2] and pinned == [(0, [0, 1])]
+    assert (out["vllm"], out["torch"], out["platform"]) == ("0.99.1", torch.__version__, "cpu")
+    assert (out["output_tokens"], out["sequences"], out["cpus"], out["omp_threads_bind"]) == (24, 6, [0, 1], "0,1")
+    assert out["output_tok_s"] == pytest.approx(24 / out["seconds"])
+    assert (out["compilation_mode"], out["enforce_eager"], out["max_num_batched_tokens"]) == (
+        "NONE", True, 2048)
+    assert vllm_runner.main(["--check"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"vllm": "0.99.1", "torch": torch.__version__, "platform": "cpu"}
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n=None), "missing n"),
+    (dict(n=0), "n must be >= 1"),
+    (dict(threads=True), "threads must be of type int, got True"),
+    (dict(prompt_token_ids=[[1], []]), "prompt_token_ids must be non-empty lists of token ids"),
+    (dict(prompt_token_ids=[[1, 2.5]]), "prompt_token_ids must be non-empty lists of token ids"),
+    (dict(model=3), "model must be of type str, got 3"),
+    (dict(cpus=[]), "cpus must be a non-empty list of CPU ids, got []"),
+])
+def test_the_runner_refuses_a_malformed_workload(change, message, tmp_path):
+    spec = dict(prompt_token_ids=[[5, 6]], n=1, output_len=4, temperature=0, threads=1, cpus=[0], model="m",
+                dtype="bfloat16", max_num_seqs=8, kv_cache_bytes=1 << 30, seed=0)
+    spec.update(change)
+    path = tmp_path / "workload.json"
+    path.write_text(json.dumps({k: v for k, v in spec.items() if v is not None}))
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+        vllm_runner.load_workload(str(path))
+    with pytest.raises(SystemExit):
+        vllm_runner.main([])  # neither a file nor --check
 
 
 # ------------------------------------------------------------------ replicas

@@ -91,11 +91,11 @@ def run(binary: Path, gguf: Path, prompt_len: int, output_len: int, parallel: in
     output = done.stdout + "\n" + done.stderr
     if done.returncode != 0:
         raise RuntimeError(f"{binary.name} exited with status {done.returncode}: {' '.join(args)}\n"
-                           f"{_tail(output)}")
+                           f"{output_tail(output)}")
     rows = [r for r in parse(output) if (r["pp"], r["tg"], r["pl"]) == (prompt_len, output_len, parallel)]
     if not rows:
         raise RuntimeError(f"{binary.name} printed no result for PP={prompt_len}, TG={output_len}, B={parallel}: "
-                           f"{' '.join(args)}\n{_tail(output)}")
+                           f"{' '.join(args)}\n{output_tail(output)}")
     own = dict(rows[-1], prompt_shared=shared_prompt, command=args)
     own.setdefault("n_threads", threads)
     tokens = parallel * output_len
@@ -103,5 +103,6 @@ def run(binary: Path, gguf: Path, prompt_len: int, output_len: int, parallel: in
             "llama_cpp": own}
 
 
-def _tail(output: str, lines: int = 20) -> str:
+def output_tail(output: str, lines: int = 20) -> str:
+    """The last `lines` lines of a baseline's output, for its error message."""
     return "\n".join(output.strip().splitlines()[-lines:])

@@ -1,7 +1,7 @@
 """Throughput benchmarks behind `fp8engine bench`: engine modes side by side in one run.
 
 Every mode runs the same prompts with the same sampling params in the same process, one after the
-other, so the ratios (mode / first mode, engine / Hugging Face or llama.cpp) are what to read: these
+other, so the ratios (mode / first mode, engine / Hugging Face, llama.cpp or vLLM) are what to read: these
 machines are noisy and absolute figures move between runs. Every runner gets the same prompt token ids.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import asdict
 import torch
 
 from fp8engine.benchmarks.workloads import BASELINES, MODES, WORKLOADS, Workload, check_positive, shaped  # noqa: F401
-from fp8engine.config import EngineConfig
+from fp8engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from fp8engine.engine import LLMEngine
 from fp8engine.sampling_params import SamplingParams
 
@@ -164,16 +164,19 @@ def run_hf(workload: Workload, prompts: list[list[int]], model: str, dtype: str)
     return {"mode": "hf", "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds}
 
 
-def run(workload: str | Workload, modes: list[str], baseline: str | None = None, model: str = "default",
+def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | None = None, model: str = "default",
         dtype: str = "bfloat16", device: str = "auto", progress: bool = True, rounds: int = 1,
-        threads: int | None = None, gguf: str | None = None, llama_bin: str | None = None) -> dict:
+        threads: int | None = None, gguf: str | None = None, llama_bin: str | None = None,
+        vllm_python: str | None = None) -> dict:
     """Every mode once per round; rounds alternate the order (first to last, then last to first), and
     each mode reports its median round, so a slow spell of the machine does not land on one mode.
 
     workload: a WORKLOADS name or a Workload (see `shaped`). threads: torch threads for every run (None:
-    as set). baseline "hf" adds Hugging Face generate, "llama.cpp" llama-batched-bench from `llama_bin`
-    on `gguf` (see benchmarks/llama_cpp.py), in every round after the modes like one more mode (memory-bound
-    decode on a shared machine drifts by tens of percent within minutes); ratios are against the first mode."""
+    as set). baseline, one or a list: "hf" adds Hugging Face generate, "llama.cpp" llama-batched-bench from
+    `llama_bin` on `gguf` (see benchmarks/llama_cpp.py), "vllm" vLLM through the python of its venv,
+    `vllm_python` (see benchmarks/vllm_baseline.py); each in every round after the modes like one more mode
+    (memory-bound decode on a shared machine drifts by tens of percent within minutes); ratios are against
+    the first mode."""
     spec = WORKLOADS.get(workload) if isinstance(workload, str) else workload
     if spec is None:
         raise ValueError(f"unknown workload {workload!r}; choose from {sorted(WORKLOADS)}")
@@ -184,19 +187,18 @@ def run(workload: str | Workload, modes: list[str], baseline: str | None = None,
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if threads is not None:
         check_positive("--threads", threads)
-    llama = _llama_cpp_runner(baseline, gguf, llama_bin)  # a missing binary fails here, before the modes run
+    baselines = [baseline] if isinstance(baseline, str) else list(baseline or [])
+    # a missing binary or a python without vllm fails here, before the modes run
+    checked = _checked_baselines(baselines, gguf, llama_bin, vllm_python,
+                                 torch.get_num_threads() if threads is None else threads)
     model = workload_model(spec, model)
     with torch_threads(threads) as threads:
         from transformers import AutoTokenizer
         prompts = prompt_ids(spec, AutoTokenizer.from_pretrained(model_dir(model)))
         shape = shape_of(spec, prompts, threads)
         runners = {m: functools.partial(run_engine, m, spec, prompts, model, dtype, device, progress) for m in modes}
-        if baseline == "hf":
-            runners["hf"] = functools.partial(run_hf, spec, prompts, model, dtype)
-        elif llama is not None:
-            runners["llama.cpp"] = functools.partial(llama, round(shape["input_len"]), spec.max_tokens,
-                                                     spec.num_prompts * spec.n, threads,
-                                                     shared_prompt=spec.num_prompts == 1)
+        for name in baselines:
+            runners[name] = _baseline_run(name, checked.get(name), spec, prompts, shape, model, dtype)
         order = list(runners)
         runs: dict[str, list[dict]] = {m: [] for m in order}
         for i in range(rounds):
@@ -211,16 +213,36 @@ def run(workload: str | Workload, modes: list[str], baseline: str | None = None,
             "machine": machine, "results": results}
 
 
-def _llama_cpp_runner(baseline: str | None, gguf: str | None, llama_bin: str | None):
-    """llama_cpp.run bound to the binary and GGUF, for baseline "llama.cpp"; None for the others."""
-    if baseline is not None and baseline not in BASELINES:
-        raise ValueError(f"unknown baseline {baseline!r}; choose from {', '.join(BASELINES)}")
-    if baseline != "llama.cpp":
-        if gguf is not None or llama_bin is not None:
-            raise ValueError("--gguf and --llama-bin are for --baseline llama.cpp")
-        return None
-    from fp8engine.benchmarks import llama_cpp
-    return llama_cpp.runner(gguf, llama_bin)
+def _checked_baselines(baselines: list[str], gguf: str | None, llama_bin: str | None, vllm_python: str | None,
+                       threads: int) -> dict:
+    """The subprocess baselines' runners with what they run checked: llama.cpp's binary and GGUF, vLLM's python."""
+    unknown = [b for b in baselines if b not in BASELINES]
+    if unknown or len(set(baselines)) < len(baselines):
+        raise ValueError(f"baselines {baselines}: choose each at most once from {', '.join(BASELINES)}")
+    if "llama.cpp" not in baselines and (gguf is not None or llama_bin is not None):
+        raise ValueError("--gguf and --llama-bin are for --baseline llama.cpp")
+    if "vllm" not in baselines and vllm_python is not None:
+        raise ValueError("--vllm-python is for --baseline vllm")
+    checked = {}
+    if "llama.cpp" in baselines:
+        from fp8engine.benchmarks import llama_cpp
+        checked["llama.cpp"] = llama_cpp.runner(gguf, llama_bin)
+    if "vllm" in baselines:
+        from fp8engine.benchmarks import vllm_baseline
+        checked["vllm"] = vllm_baseline.runner(vllm_python, threads)
+    return checked
+
+
+def _baseline_run(name: str, checked, spec: Workload, prompts: list[list[int]], shape: dict, model: str,
+                  dtype: str):
+    """One round's run of baseline `name` on the shape, as a call without arguments."""
+    if name == "hf":
+        return functools.partial(run_hf, spec, prompts, model, dtype)
+    if name == "llama.cpp":
+        return functools.partial(checked, round(shape["input_len"]), spec.max_tokens, spec.num_prompts * spec.n,
+                                 shape["threads"], shared_prompt=spec.num_prompts == 1)
+    kv_bytes = DEFAULT_CPU_KV_BYTES if spec.kv_cache_tokens is None else _bf16_kv_bytes(model, spec.kv_cache_tokens)
+    return functools.partial(checked, prompts, spec, model_dir(model), dtype, shape["threads"], kv_bytes)
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -252,6 +274,7 @@ def format_table(report: dict) -> str:
                      for r in report["results"] if "output_tok_s_rounds" in r]
         head += "\ntok/s per round: " + ", ".join(per_round)
     notes = [_llama_cpp_note(r["llama_cpp"]) for r in report["results"] if "llama_cpp" in r]
+    notes += [_vllm_note(r["vllm"]) for r in report["results"] if "vllm" in r]
     return "\n".join([head, *table(report["results"], cols), *notes])
 
 
@@ -261,6 +284,14 @@ def _llama_cpp_note(run: dict) -> str:
             f"{run['n_threads']} threads; its own speeds: prefill {run['speed_pp']:.1f} tok/s ({run['t_pp']:.2f} s), "
             f"decode {run['speed_tg']:.1f} tok/s ({run['t_tg']:.2f} s); output tok/s = B*TG / (T_PP + T_TG), "
             f"no sampling")
+
+
+def _vllm_note(own: dict) -> str:
+    return (f"vllm: {own['vllm']} on torch {own['torch']} ({own['platform']}), {own['sequences']} sequences of "
+            f"{own['output_tokens'] // own['sequences']} tokens, compilation {own['compilation_mode']} "
+            f"({own['compilation_backend']}), its processes and OpenMP threads on CPUs {own['omp_threads_bind']}; "
+            f"output tok/s = "
+            f"output tokens / one generate's seconds, prefill and sampling included")
 
 
 def save_json(report: dict, path: str) -> None:

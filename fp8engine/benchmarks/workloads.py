@@ -18,7 +18,7 @@ MODES = {**_BASE_MODES, **{f"{name}-bi": dict(options, batch_invariant=True) for
 PROMPT_KINDS = ("chat", "random")
 # --update-every: what each weight update does to the requests in flight (benchmarks/in_flight.py)
 IN_FLIGHT_POLICIES = ("none", "wait", "keep", "keep+recompute")
-BASELINES = ("hf", "llama.cpp")
+BASELINES = ("hf", "llama.cpp", "vllm")
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ def _print_text(outs, summary: dict) -> None:
 # flags that shape or extend a throughput workload, and mean nothing to sync, serve and soak
 THROUGHPUT_FLAGS = {"num_prompts": "--num-prompts", "n": "--n", "input_len": "--input-len",
                     "output_len": "--output-len", "threads": "--threads", "replicas": "--replicas",
-                    "gguf": "--gguf", "llama_bin": "--llama-bin", "update_every": "--update-every"}
+                    "gguf": "--gguf", "llama_bin": "--llama-bin", "vllm_python": "--vllm-python",
+                    "update_every": "--update-every"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -129,7 +130,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def bench_throughput(args: argparse.Namespace) -> dict:
-    """A throughput workload in the shape the flags give: engine modes side by side (and a baseline), or
+    """A throughput workload in the shape the flags give: engine modes side by side (and baselines), or
     with --replicas the first mode through RolloutCluster at each replica count."""
     from fp8engine.benchmarks import throughput
     spec = throughput.shaped(args.workload, args.num_prompts, args.n, args.input_len, args.output_len,
@@ -153,7 +154,7 @@ def bench_throughput(args: argparse.Namespace) -> dict:
         return report
     report = throughput.run(spec, args.modes, args.baseline, args.model, args.dtype, args.device,
                             progress=not args.no_progress, rounds=args.rounds, threads=args.threads,
-                            gguf=args.gguf, llama_bin=args.llama_bin)
+                            gguf=args.gguf, llama_bin=args.llama_bin, vllm_python=args.vllm_python)
     print(throughput.format_table(report))
     if args.plot:
         from fp8engine.benchmarks.plot import plot_report

@@ -265,13 +265,15 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--threads",), "threads", "bench", ("bench",), "throughput workloads: torch threads of the engine "
            "runs and the baselines (with --replicas: per replica); none = torch's default (with --replicas: "
            "that over the largest count)", convert=int),
-    Option(("--baseline",), "baseline", "bench", ("bench",), "also run Hugging Face generate (hf) or llama.cpp's "
-           "llama-batched-bench (llama.cpp; needs --gguf and --llama-bin) on the same shape",
-           choices=(None, *BASELINES)),
+    Option(("--baseline",), "baseline", "bench", ("bench",), "baselines run on the same shape after the modes: "
+           "Hugging Face generate (hf), llama.cpp's llama-batched-bench (llama.cpp; needs --gguf and --llama-bin), "
+           "vLLM in its own venv (vllm; needs --vllm-python)", choices=BASELINES, many=True),
     Option(("--gguf",), "gguf", "bench", ("bench",), "--baseline llama.cpp: the model as a GGUF file",
            metavar="FILE"),
     Option(("--llama-bin",), "llama_bin", "bench", ("bench",), "--baseline llama.cpp: the directory holding "
            "llama-batched-bench (or its bin/), from a llama.cpp build", metavar="DIR"),
+    Option(("--vllm-python",), "vllm_python", "bench", ("bench",), "--baseline vllm: the python of a venv with "
+           "vLLM's CPU build (make bench-baselines builds one)", metavar="PATH"),
     Option(("--replicas",), "replicas", "bench", ("bench",), "throughput workloads: run through RolloutCluster "
            "(Ray) with each of these replica counts of --threads threads, side by side, the first of --modes",
            convert=_argument_type(_int_list, "int list"), metavar="K[,K...]"),
