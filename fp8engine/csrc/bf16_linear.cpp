@@ -403,8 +403,9 @@ void linear_amx(const Problem& p, OutT* y) {
 #endif  // FP8E_AMX
 
 // Which AVX-512 kernel M picks, measured with every layer's weights from DRAM (benchmarks/linear_stream.py, 2
-// threads of a 2-core Zen 5, ms per forward of the default model's 30 layers): the gemv up to 8 rows (12.1
-// against nt's 15.3 at 8), nt to 64 (at 16 15.6 vs the GEMM's 26.7, at 64 29.7 vs 33.8), the GEMM above. Without batch_invariant the wrapper gives torch's GEMM the calls above 64 rows
+// threads of a 2-core Zen 5, ms per forward of the default model's 30 layers; docs/cpu-peers.txt): the gemv up to
+// 8 rows (10.2 against nt's 13.2 at 8), nt to 64 (at 16 16.7 vs the GEMM's 31.8, at 64 35.1 vs 40.2), the GEMM
+// above. Without batch_invariant the wrapper gives torch's GEMM the calls above 32 rows
 // (bf16_linear_cpu.kernel_takes). On AMX machines the gemv beats the tiles at 1 row (default model shapes, 1
 // core of an Emerald Rapids Xeon: 0.8-0.97x the tiles' time at M = 1, 1.0-1.2x at M = 2).
 constexpr int64_t kGemvMaxM = 8;

@@ -893,10 +893,10 @@ void linear_amx(const Problem& p, const T* xin, bool ue8m0, T* y) {
 #endif  // FP8E_AMX
 
 // Which AVX-512 kernel M picks, measured with every layer's weights from DRAM as in a forward (benchmarks/
-// linear_stream.py: the default model's 30 layers, 2 threads of a 2-core Zen 5, ms per forward): the gemv up to
-// 6 rows (at 1 row 4.3 against nt's 8.5, at 6 9.0 vs 9.5), nt to 64 (at 8 10.3 vs the gemv's 12.7 and the
-// GEMM's 19.8, at 32 18.2 vs 22.6, at 64 26.6 vs 29.3), the GEMM above (level at 128: 50.7 vs 54.2 there, the
-// other way round in a whole decode step of 128 sequences). On AMX machines the gemv beats the
+// linear_stream.py: the default model's 30 layers, 2 threads of a 2-core Zen 5, ms per forward; docs/
+// cpu-peers.txt): the gemv up to 6 rows (at 1 row 3.8 against nt's 6.4, at 6 7.4 vs 7.9), nt to 64 (at 8 8.4 vs
+// the gemv's 11.9 and the GEMM's 16.2, at 64 32.5 vs the GEMM's 38.1), the GEMM above (level at 128: 52.0 vs
+// 56.5 there, the other way round in a whole decode step of 128 sequences). On AMX machines the gemv beats the
 // tiles at 1 and 2 rows (default model shapes, 1 or 2 cores of an Emerald Rapids Xeon: at M = 2 it takes 0.9x
 // the tiles' time, at M = 3 1.04x-1.2x).
 constexpr int64_t kGemvMaxM = 6;

@@ -9,10 +9,10 @@ from fp8engine.model_executor.kernels.layer_ops_ref import float32_linear_ref
 
 # Rows up to which the C++ kernels beat torch's GEMM on AVX-512 alone (the gemv up to 8 rows, then the nt kernel,
 # weight rows in the lanes). Measured with every layer's weights from DRAM as in a forward (benchmarks/
-# linear_stream.py: the default model's 30 layers, 2 threads of a 2-core Zen 5, ms per forward): at M = 1 8.7
-# against torch's 17.3, at 8 12.1 vs 22.1, at 16 15.6 vs 21.7, at 32 23.9 vs 27.5, at 64 29.7 vs 39.7 (the
-# head: 2.8 vs 4.8 at 8 rows, 7.7 vs 8.1 at 64); at 128 they are level (49.6 vs 55.2, the head 12.9 vs 12.4).
-_STREAM_MAX_M = 64
+# linear_stream.py: the default model's 30 layers, 2 threads of a 2-core Zen 5, ms per forward; docs/cpu-peers.txt):
+# at M = 1 8.1 against torch's 16.7, at 8 10.2 vs 12.9, at 32 22.9 vs 27.6 (the head: 1.6 vs 3.5 at 1 row, 5.6 vs
+# 6.8 at 32); at 64 they are level for the layers and torch's is faster for the head (8.1 vs 6.7).
+_STREAM_MAX_M = 32
 # With AMX tiles (an Emerald Rapids Xeon, 1 thread) the kernel's GEMM takes 0.35-0.85x torch's time from M = 2 to
 # 128 (default model shapes, weights cache-hot or streamed from L3), 0.9-1.0x at 256 and 1.1-1.2x from 512 on.
 _AMX_MAX_M = 256
@@ -41,7 +41,7 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def kernel_takes(m: int, batch_invariant: bool, gemm: str) -> bool:
     """Whether bf16_linear gives m rows to the C++ kernel: every M when batch invariant (its kernels are, torch's
-    GEMM is not), else decode-sized batches (M <= 64), and up to 256 rows where its GEMM runs on AMX tiles. The decoder
+    GEMM is not), else decode-sized batches (M <= 32), and up to 256 rows where its GEMM runs on AMX tiles. The decoder
     plan (model_executor/fused_decoder.py) calls the kernel directly, so it runs only where this holds."""
     return batch_invariant or m <= (_AMX_MAX_M if gemm == "amx" else _STREAM_MAX_M)
 
