@@ -8,6 +8,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <cstdint>
 #include <string>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -90,6 +91,15 @@ enum class Avx512Kernel { kByM, kGemv, kNt, kGemm };
 struct GemmChoice {
   bool amx;
   Avx512Kernel kernel;
+
+  // The AVX-512 kernel for m rows: the forced one, else the gemv up to gemv_max rows (never batch invariant: it
+  // sums in another order), nt up to nt_max, the GEMM above (nt and the GEMM give the same bits).
+  Avx512Kernel avx512_kernel(int64_t m, bool batch_invariant, int64_t gemv_max, int64_t nt_max) const {
+    if (kernel != Avx512Kernel::kByM) return kernel;
+    return !batch_invariant && m <= gemv_max ? Avx512Kernel::kGemv
+           : m <= nt_max                     ? Avx512Kernel::kNt
+                                             : Avx512Kernel::kGemm;
+  }
 };
 
 inline GemmChoice choose_gemm(const std::string& gemm, const char* op) {

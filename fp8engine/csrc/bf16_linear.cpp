@@ -414,17 +414,13 @@ constexpr int64_t kSmallMAmx = 1;
 
 template <typename OutT>
 void linear_impl(const Problem& p, OutT* out, bool batch_invariant, GemmChoice g) {
-  Avx512Kernel kernel = g.kernel;
-  if (kernel == Avx512Kernel::kByM && g.amx) {
+  if (g.kernel == Avx512Kernel::kByM && g.amx) {
 #ifdef FP8E_AMX
     if (batch_invariant || p.m > kSmallMAmx) return linear_amx(p, out);
 #endif
     return linear_small_m(p, out);
   }
-  if (kernel == Avx512Kernel::kByM)
-    kernel = !batch_invariant && p.m <= kGemvMaxM ? Avx512Kernel::kGemv
-             : p.m <= kNtMaxM                     ? Avx512Kernel::kNt
-                                                  : Avx512Kernel::kGemm;
+  const Avx512Kernel kernel = g.avx512_kernel(p.m, batch_invariant, kGemvMaxM, kNtMaxM);
   if (kernel == Avx512Kernel::kGemv) return linear_small_m(p, out);
   if (kernel == Avx512Kernel::kNt) return linear_nt(p, out);
   linear_large_m(p, out);

@@ -909,17 +909,13 @@ constexpr int64_t kSmallMAmx = 2;
 // AVX-512 GEMM by M, or AMX tiles for every M (which depends on the CPU, not on M).
 template <typename T>
 void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant, GemmChoice g) {
-  Avx512Kernel kernel = g.kernel;
-  if (kernel == Avx512Kernel::kByM && g.amx) {
+  if (g.kernel == Avx512Kernel::kByM && g.amx) {
 #ifdef FP8E_AMX
     if (batch_invariant || p.m > kSmallMAmx) return linear_amx(p, x, ue8m0, y);
 #endif
     return linear_small_m(p, x, ue8m0, y);
   }
-  if (kernel == Avx512Kernel::kByM)
-    kernel = !batch_invariant && p.m <= kGemvMaxM ? Avx512Kernel::kGemv
-             : p.m <= kNtMaxM                     ? Avx512Kernel::kNt
-                                                  : Avx512Kernel::kGemm;
+  const Avx512Kernel kernel = g.avx512_kernel(p.m, batch_invariant, kGemvMaxM, kNtMaxM);
   if (kernel == Avx512Kernel::kGemv) return linear_small_m(p, x, ue8m0, y);
   if (kernel == Avx512Kernel::kNt) return linear_nt(p, x, ue8m0, y);
   linear_large_m(p, x, ue8m0, y);
