@@ -16,6 +16,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 KV_SCALE_MODES = ("recompute", "external", "static")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+SPECULATIVE = (None, "ngram", "suffix")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 def _option(default, help: str, choices: tuple | None = None, unit: str | None = None):
@@ -66,6 +68,14 @@ class EngineConfig:
                                            "(bfloat16 on CPU)")
     lm_head_fp32: bool = _option(False, "LM head matmul and logits in float32 (the weight stays in the model "
                                         "dtype)")
+    speculative: str | None = _option(None, "speculative decoding, exact (each emitted token is the model's own "
+                                            "sample): none, ngram (drafts from the sequence's prompt and tokens) or "
+                                            "suffix (also from its prompt group and earlier rollouts of its prompt)",
+                                      SPECULATIVE)
+    num_speculative_tokens: int = _option(4, f"most draft tokens a sequence verifies in one step (1-"
+                                             f"{MAX_SPECULATIVE_TOKENS}; adapted per sequence to its acceptance)")
+    speculative_forget_on_update: bool = _option(False, "suffix drafting forgets earlier rollouts at every weight "
+                                                        "update")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
     load_format: str = _option("auto", "auto (the model directory's safetensors) or dummy (seeded random weights "
                                        "from its config.json alone: for benchmarks of a model's shape)", LOAD_FORMATS)
@@ -76,11 +86,14 @@ class EngineConfig:
                 _check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         if self.fp8_attention and self.kv_cache_dtype != "fp8_e4m3":
             raise ValueError("fp8_attention=True needs kv_cache_dtype='fp8_e4m3'")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens"):
             _check_positive(name, getattr(self, name))
         for name in ("kv_cache_memory_bytes", "num_kv_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
         if self.kv_cache_memory_bytes is not None and self.num_kv_blocks is not None:
             raise ValueError("set at most one of kv_cache_memory_bytes and num_kv_blocks")
         if not self.kv_scale_margin >= 1.0:

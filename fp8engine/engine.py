@@ -21,6 +21,7 @@ from fp8engine.outputs import EngineStats, RequestOutput, WeightUpdateReport
 from fp8engine.request import Request, Scoring
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.scheduler.scheduler import Scheduler
+from fp8engine.spec.drafter import Speculator
 from fp8engine.weights import updater
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup
@@ -69,8 +70,11 @@ class LLMEngine:
         # FP8 KV kept across a scale change is re-quantized to the new scale (not a closure over self: no cycle)
         self.kv_scales.rescale = functools.partial(_rescale_live_kv, self.runner, self.scheduler)
         self.eos_token_ids = self._eos_token_ids()
+        self.speculator = None if config.speculative is None else Speculator(
+            config.speculative, config.num_speculative_tokens, self.max_model_len)
         self.outputs = OutputProcessor(self.scheduler, self.detokenizer, self.eos_token_ids, self.max_model_len,
-                                       self.runner.routed_experts_of, self.runner.kernels.sample_rows)
+                                       self.runner.routed_experts_of, self.runner.kernels.sample_rows,
+                                       None if self.speculator is None else self.speculator.observe)
         self.weight_version = 0
         self.weights_update_group: WeightsUpdateGroup | None = None
         self._seed_source = torch.Generator().manual_seed(config.seed)
@@ -128,6 +132,8 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with work queued (internal error)")
             return outputs
         start = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.propose(scheduled, self.config.max_num_batched_tokens, self.scheduler.extend)
         self.runner.copy_blocks(self.scheduler.take_pending_copies())
         with self.kv_scales.calibrating():
             result = self.runner.execute(scheduled)
@@ -297,6 +303,8 @@ class LLMEngine:
         self.kv_scales.on_weights_changed(staged.kv_scales | scales)
         if flush_cache or recompute:
             self.scheduler.reset_prefix_cache()
+        if self.speculator is not None and self.config.speculative_forget_on_update:
+            self.speculator.forget()
         self.weight_version = self.outputs.weight_version = new_version
         seconds = time.perf_counter() - start
         self.last_weight_update_seconds = seconds
@@ -396,7 +404,10 @@ class LLMEngine:
             last_weight_update_seconds=self.last_weight_update_seconds,
             kv_recalibration_seconds_total=self.kv_scales.seconds_total,
             num_kv_recomputes_total=self.scheduler.num_kv_recomputes_total,
-            kv_rescale_seconds_total=self.kv_scales.rescale_seconds_total)
+            kv_rescale_seconds_total=self.kv_scales.rescale_seconds_total,
+            speculative=self.config.speculative, spec_draft_tokens=self.outputs.counters["draft_tokens"],
+            spec_accepted_tokens=self.outputs.counters["accepted_tokens"],
+            spec_verifications=self.outputs.counters["verifications"])
 
 
 def _rescale_live_kv(runner: ModelRunner, scheduler: Scheduler, layer: int, old: tuple[float, float],

@@ -23,15 +23,18 @@ class OutputProcessor:
     engine sets it on every update); each token records it."""
 
     def __init__(self, scheduler: Scheduler, detokenizer: Detokenizer, eos_token_ids: set[int], max_model_len: int,
-                 read_routed: Callable[[Sequence], torch.Tensor], sample_kernel=None):
+                 read_routed: Callable[[Sequence], torch.Tensor], sample_kernel=None,
+                 on_verified: Callable[[Sequence, int, int], None] | None = None):
         self.scheduler = scheduler
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.read_routed = read_routed
         self.sample_kernel = sample_kernel
+        self.on_verified = on_verified  # (seq, drafted, accepted) after each verified draft
         self.requests: dict[str, Request] = {}
-        self.counters = dict(prompt_tokens=0, generation_tokens=0, finished=0)
+        self.counters = dict(prompt_tokens=0, generation_tokens=0, finished=0, draft_tokens=0, accepted_tokens=0,
+                             verifications=0)
         self.weight_version = 0
 
     # ------------------------------------------------------------------ requests
@@ -73,7 +76,7 @@ class OutputProcessor:
     # ------------------------------------------------------------------ a step's results
     def process(self, scheduled: list[ScheduledSeq], result) -> list[Request]:
         """Advance every scheduled sequence and sample the ones that reached their end; the touched requests."""
-        sampling: list[tuple[Sequence, int]] = []  # (sequence, row of the logits it samples from)
+        sampling: list[tuple[Sequence, int, tuple]] = []  # (sequence, its first row of the logits, its draft)
         num_rows = 0
         touched: dict[str, Request] = {}
         for item in scheduled:
@@ -87,9 +90,11 @@ class OutputProcessor:
             if samples:
                 if seq.params.max_tokens == 0:
                     self._finish_unsampled(seq)
+                elif item.draft:
+                    sampling.append((seq, num_rows, item.draft))
                 else:
-                    sampling += [(s, num_rows) for s in self.scheduler.fork(seq)]
-                num_rows += 1
+                    sampling += [(s, num_rows, ()) for s in self.scheduler.fork(seq)]
+                num_rows += 1 + len(item.draft)
             touched[seq.request.request_id] = seq.request
         if sampling:
             self._sample(sampling, result.logits)
@@ -111,16 +116,48 @@ class OutputProcessor:
             seq.routed_experts = self.read_routed(seq)
         self.scheduler.finish(seq)
 
-    def _sample(self, sampling: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
-        rows = [self._row(s.params, s.request.seed, s.index, s.num_tokens, s.token_ids, s.num_prompt_tokens)
-                for s, _ in sampling]
-        index = [r for _, r in sampling]
+    def _sample(self, sampling: list[tuple[Sequence, int, tuple]], logits: torch.Tensor) -> None:
+        rows, index = [], []
+        for s, first, draft in sampling:
+            for j in range(len(draft) + 1):  # the row after draft[:j]: a plain decode's after those tokens
+                rows.append(self._row(s.params, s.request.seed, s.index, s.num_tokens + j, s.token_ids,
+                                      s.num_prompt_tokens, draft[:j]))
+                index.append(first + j)
         if index != list(range(logits.shape[0])):  # forks share their parent's row
             logits = logits[torch.tensor(index, device=logits.device)]
         result = sample(logits, rows, kernel=self.sample_kernel)
-        for i, (seq, _) in enumerate(sampling):
-            self._append_token(seq, result.token_ids[i], result.logprobs[i],
-                               result.top_logprobs[i], result.log_kept_mass[i])
+        i = 0
+        for seq, _, draft in sampling:
+            if draft:
+                self._verify(seq, draft, result, i)
+            else:
+                self._append_token(seq, result.token_ids[i], result.logprobs[i],
+                                   result.top_logprobs[i], result.log_kept_mass[i])
+            i += 1 + len(draft)
+
+    def _verify(self, seq: Sequence, draft: tuple[int, ...], result, first: int) -> None:
+        """Emit seq's samples at rows first..first+len(draft) while each earlier draft token was accepted; the
+        KV of an accepted draft token counts as computed, the blocks only rejected ones used are given back."""
+        accepted = 0
+        for j in range(len(draft) + 1):
+            if j:
+                self.scheduler.accept_draft_token(seq)
+            r = first + j
+            token = result.token_ids[r]
+            self._append_token(seq, token, result.logprobs[r], result.top_logprobs[r], result.log_kept_mass[r])
+            match = j < len(draft) and token == draft[j]
+            accepted += match
+            if seq.is_finished or not match:
+                break
+        if not seq.is_finished:
+            self.scheduler.release_draft_slots(seq)
+        seq.num_draft_tokens += len(draft)
+        seq.num_accepted_tokens += accepted
+        self.counters["draft_tokens"] += len(draft)
+        self.counters["accepted_tokens"] += accepted
+        self.counters["verifications"] += 1
+        if self.on_verified is not None:
+            self.on_verified(seq, len(draft), accepted)
 
     def _append_token(self, seq: Sequence, token: int, logprob, top, log_kept) -> None:
         seq.token_ids.append(token)
@@ -170,12 +207,13 @@ class OutputProcessor:
         return True
 
     def _row(self, params: SamplingParams, seed: int, index: int, position: int, token_ids: list[int],
-            num_prompt_tokens: int) -> SampleRow:
-        """The sampler's row for the token after token_ids (its first num_prompt_tokens are the prompt)."""
-        row = SampleRow(params, seed, index, position, self._bans(params, len(token_ids) - num_prompt_tokens))
+             num_prompt_tokens: int, more: tuple[int, ...] = ()) -> SampleRow:
+        """The sampler's row for the token after token_ids + more (the first num_prompt_tokens are the prompt)."""
+        num_output = len(token_ids) + len(more) - num_prompt_tokens
+        row = SampleRow(params, seed, index, position, self._bans(params, num_output))
         if params.adjusts_logits:
             row.prompt_token_ids = token_ids[:num_prompt_tokens]
-            row.output_token_ids = token_ids[num_prompt_tokens:]
+            row.output_token_ids = token_ids[num_prompt_tokens:] + list(more)
         return row
 
     def _bans(self, p: SamplingParams, num_output_tokens: int) -> tuple[int, ...]:
@@ -240,7 +278,8 @@ class OutputProcessor:
             log_kept_mass=list(seq.log_kept_mass) if wants and seq.params.logprobs_mode == "processed" else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             num_preemptions=seq.num_preemptions, seed=seq.request.seed, routed_experts=self._routed_experts(seq),
-            token_weight_versions=list(seq.token_weight_versions), num_kv_recomputes=seq.num_kv_recomputes)
+            token_weight_versions=list(seq.token_weight_versions), num_kv_recomputes=seq.num_kv_recomputes,
+            spec_draft_tokens=seq.num_draft_tokens, spec_accepted_tokens=seq.num_accepted_tokens)
 
     def _routed_experts(self, seq: Sequence) -> torch.Tensor | None:
         if not seq.params.return_routed_experts or seq.is_finished:

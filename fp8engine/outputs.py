@@ -19,6 +19,8 @@ class CompletionOutput:
         when an update ran with in_flight="keep").
     num_kv_recomputes: times an update with kv_on_update="recompute" dropped this sample's KV (re-prefilled
         under the new weights; not a preemption).
+    spec_draft_tokens, spec_accepted_tokens: with speculative decoding, the draft tokens verified for this
+        sample and how many of them equalled the token sampled there (0 without).
     seed: the request's sampling seed (SamplingParams.seed, or the one the engine drew when it had
         none); SamplingParams(seed=seed) with the same other params (and n > index) reproduces this
         sample, whose noise at each position is a function of (seed, index, position) alone.
@@ -40,6 +42,8 @@ class CompletionOutput:
     routed_experts: torch.Tensor | None = None
     token_weight_versions: list[int] = field(default_factory=list)
     num_kv_recomputes: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -113,3 +117,7 @@ class EngineStats:
     kv_recalibration_seconds_total: float = 0.0
     num_kv_recomputes_total: int = 0  # samples re-prefilled after an update (kv_on_update="recompute")
     kv_rescale_seconds_total: float = 0.0  # FP8 KV kept across a scale change, re-quantized in place
+    speculative: str | None = None  # the draft source (EngineConfig.speculative)
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # ... equal to the token sampled at their position (emitted)
+    spec_verifications: int = 0  # sequence-steps that verified a draft (each emits 1 + its accepted tokens)

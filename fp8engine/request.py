@@ -77,6 +77,9 @@ class Sequence:
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.log_kept_mass: list[float] = []
+        self.num_draft_tokens = 0  # speculative decoding: draft tokens verified for this sample
+        self.num_accepted_tokens = 0  # ... and of those, the ones equal to the sample drawn there
+        self.draft_state = None  # the speculator's per-sequence state (spec/drafter.py)
         self.routed_experts = None  # captured when the sequence finishes (its blocks are freed then)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -121,10 +124,12 @@ class Sequence:
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """One sequence's share of a step: its next num_new_tokens tokens are computed."""
+    """One sequence's share of a step: its next num_new_tokens tokens are computed, then its draft tokens (a
+    decode with speculative decoding): the step samples a token after each of them too."""
 
     seq: Sequence
     num_new_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:

@@ -62,7 +62,8 @@ def test_every_option_in_help_has_help_text_a_default_and_its_choices(command):
             assert by_dest[name].choices == choices
             assert "{%s}" % ",".join("none" if c is None else c for c in choices) in text
     if command == "bench":
-        assert by_dest["workload"].choices == ("quick", "decode", "rl-short", "rl-long", "moe", "sync", "serve", "soak")
+        assert by_dest["workload"].choices == ("quick", "decode", "rl-short", "rl-long", "moe", "grpo", "sync", "serve",
+                                               "soak")
         assert "{%s}[,...]" % ",".join(MODES) in text
 
 
@@ -90,7 +91,7 @@ def test_every_engine_config_field_is_a_flag_with_its_default():
     (["serve", "--kv-cache-dtype", "fp16"], "(choose from auto, fp8_e4m3)"),
     (["serve", "--kv-scale-mode", "dynamic"], "(choose from recompute, external, static)"),
     (["bench", "--device", "tpu"], "(choose from auto, cpu, cuda)"),
-    (["bench", "--workload", "huge"], "(choose from quick, decode, rl-short, rl-long, moe, sync, serve, soak)"),
+    (["bench", "--workload", "huge"], "(choose from quick, decode, rl-short, rl-long, moe, grpo, sync, serve, soak)"),
     (["bench", "--modes", "bf16,fp4"], "from bf16, fp8-linear, fp8-kv, full-fp8, bf16-bi, "),
 ])
 def test_a_bad_choice_exits_2_naming_the_allowed_values(argv, allowed, capsys):

@@ -14,7 +14,15 @@ from dataclasses import asdict
 
 import torch
 
-from fp8engine.benchmarks.workloads import BASELINES, MODES, WORKLOADS, Workload, check_positive, shaped  # noqa: F401
+from fp8engine.benchmarks.workloads import (  # noqa: F401
+    BASELINES,
+    MODES,
+    SPECULATIVE_RUNS,
+    WORKLOADS,
+    Workload,
+    check_positive,
+    shaped,
+)
 from fp8engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from fp8engine.engine import LLMEngine
 from fp8engine.sampling_params import SamplingParams
@@ -95,8 +103,11 @@ def machine_info() -> dict:
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def engine_config(mode: str, workload: Workload, model: str, dtype: str, device: str) -> EngineConfig:
+def engine_config(mode: str, workload: Workload, model: str, dtype: str, device: str,
+                  speculative: str = "off", num_speculative_tokens: int = 4) -> EngineConfig:
     options = dict(MODES[mode])
+    if speculative != "off":
+        options.update(speculative=speculative, num_speculative_tokens=num_speculative_tokens)
     if workload.kv_cache_tokens is not None:
         options["kv_cache_memory_bytes"] = _bf16_kv_bytes(model, workload.kv_cache_tokens)
     return EngineConfig(model=model, dtype=dtype, device=device, max_num_seqs=workload.max_num_seqs,
@@ -122,13 +133,14 @@ def sampling_params(workload: Workload) -> SamplingParams:
 
 
 def run_engine(mode: str, workload: Workload, prompts: list[list[int]], model: str, dtype: str, device: str,
-               progress: bool) -> dict:
-    engine = LLMEngine(engine_config(mode, workload, model, dtype, device))
+               progress: bool, speculative: str = "off", num_speculative_tokens: int = 4) -> dict:
+    engine = LLMEngine(engine_config(mode, workload, model, dtype, device, speculative, num_speculative_tokens))
     params = sampling_params(workload)
     engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up: kernels built, caches touched
     engine.update_weights({})  # a new weight version, as after an RL sync: KV scales recalibrate
     recal_before = engine.kv_scales.seconds_total
-    preempt_before = engine.get_stats().num_preemptions_total
+    before = engine.get_stats()
+    preempt_before = before.num_preemptions_total
     start = time.perf_counter()
     outs = engine.generate(prompts, params, use_tqdm=progress)
     seconds = time.perf_counter() - start
@@ -141,7 +153,19 @@ def run_engine(mode: str, workload: Workload, prompts: list[list[int]], model: s
             "kv_capacity_tokens": stats.kv_cache_capacity_tokens,
             "recalibration_share": (engine.kv_scales.seconds_total - recal_before) / seconds,
             "linear_backend": stats.linear_backend, "attention_backend": stats.attention_backend,
-            "decoder_backend": stats.decoder_backend}
+            "decoder_backend": stats.decoder_backend, **_spec_figures(speculative, before, stats)}
+
+
+def _spec_figures(speculative: str, before, after) -> dict:
+    """Drafted and accepted tokens of the timed run, the acceptance rate and the tokens a verification emits."""
+    if speculative == "off":
+        return {}
+    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    verifications = after.spec_verifications - before.spec_verifications
+    return {"speculative": speculative, "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_acceptance": accepted / drafted if drafted else 0.0,
+            "spec_tokens_per_verification": 1 + accepted / verifications if verifications else 1.0}
 
 
 def run_hf(workload: Workload, prompts: list[list[int]], model: str, dtype: str) -> dict:
@@ -167,7 +191,8 @@ def run_hf(workload: Workload, prompts: list[list[int]], model: str, dtype: str)
 def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | None = None, model: str = "default",
         dtype: str = "bfloat16", device: str = "auto", progress: bool = True, rounds: int = 1,
         threads: int | None = None, gguf: str | None = None, llama_bin: str | None = None,
-        vllm_python: str | None = None) -> dict:
+        vllm_python: str | None = None, speculative: list[str] | tuple[str, ...] = ("off",),
+        num_speculative_tokens: int = 4) -> dict:
     """Every mode once per round; rounds alternate the order (first to last, then last to first), and
     each mode reports its median round, so a slow spell of the machine does not land on one mode.
 
@@ -176,10 +201,14 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
     `llama_bin` on `gguf` (see benchmarks/llama_cpp.py), "vllm" vLLM through the python of its venv,
     `vllm_python` (see benchmarks/vllm_baseline.py); each in every round after the modes like one more mode
     (memory-bound decode on a shared machine drifts by tens of percent within minutes); ratios are against
-    the first mode."""
+    the first mode. speculative: each mode once per entry, "off" (plain decoding; the row is the mode's name)
+    or a draft source ("ngram", "suffix"; the row is "mode+source")."""
     spec = WORKLOADS.get(workload) if isinstance(workload, str) else workload
     if spec is None:
         raise ValueError(f"unknown workload {workload!r}; choose from {sorted(WORKLOADS)}")
+    bad = [s for s in speculative if s not in SPECULATIVE_RUNS]
+    if bad or not speculative:
+        raise ValueError(f"unknown --speculative {bad or speculative}; choose from {', '.join(SPECULATIVE_RUNS)}")
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise ValueError(f"unknown modes {unknown or modes}; choose from {list(MODES)}")
@@ -196,7 +225,10 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
         from transformers import AutoTokenizer
         prompts = prompt_ids(spec, AutoTokenizer.from_pretrained(model_dir(model)))
         shape = shape_of(spec, prompts, threads)
-        runners = {m: functools.partial(run_engine, m, spec, prompts, model, dtype, device, progress) for m in modes}
+        runners = {m if s == "off" else f"{m}+{s}": functools.partial(
+            run_engine, m, spec, prompts, model, dtype, device, progress,
+            **({} if s == "off" else dict(speculative=s, num_speculative_tokens=num_speculative_tokens)))
+            for m in modes for s in speculative}
         for name in baselines:
             runners[name] = _baseline_run(name, checked.get(name), spec, prompts, shape, model, dtype)
         order = list(runners)
@@ -265,6 +297,8 @@ def format_table(report: dict) -> str:
             ("preemptions_total", "{}"), ("preemptions_per_seq_mean", "{:.2f}"),
             ("preemptions_per_seq_max", "{}"), ("kv_capacity_tokens", "{}"), ("recalibration_share", "{:.2%}"),
             ("seconds", "{:.1f}")]
+    if any("speculative" in r for r in report["results"]):
+        cols[3:3] = [("spec_acceptance", "{:.1%}"), ("spec_tokens_per_verification", "{:.2f}")]
     head = (f"workload {report['workload']['name']}: {shape_words(report['shape'])}, {report['dtype']}, "
             f"torch {report['machine']['torch']}, {report['machine']['processor']}")
     rounds = report.get("rounds", 1)

@@ -19,6 +19,8 @@ PROMPT_KINDS = ("chat", "random")
 # --update-every: what each weight update does to the requests in flight (benchmarks/in_flight.py)
 IN_FLIGHT_POLICIES = ("none", "wait", "keep", "keep+recompute")
 BASELINES = ("hf", "llama.cpp", "vllm")
+# --speculative: each mode without speculation (off) and with these draft sources (EngineConfig.speculative)
+SPECULATIVE_RUNS = ("off", "ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ WORKLOADS = {
     "rl-long": Workload("rl-long", 16, 8, 384, kv_cache_tokens=30_000),
     # a small random Qwen3-MoE, 64 experts and top-8: the expert path (router, grouping, FP8 expert GEMMs)
     "moe": Workload("moe", 16, 4, 64, model="tiny-qwen3-moe"),
+    # GRPO's shape: a few prompts, 8 samples each at T=1, long answers (the group's samples draft for each other)
+    "grpo": Workload("grpo", 2, 8, 512),
 }
 
 

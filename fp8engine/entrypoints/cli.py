@@ -154,7 +154,8 @@ def bench_throughput(args: argparse.Namespace) -> dict:
         return report
     report = throughput.run(spec, args.modes, args.baseline, args.model, args.dtype, args.device,
                             progress=not args.no_progress, rounds=args.rounds, threads=args.threads,
-                            gguf=args.gguf, llama_bin=args.llama_bin, vllm_python=args.vllm_python)
+                            gguf=args.gguf, llama_bin=args.llama_bin, vllm_python=args.vllm_python,
+                            speculative=args.speculative_list, num_speculative_tokens=args.num_speculative_tokens)
     print(throughput.format_table(report))
     if args.plot:
         from fp8engine.benchmarks.plot import plot_report

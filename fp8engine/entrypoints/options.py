@@ -20,6 +20,7 @@ from fp8engine.benchmarks.workloads import (
     IN_FLIGHT_POLICIES,
     MODES,
     PROMPT_KINDS,
+    SPECULATIVE_RUNS,
     WORKLOADS,
 )
 from fp8engine.config import EngineConfig
@@ -35,8 +36,10 @@ ENGINE_GROUPS = {"model": "model", "dtype": "model", "device": "model", "seed": 
                  "kv_scale_margin": "kv", "fp8_attention": "kv", "block_size": "kv",
                  "kv_cache_memory_bytes": "kv", "num_kv_blocks": "kv", "max_num_seqs": "scheduling",
                  "max_num_batched_tokens": "scheduling", "max_model_len": "scheduling",
-                 "enable_prefix_caching": "scheduling", "batch_invariant": "kv", "lm_head_fp32": "kv"}
-BENCH_ENGINE_OPTIONS = ("model", "dtype", "device")  # --modes sets the rest per mode
+                 "enable_prefix_caching": "scheduling", "batch_invariant": "kv", "lm_head_fp32": "kv",
+                 "speculative": "scheduling", "num_speculative_tokens": "scheduling",
+                 "speculative_forget_on_update": "scheduling"}
+BENCH_ENGINE_OPTIONS = ("model", "dtype", "device")  # --modes sets the rest per mode, --speculative takes a list
 COMMANDS = ("serve", "generate", "bench")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -252,6 +255,11 @@ OPTIONS: tuple[Option, ...] = (
            "and cache flushes (soak)", "quick", choices=(*WORKLOADS, "sync", "serve", "soak")),
     Option(("--modes",), "modes", "bench", ("bench",), "engine modes, run side by side", "bf16",
            choices=tuple(MODES), many=True),
+    Option(("--speculative",), "speculative_list", "bench", ("bench",), "throughput workloads: speculative "
+           "decoding off or with these draft sources, each beside every mode", "off", choices=SPECULATIVE_RUNS,
+           many=True),
+    Option(("--num-speculative-tokens",), "num_speculative_tokens", "bench", ("bench",), "--speculative: most "
+           "draft tokens a sequence verifies in one step", 4, int),
     Option(("--num-prompts",), "num_prompts", "bench", ("bench",), "throughput workloads: prompts in the batch; "
            "none = the workload's", convert=int),
     Option(("--n",), "n", "bench", ("bench",), "throughput workloads: samples per prompt; none = the workload's",

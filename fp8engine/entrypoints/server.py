@@ -584,6 +584,10 @@ class _EngineStatsCollector:
         yield CounterMetricFamily("fp8engine_prompt_tokens", "Prompt tokens computed", value=s.num_prompt_tokens_total)
         yield CounterMetricFamily("fp8engine_generation_tokens", "Tokens generated",
                                   value=s.num_generation_tokens_total)
+        yield CounterMetricFamily("fp8engine_spec_draft_tokens", "Speculative draft tokens verified",
+                                  value=s.spec_draft_tokens)
+        yield CounterMetricFamily("fp8engine_spec_accepted_tokens", "Speculative draft tokens accepted (each equal "
+                                  "to the token sampled at its position)", value=s.spec_accepted_tokens)
         gauges = {"num_requests_running": (s.num_running, "Sequences (samples) running"),
                   "num_requests_waiting": (s.num_waiting, "Sequences (samples) waiting"),
                   "kv_blocks_used": (s.num_kv_blocks_total - s.num_kv_blocks_free, "KV blocks in use"),

@@ -83,6 +83,26 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_hashed_blocks = 0
 
+    def grow_uncached(self, seq: Sequence, num_tokens: int) -> int:
+        """Give seq blocks toward num_tokens tokens from free blocks that hold no prefix-cache content only (taking
+        one evicts nothing); returns how many tokens seq's blocks cover now, at most num_tokens."""
+        while len(seq.block_table) * self.block_size < num_tokens and self.free:
+            if self.blocks[next(iter(self.free))].hash is not None:
+                break
+            seq.block_table.append(self._take_fresh())
+        return min(num_tokens, len(seq.block_table) * self.block_size)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past its first num_tokens tokens, newest first, each to the front of the free
+        list (where grow_uncached took them: the free list's order is restored)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block.block_id] = None
+                self.free.move_to_end(block.block_id, last=False)
+
     def can_fork(self, parent: Sequence) -> bool:
         """True when a fork of parent can get its copy of a partial last block."""
         has_partial = len(parent.block_table) > parent.num_computed_tokens // self.block_size

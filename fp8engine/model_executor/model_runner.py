@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StepOutput:
-    """Logits of the rows to sample (one per sampling sequence, in schedule order) and prompt logprobs."""
+    """Logits of the rows to sample (one per sampling sequence and one per draft token, in schedule order) and
+    prompt logprobs."""
 
     logits: torch.Tensor | None
     prompt_logits: dict[int, torch.Tensor]
@@ -169,9 +170,10 @@ class ModelRunner:
         sample_rows, prompt_rows = [], {}
         bs = self.block_size
         for item in scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            c = seq.num_computed_tokens
-            ids += seq.token_ids[c:c + n]
+            seq, d = item.seq, len(item.draft)
+            c, n = seq.num_computed_tokens, item.num_new_tokens + d
+            ids += seq.token_ids[c:c + n - d]
+            ids += item.draft
             positions += range(c, c + n)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
@@ -180,8 +182,8 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             seq_lens.append(c + n)
             tables.append(table)
-            if item.samples:
-                sample_rows.append(starts[-1] - 1)
+            if item.samples:  # the last token's row, and one after each draft token
+                sample_rows += range(starts[-1] - 1 - d, starts[-1])
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device

@@ -122,6 +122,24 @@ class Scheduler:
         item.seq.num_computed_tokens += item.num_new_tokens
         self.bm.cache_full_blocks(item.seq)
 
+    def extend(self, item: ScheduledSeq, draft: list[int]) -> None:
+        """Add draft tokens to a decode item, cut to the KV slots it holds or can take from free blocks without
+        prefix-cache content: a draft never preempts and never evicts a cached block."""
+        end = item.seq.num_computed_tokens + item.num_new_tokens
+        covered = self.bm.grow_uncached(item.seq, end + len(draft))
+        item.draft = tuple(draft[:covered - end])
+
+    def accept_draft_token(self, seq: Sequence) -> None:
+        """The draft token after seq's computed tokens was accepted (it is seq's next token now): its KV, written
+        by the step, counts as computed."""
+        seq.num_computed_tokens += 1
+        self.bm.cache_full_blocks(seq)
+
+    def release_draft_slots(self, seq: Sequence) -> None:
+        """After verification: give back the blocks that only rejected drafts used (seq holds, as without
+        drafts, the blocks of its computed tokens)."""
+        self.bm.trim(seq, seq.num_computed_tokens)
+
     def fork(self, seq: Sequence) -> list[Sequence]:
         """A request's first sample, prefilled, becomes its n samples: [seq] + the n - 1 new ones (just [seq] for
         any other sequence, or once forked). A child shares

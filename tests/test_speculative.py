@@ -1,0 +1,166 @@
+"""Exact speculative decoding: with batch_invariant=True every token id, raw and processed logprob, kept mass and
+top-k alternative is bitwise a plain run's, in every precision mode, through preemption, chunked prefill, n > 1,
+stop strings and max_tokens inside accepted drafts, MoE routing and in-flight weight updates; drafts that are
+garbage change no bit; rejected drafts leave no KV block behind."""
+
+import random
+
+import pytest
+import torch
+
+from fp8engine import EngineConfig, SamplingParams
+from fp8engine.spec.drafter import TokenIndex
+from tests.conftest import make_engine
+from tests.prompts import CHATS, RAW
+from tests.tiny_models import tiny_dir  # noqa: F401 (a fixture)
+
+COUNT = [{"role": "user", "content": "Write the numbers from 1 to 60 separated by commas."}]
+MODES = {"bf16": {}, "fp8-linear": dict(quantization="fp8"), "fp8-kv": dict(kv_cache_dtype="fp8_e4m3"),
+         "full-fp8": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", fp8_attention=True)}
+SEEDED = SamplingParams(n=4, temperature=1.0, top_p=0.9, top_k=40, max_tokens=20, seed=11, logprobs=2)
+
+
+def run(engine, prompts, params):
+    return [[(c.token_ids, c.logprobs, c.top_logprobs, c.log_kept_mass, c.finish_reason, c.stop_reason, c.text)
+             for c in o.outputs] for o in engine.generate(prompts, params)]
+
+
+def oracle(reference, wrong_every: int = 0):
+    """A draft source that proposes the plain run's own next tokens (so drafts are accepted and stops land
+    inside them), every wrong_every-th draft token replaced by a wrong one."""
+    def source(seq, k):
+        target = reference[tuple(seq.request.prompt_token_ids)][seq.index]
+        done = seq.num_output_tokens
+        draft = list(target[done:done + k])
+        if wrong_every:
+            draft = [(t + 1) % 1000 if (done + i) % wrong_every == 0 else t for i, t in enumerate(draft)]
+        return draft
+    return source
+
+
+def by_prompt(engine, prompts, params):
+    return {tuple(o.prompt_token_ids): [c.token_ids for c in o.outputs] for o in engine.generate(prompts, params)}
+
+
+def assert_no_block_held(engine):
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_bitwise_equal_to_plain_decoding_in_every_mode(mode):
+    """Greedy on a counting prompt (lookup drafts accepted) and seeded T=1 with top-p/top-k at n=4 (drafts
+    mostly rejected), through preemption (tiny KV) and chunked prefill (32-token steps)."""
+    options = dict(batch_invariant=True, num_kv_blocks=14, max_num_batched_tokens=32, **MODES[mode])
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=1)
+    prompts = [COUNT, RAW[1], RAW[2]]
+    plain = make_engine(**options)
+    expected = run(plain, prompts, greedy), run(plain, prompts[1:], SEEDED)
+    method = "ngram" if mode in ("bf16", "fp8-kv") else "suffix"
+    spec = make_engine(speculative=method, num_speculative_tokens=4, **options)
+    assert spec.get_stats().decoder_backend == "cpp-plan"
+    assert (run(spec, prompts, greedy), run(spec, prompts[1:], SEEDED)) == expected
+    stats = spec.get_stats()
+    assert stats.spec_accepted_tokens > 10 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+    assert stats.num_preemptions_total > 0 and stats.num_steps_total < plain.get_stats().num_steps_total
+    assert_no_block_held(spec)
+
+
+def test_stops_and_max_tokens_inside_accepted_drafts_are_as_without_drafts():
+    """Drafts from an oracle (the plain run's own tokens, so whole drafts are accepted): a stop string, a stop
+    token, EOS and max_tokens that land inside an accepted draft end the sample exactly where plain decoding does,
+    and the tokens after them are neither emitted nor counted."""
+    plain = make_engine(batch_invariant=True, num_kv_blocks=64)
+    base = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
+    text = plain.generate([COUNT], base)[0].outputs[0]
+    stop_token = text.token_ids[13]
+    cases = [SamplingParams(temperature=0.0, max_tokens=30, stop=["8,9"], logprobs=0),
+             SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop_token], logprobs=0),
+             SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True, logprobs=0),
+             SamplingParams(temperature=1.0, max_tokens=30, seed=5, min_tokens=4, logprobs=0)]
+    spec = make_engine(batch_invariant=True, num_kv_blocks=64, speculative="ngram", num_speculative_tokens=6)
+    for params in cases:
+        expected = run(plain, [COUNT, RAW[0]], params)
+        spec.speculator.source = oracle(by_prompt(plain, [COUNT, RAW[0]], params))
+        before = spec.get_stats().num_generation_tokens_total
+        assert run(spec, [COUNT, RAW[0]], params) == expected
+        generated = spec.get_stats().num_generation_tokens_total - before
+        assert generated == sum(len(c[0]) for o in expected for c in o)
+    assert expected[0][0][4] in ("stop", "length")
+    assert spec.get_stats().spec_accepted_tokens > 40
+    assert_no_block_held(spec)
+
+
+def test_garbage_drafts_change_no_bit_and_leak_no_block():
+    """A draft source proposing random tokens, or the right ones with every third wrong: the outputs are the plain
+    run's bit for bit, nothing accepted beyond the right tokens, and every block comes back."""
+    options = dict(batch_invariant=True, num_kv_blocks=24, quantization="fp8")
+    plain = make_engine(**options)
+    prompts = [RAW[3], CHATS[1]]
+    expected = run(plain, prompts, SEEDED)
+    spec = make_engine(speculative="ngram", num_speculative_tokens=5, **options)
+    rng = random.Random(0)
+    spec.speculator.source = lambda seq, k: [rng.randrange(spec.vocab_size) for _ in range(k)]
+    assert run(spec, prompts, SEEDED) == expected
+    assert spec.get_stats().spec_draft_tokens > 100
+    assert_no_block_held(spec)
+    spec.speculator.source = oracle(by_prompt(plain, prompts, SEEDED), wrong_every=3)
+    accepted = spec.get_stats().spec_accepted_tokens
+    outs = spec.generate(prompts, SEEDED)
+    assert [[(c.token_ids, c.logprobs, c.top_logprobs, c.log_kept_mass, c.finish_reason, c.stop_reason, c.text)
+             for c in o.outputs] for o in outs] == expected
+    samples = [c for o in outs for c in o.outputs]
+    assert sum(c.spec_accepted_tokens for c in samples) == spec.get_stats().spec_accepted_tokens - accepted > 20
+    assert all(c.spec_accepted_tokens <= c.spec_draft_tokens for c in samples)
+    assert_no_block_held(spec)
+
+
+def test_routed_experts_and_in_flight_updates_with_drafts(tiny_dir):  # noqa: F811
+    """MoE: the experts of every position fed are the plain run's (rejected drafts routed nothing that stays);
+    an in-flight weight update (an empty one: version 2, the same weights) mid-run keeps every bit."""
+    model = tiny_dir("qwen3_moe")
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=16, ignore_eos=True, seed=3, logprobs=0,
+                            return_routed_experts=True)
+    plain = make_engine(model, batch_invariant=True, num_kv_blocks=32)
+    expected = plain.generate([CHATS[0], RAW[2]], params)
+    spec = make_engine(model, batch_invariant=True, num_kv_blocks=32, speculative="suffix")
+    spec.speculator.source = oracle(by_prompt(plain, [CHATS[0], RAW[2]], params), wrong_every=4)
+    ids = [spec.add_request(p, params) for p in (CHATS[0], RAW[2])]
+    finished = {}
+    for step in range(200):
+        if step == 4:
+            report = spec.update_weights({}, weight_version=2, in_flight="keep")
+            assert report.num_aborted == 0
+        for out in spec.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if len(finished) == 2:
+            break
+    got = [finished[i] for i in ids]
+    for want, have in zip(expected, got):
+        for a, b in zip(want.outputs, have.outputs):
+            assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs)
+            assert torch.equal(a.routed_experts, b.routed_experts)
+            assert set(b.token_weight_versions) == {0, 2}
+    assert spec.get_stats().spec_accepted_tokens > 0
+    assert_no_block_held(spec)
+
+
+def test_token_index_finds_the_longest_latest_ngram():
+    index = TokenIndex()
+    tokens = [5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2]
+    index.update(index.add(tokens))
+    assert index.draft(tokens, 3) == [4, 7, 1]  # "1 2" last continued by 4 (position 6), not by 3
+    tokens.append(4)
+    index.update(0)
+    assert index.draft(tokens, 2) == [7, 1]  # "1 2 4" continued by 7
+    assert index.draft([8, 8], 2) == []
+
+
+def test_speculative_options_are_validated():
+    with pytest.raises(ValueError, match="speculative must be one of"):
+        EngineConfig(speculative="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be a positive integer"):
+        EngineConfig(speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be at most 16"):
+        EngineConfig(speculative="ngram", num_speculative_tokens=17)
