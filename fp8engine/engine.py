@@ -140,7 +140,10 @@ class LLMEngine:
         self.num_steps += 1
         touched = self.outputs.process(scheduled, result)
         outputs += [self.outputs.emit(r) for r in touched if r.finished or not finished_only]
-        self.step_seconds_total += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.step_seconds_total += seconds
+        if self.speculator is not None:
+            self.speculator.record_step(scheduled, seconds)
         return outputs
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list | None = None,

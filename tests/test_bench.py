@@ -628,3 +628,18 @@ def test_bad_update_flags_are_refused_before_any_model_loads(argv, message, monk
         code = exc.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_speculative_runs_beside_each_mode_with_its_counters(tmp_path, capsys):
+    """--speculative off,ngram: every mode plain and with drafts, in one run, the draft counters in the report."""
+    path = tmp_path / "spec.json"
+    assert main(["bench", "--workload", "decode", "--output-len", "24", "--modes", "bf16-bi", "--speculative",
+                 "off,ngram", "--num-speculative-tokens", "3", "--no-progress", "--json", str(path)]) == 0
+    plain, spec = json.loads(path.read_text())["results"]
+    assert (plain["mode"], spec["mode"]) == ("bf16-bi", "bf16-bi+ngram")
+    assert plain["output_tokens"] == spec["output_tokens"] == 24 and "speculative" not in plain
+    assert spec["speculative"] == "ngram" and 0 <= spec["spec_accepted_tokens"] <= spec["spec_draft_tokens"]
+    assert spec["spec_tokens_per_verification"] >= 1.0
+    assert "spec_acceptance" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "--workload", "decode", "--speculative", "eagle"])

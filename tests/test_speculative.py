@@ -61,7 +61,7 @@ def test_bitwise_equal_to_plain_decoding_in_every_mode(mode):
     assert spec.get_stats().decoder_backend == "cpp-plan"
     assert (run(spec, prompts, greedy), run(spec, prompts[1:], SEEDED)) == expected
     stats = spec.get_stats()
-    assert stats.spec_accepted_tokens > 10 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     assert stats.num_preemptions_total > 0 and stats.num_steps_total < plain.get_stats().num_steps_total
     assert_no_block_held(spec)
 
@@ -150,11 +150,11 @@ def test_token_index_finds_the_longest_latest_ngram():
     index = TokenIndex()
     tokens = [5, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2]
     index.update(index.add(tokens))
-    assert index.draft(tokens, 3) == [4, 7, 1]  # "1 2" last continued by 4 (position 6), not by 3
+    assert index.draft(tokens, 3) == ([4, 7, 1], 2)  # "1 2" last continued by 4 (position 6), not by 3
     tokens.append(4)
     index.update(0)
-    assert index.draft(tokens, 2) == [7, 1]  # "1 2 4" continued by 7
-    assert index.draft([8, 8], 2) == []
+    assert index.draft(tokens, 2) == ([7, 1], 3)  # "1 2 4" continued by 7
+    assert index.draft([8, 8], 2) == ([], 0)
 
 
 def test_speculative_options_are_validated():

@@ -11,10 +11,10 @@ MAX_PROMPTS), and forgotten on a weight update when the engine is configured so.
 Drafts only propose: the output processor accepts a draft token when it equals the target's own sample at its
 position, so a draft source changes how many tokens a step emits, never which.
 
-The Speculator extends a step's decode items with drafts where the step has room: tokens left in the step's
-budget, KV slots in blocks that are free and hold no prefix-cache content (so a draft never preempts, never
-evicts a cached block), and rows under MAX_STEP_ROWS (past it the linears stop being bound by reading the
-weights, and a rejected draft costs compute the plain step would not spend).
+The Speculator extends a step's decode items with drafts where the step has room (tokens left in the step's
+budget, KV slots in blocks that are free and hold no prefix-cache content: a draft never preempts, never evicts
+a cached block) and where they pay: a draft row costs compute whether or not it is accepted, and the rule that
+weighs the two (Speculator) learns both the step's cost and each sequence's acceptance as it runs.
 """
 
 from collections import OrderedDict
@@ -26,10 +26,13 @@ SPECULATIVE_METHODS = (None, "ngram", "suffix")
 MAX_NGRAM = 3
 MAX_INDEX_TOKENS = 1 << 16  # per prompt ("suffix")
 MAX_PROMPTS = 256  # prompts whose rollouts "suffix" remembers
-# The most rows (decode tokens and drafts) a step may reach with drafts: measured with bench --speculative at
-# 1-128 sequences on a 2-core AVX-512 CPU (docs/benchmarks.md, "Speculative decoding").
-MAX_STEP_ROWS = 64
-MAX_BACKOFF = 16  # most decode steps a sequence sits out after drafts rejected in a row
+# The cost rule (Speculator): rho before the step-time fit has data, measured on a 2-core AVX-512 CPU with the
+# default model (a decode step: ~6 ms of weights, ~0.6 ms a row; docs/speculative.md), and its bounds.
+PRIOR_RHO, MIN_RHO, MAX_RHO = 10.0, 1.0, 4096.0
+STEP_DECAY = 0.98  # forgetting of the step-time fit, per decode step
+PRIOR_WEIGHT = 2.0  # pseudo-tokens of the n-gram length's engine-wide rate in a sequence's acceptance estimate
+SEQ_DECAY, NGRAM_DECAY = 0.8, 0.99  # forgetting of the acceptance counts, per verification
+PROBE_EVERY = 16  # decode steps without a draft after which a sequence drafts one token anyway
 
 
 class TokenIndex:
@@ -63,30 +66,69 @@ class TokenIndex:
             self.num_tokens += last - self.done[i]
             self.done[i] = last
 
-    def draft(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest n-gram ending `tokens` (most recent occurrence), or []."""
+    def draft(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens that followed the longest n-gram ending `tokens` (most recent occurrence), and n; or
+        ([], 0)."""
         for n in range(min(MAX_NGRAM, len(tokens)), 0, -1):
             hit = self.ends.get(tuple(tokens[-n:]))
             if hit is not None:
                 i, end = hit
-                return self.lists[i][end + 1:end + 1 + k]
-        return []
+                return self.lists[i][end + 1:end + 1 + k], n
+        return [], 0
 
 
 class SeqDrafts:
-    """A sequence's drafting state: its index (own or its prompt's), its list there, its draft length, and the
-    steps it sits out after a rejected draft (backoff doubles with each rejection in a row, up to MAX_BACKOFF)."""
+    """A sequence's drafting state: its index (own or its prompt's) and its list there; its decayed counts of
+    draft tokens accepted and rejected (the first mismatch of a verification), the n-gram length of its last
+    draft, and the decode steps since it last drafted."""
 
-    __slots__ = ("index", "slot", "draft_len", "skip", "backoff")
+    __slots__ = ("index", "slot", "accepted", "rejected", "ngram", "idle")
 
-    def __init__(self, index: TokenIndex, slot: int, draft_len: int, skip: int = 0, backoff: int = 0):
-        self.index, self.slot, self.draft_len, self.skip, self.backoff = index, slot, draft_len, skip, backoff
+    def __init__(self, index: TokenIndex, slot: int, accepted: float = 0.0, rejected: float = 0.0, ngram: int = 1,
+                 idle: int = 0):
+        self.index, self.slot, self.accepted, self.rejected, self.ngram, self.idle = (index, slot, accepted,
+                                                                                     rejected, ngram, idle)
+
+
+class StepCost:
+    """Seconds of a decode step as W + c * rows, fit online by least squares with exponential forgetting; `rho`
+    = W / c is the row count at which the rows' compute costs what streaming the weights does (PRIOR_RHO until
+    the fit has steps of more than one row count)."""
+
+    def __init__(self):
+        self.sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows*seconds
+
+    def record(self, rows: int, seconds: float) -> None:
+        w, x, y, xx, xy = (v * STEP_DECAY for v in self.sums)
+        self.sums = [w + 1, x + rows, y + seconds, xx + rows * rows, xy + rows * seconds]
+
+    @property
+    def rho(self) -> float:
+        w, x, y, xx, xy = self.sums
+        var = w * xx - x * x
+        if w < 8 or var <= 1e-9 * w * w:
+            return PRIOR_RHO
+        c = (w * xy - x * y) / var
+        intercept = (y - c * x) / w
+        if c <= 0 or intercept <= 0:
+            return MAX_RHO if c <= 0 else MIN_RHO
+        return min(MAX_RHO, max(MIN_RHO, intercept / c))
 
 
 class Speculator:
-    """Proposes drafts for a step (`propose`) and adapts each sequence's draft length (`observe`).
+    """Proposes drafts for a step (`propose`), learns what they are worth (`observe`, `record_step`).
 
-    source(seq, k) -> draft, when given, replaces the lookup (tests: a source proposing garbage)."""
+    Cost rule: a step of `rows` rows that emits one token for each of its B decodes costs W + c * rows; a draft
+    token adds a row (c) and, accepted, a token worth (W + c * rows) / B. It pays when the chance it is accepted
+    exceeds theta = B / (rho + rows) (rho = W / c, StepCost). The chance of the j-th token of a draft is
+    estimated as p**j, p from the sequence's own counts with its n-gram length's engine-wide rate as the prior,
+    so a draft is as long as p**j >= theta allows (at most num_speculative_tokens). Memory-bound steps (rows
+    well under rho) draft freely; compute-bound ones (rows near or past rho, large batches, prefill chunks) draft
+    only what is nearly sure, or nothing. A sequence that has not drafted for PROBE_EVERY steps drafts one token,
+    so its estimate can recover.
+
+    source(seq, k) -> draft, when given, replaces the lookup and the rule (tests: a source proposing garbage,
+    or the right tokens)."""
 
     def __init__(self, method: str, num_speculative_tokens: int, max_model_len: int,
                  source: Callable[[Sequence, int], list[int]] | None = None):
@@ -97,38 +139,47 @@ class Speculator:
         self.max_model_len = max_model_len
         self.source = source
         self.prompts: OrderedDict[tuple[int, ...], TokenIndex] = OrderedDict()
+        self.cost = StepCost()
+        self.by_ngram = [[1.0, 1.0] for _ in range(MAX_NGRAM + 1)]  # decayed [accepted, rejected] by n
 
     # ------------------------------------------------------------------ drafting
     def propose(self, scheduled: list[ScheduledSeq], budget: int, extend) -> None:
         """Give the step's decode items drafts. budget: the step's token budget (max_num_batched_tokens);
         extend(item, draft) cuts the draft to the KV room the scheduler finds and sets item.draft."""
         rows = sum(item.num_new_tokens for item in scheduled)
-        room = min(budget, MAX_STEP_ROWS) - rows
-        if room <= 0:
+        room = budget - rows
+        wanted = [item for item in scheduled if _can_speculate(item)]
+        if room <= 0 or not wanted:
             return
-        wanted = [(item, limit) for item in scheduled if _can_speculate(item) and (limit := self._limit(item.seq)) > 0]
-        for i, (item, limit) in enumerate(wanted):  # the room shared evenly, what one leaves going to the next
-            allowed = min(limit, room // (len(wanted) - i))
+        theta = sum(item.samples for item in scheduled) / (self.cost.rho + rows)
+        for i, item in enumerate(wanted):  # the room shared evenly, what one leaves going to the next
+            seq = item.seq
+            allowed = min(self.k, room // (len(wanted) - i), seq.params.max_tokens - seq.num_output_tokens - 1,
+                          self.max_model_len - seq.num_tokens)  # k drafts emit <= k + 1 tokens; last at N + k - 1
             if allowed <= 0:
                 continue
-            seq = item.seq
-            draft = self.source(seq, allowed) if self.source is not None else self._lookup(seq, allowed)
+            draft = self.source(seq, allowed) if self.source is not None else self._draft(seq, allowed, theta)
             if draft:
                 extend(item, draft[:allowed])
                 room -= len(item.draft)
 
-    def _limit(self, seq: Sequence) -> int:
-        """Drafts seq may take now: its adapted length, and what max_tokens and max_model_len leave (k drafts
-        emit at most k + 1 tokens; the last draft sits at position num_tokens + k - 1)."""
-        state = seq.draft_state
-        if state is not None and state.skip:
-            state.skip -= 1
-            return 0
-        length = self.k if state is None else state.draft_len
-        return min(length, seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
-
-    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+    def _draft(self, seq: Sequence, allowed: int, theta: float) -> list[int]:
         state = self._state(seq)
+        draft, n = self._lookup(state, seq)
+        if not draft:
+            return []
+        hits, misses = self.by_ngram[n]
+        p = (state.accepted + PRIOR_WEIGHT * hits / (hits + misses)) / (state.accepted + state.rejected + PRIOR_WEIGHT)
+        length, chance = 0, p
+        while length < min(allowed, len(draft)) and chance >= theta:
+            length, chance = length + 1, chance * p
+        if length == 0 and state.idle >= PROBE_EVERY:
+            length = 1
+        state.idle = 0 if length else state.idle + 1
+        state.ngram = n
+        return draft[:length]
+
+    def _lookup(self, state: SeqDrafts, seq: Sequence) -> tuple[list[int], int]:
         index = state.index
         if self.method == "suffix":  # the group's other live samples may have grown since
             for sibling in seq.request.seqs:
@@ -137,20 +188,20 @@ class Speculator:
                     index.update(sibling_state.slot)
         else:
             index.update(state.slot)
-        return index.draft(seq.token_ids, k)
+        return index.draft(seq.token_ids, self.k)
 
     def _state(self, seq: Sequence) -> SeqDrafts:
         state = seq.draft_state
         if state is not None and state.index.alive and state.index.lists[state.slot] is seq.token_ids:
             return state
-        carried = () if state is None else (state.draft_len, state.skip, state.backoff)
+        carried = () if state is None else (state.accepted, state.rejected, state.ngram, state.idle)
         if self.method == "ngram":
             index = TokenIndex()
             slot = index.add(seq.token_ids)
         else:
             index = self._prompt_index(seq)
             slot = index.add(seq.token_ids, start=0 if not index.lists else max(0, seq.num_prompt_tokens - 1))
-        seq.draft_state = SeqDrafts(index, slot, *(carried or (self.k,)))
+        seq.draft_state = SeqDrafts(index, slot, *carried)
         return seq.draft_state
 
     def _prompt_index(self, seq: Sequence) -> TokenIndex:
@@ -167,20 +218,24 @@ class Speculator:
                 index = self.prompts[key] = _newest_half(index)
         return index
 
-    # ------------------------------------------------------------------ after verification
+    # ------------------------------------------------------------------ learning
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Adapt seq's drafting to its last verification: the next draft is one longer than what was accepted
-        (so one more after a fully accepted draft); a draft rejected outright makes seq sit out 1, 2, 4, ...
-        MAX_BACKOFF decode steps (a rejected draft costs rows that emit nothing)."""
+        """After seq's draft was verified: its accepted tokens and its first mismatch (none when every token was
+        accepted or seq ended inside the draft) update its counts and its n-gram length's."""
         state = seq.draft_state
         if state is None:
             return
-        state.draft_len = min(self.k, accepted + 1)
-        if accepted:
-            state.backoff = 0
-        else:
-            state.backoff = min(MAX_BACKOFF, 2 * state.backoff or 1)
-            state.skip = state.backoff
+        rejected = int(accepted < drafted and not seq.is_finished)
+        state.accepted = state.accepted * SEQ_DECAY + accepted
+        state.rejected = state.rejected * SEQ_DECAY + rejected
+        counts = self.by_ngram[state.ngram]
+        counts[0] = counts[0] * NGRAM_DECAY + accepted
+        counts[1] = counts[1] * NGRAM_DECAY + rejected
+
+    def record_step(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
+        """A step's rows and seconds, for the cost fit (decode-only steps: a prefill chunk's rows cost otherwise)."""
+        if all(item.num_new_tokens == 1 for item in scheduled):
+            self.cost.record(sum(1 + len(item.draft) for item in scheduled), seconds)
 
     def forget(self) -> None:
         """Drop every remembered rollout (live sequences re-index themselves on their next draft)."""
