@@ -164,3 +164,50 @@ def test_speculative_options_are_validated():
         EngineConfig(speculative="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="num_speculative_tokens must be at most 16"):
         EngineConfig(speculative="ngram", num_speculative_tokens=17)
+
+
+def test_counters_reach_prometheus_and_the_cli_flags_reach_the_config():
+    from fp8engine.entrypoints import cli, options
+    from fp8engine.entrypoints.server import _EngineStatsCollector
+    args = cli.build_parser().parse_args(["serve", "--speculative", "suffix", "--num-speculative-tokens", "3",
+                                          "--speculative-forget-on-update"])
+    config = options.engine_config(args)
+    assert (config.speculative, config.num_speculative_tokens, config.speculative_forget_on_update) == ("suffix", 3,
+                                                                                                        True)
+    engine = make_engine(speculative="ngram", num_kv_blocks=32)
+    engine.generate([COUNT], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    stats = engine.get_stats()
+    assert stats.speculative == "ngram" and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    collector = _EngineStatsCollector()
+    collector.latest = stats
+    values = {m.name: m.samples[0].value for m in collector.collect() if m.name.startswith("fp8engine_spec")}
+    assert values == {"fp8engine_spec_draft_tokens": stats.spec_draft_tokens,
+                      "fp8engine_spec_accepted_tokens": stats.spec_accepted_tokens}
+
+
+def test_suffix_history_is_bounded_and_forgotten(monkeypatch):
+    """Rollouts of the same prompt draft for later ones; the remembered tokens stay under their bounds, and
+    forget() (an update with speculative_forget_on_update) drops them."""
+    from fp8engine.request import Request, Sequence
+    from fp8engine.sampling_params import SamplingParams as Params
+    from fp8engine.spec import drafter
+    monkeypatch.setattr(drafter, "MAX_REMEMBERED_TOKENS", 300)
+    spec = drafter.Speculator("suffix", 4, 4096)
+
+    def rollout(prompt, tokens):
+        request = Request("r", prompt, Params(max_tokens=64), 0)
+        seq = Sequence(request, 0, list(prompt) + tokens)
+        request.seqs.append(seq)
+        spec._lookup(spec._state(seq), seq)  # registers and indexes it, as a draft does
+        return seq
+
+    earlier = rollout([1, 2, 3], [10, 11, 12, 13, 14, 15])
+    later = rollout([1, 2, 3], [10, 11])  # the same prompt: the earlier rollout's continuation
+    assert later.draft_state.index is earlier.draft_state.index
+    assert spec._lookup(later.draft_state, later) == ([12, 13, 14, 15], 3)
+    for p in range(40):  # other prompts push the oldest out
+        rollout([100 + p, 5], list(range(20)))
+    assert sum(i.num_tokens for i in spec.prompts.values()) <= 300 + 21
+    assert (1, 2, 3) not in spec.prompts and not earlier.draft_state.index.alive
+    spec.forget()
+    assert not spec.prompts

@@ -5,8 +5,9 @@ A TokenIndex maps every n-gram (n = 1..MAX_NGRAM) of a set of token lists to whe
 continuation after the longest n-gram that ends the sequence, looked up in O(MAX_NGRAM) dict reads and kept up to
 date as tokens arrive (each new token adds MAX_NGRAM entries). "ngram" gives each sequence an index of its own;
 "suffix" gives each prompt one, shared by every sequence of that prompt, live or finished, bounded in tokens
-(the oldest lists are dropped past MAX_INDEX_TOKENS) and in prompts (least recently used dropped past
-MAX_PROMPTS), and forgotten on a weight update when the engine is configured so.
+(per prompt, the older half of its lists dropped past MAX_INDEX_TOKENS; over all prompts, the least recently
+drafted prompts dropped past MAX_REMEMBERED_TOKENS or MAX_PROMPTS), and forgotten on a weight update when the
+engine is configured so.
 
 Drafts only propose: the output processor accepts a draft token when it equals the target's own sample at its
 position, so a draft source changes how many tokens a step emits, never which.
@@ -24,15 +25,21 @@ from fp8engine.request import ScheduledSeq, Sequence
 
 SPECULATIVE_METHODS = (None, "ngram", "suffix")
 MAX_NGRAM = 3
-MAX_INDEX_TOKENS = 1 << 16  # per prompt ("suffix")
-MAX_PROMPTS = 256  # prompts whose rollouts "suffix" remembers
+# "suffix" remembers rollouts within these bounds (an indexed token costs ~400 bytes: MAX_NGRAM dict entries)
+MAX_INDEX_TOKENS = 1 << 15  # per prompt
+MAX_REMEMBERED_TOKENS = 1 << 18  # over all prompts (~100 MB); the least recently drafted prompts go first
+MAX_PROMPTS = 256
 # The cost rule (Speculator): rho before the step-time fit has data, measured on a 2-core AVX-512 CPU with the
 # default model (a decode step: ~6 ms of weights, ~0.6 ms a row; docs/speculative.md), and its bounds.
 PRIOR_RHO, MIN_RHO, MAX_RHO = 10.0, 1.0, 4096.0
 STEP_DECAY = 0.98  # forgetting of the step-time fit, per decode step
 PRIOR_WEIGHT = 2.0  # pseudo-tokens of the n-gram length's engine-wide rate in a sequence's acceptance estimate
 SEQ_DECAY, NGRAM_DECAY = 0.8, 0.99  # forgetting of the acceptance counts, per verification
-PROBE_EVERY = 16  # decode steps without a draft after which a sequence drafts one token anyway
+PROBE_EVERY = 16  # decode steps without a draft after which a sequence drafts one token anyway ...
+# ... where a draft token needs an acceptance chance of at most this (a compute-bound step pays for a probe's row
+# in whole GEMM tiles: 4 probe rows on 128 decodes cost 5-12% of the step, measured)
+MAX_PROBE_THETA = 0.5
+MAX_THETA = 0.95  # past this chance no sequence drafts at all (the lookups are skipped)
 
 
 class TokenIndex:
@@ -44,7 +51,7 @@ class TokenIndex:
     __slots__ = ("ends", "lists", "done", "num_tokens", "alive")
 
     def __init__(self):
-        self.ends: dict[tuple[int, ...], tuple[int, int]] = {}
+        self.ends: dict[tuple[int, ...], int] = {}  # list number << 32 | end position
         self.lists: list[list[int]] = []
         self.done: list[int] = []
         self.num_tokens = 0
@@ -61,7 +68,7 @@ class TokenIndex:
         last = len(tokens) - 1
         for end in range(self.done[i], last):
             for n in range(1, min(MAX_NGRAM, end + 1) + 1):
-                ends[tuple(tokens[end - n + 1:end + 1])] = (i, end)
+                ends[tuple(tokens[end - n + 1:end + 1])] = i << 32 | end
         if last > self.done[i]:
             self.num_tokens += last - self.done[i]
             self.done[i] = last
@@ -72,7 +79,7 @@ class TokenIndex:
         for n in range(min(MAX_NGRAM, len(tokens)), 0, -1):
             hit = self.ends.get(tuple(tokens[-n:]))
             if hit is not None:
-                i, end = hit
+                i, end = hit >> 32, hit & 0xFFFFFFFF
                 return self.lists[i][end + 1:end + 1 + k], n
         return [], 0
 
@@ -125,7 +132,7 @@ class Speculator:
     so a draft is as long as p**j >= theta allows (at most num_speculative_tokens). Memory-bound steps (rows
     well under rho) draft freely; compute-bound ones (rows near or past rho, large batches, prefill chunks) draft
     only what is nearly sure, or nothing. A sequence that has not drafted for PROBE_EVERY steps drafts one token,
-    so its estimate can recover.
+    so its estimate can recover, in steps where theta <= MAX_PROBE_THETA.
 
     source(seq, k) -> draft, when given, replaces the lookup and the rule (tests: a source proposing garbage,
     or the right tokens)."""
@@ -152,6 +159,8 @@ class Speculator:
         if room <= 0 or not wanted:
             return
         theta = sum(item.samples for item in scheduled) / (self.cost.rho + rows)
+        if theta > MAX_THETA and self.source is None:  # nothing is that sure: not worth the lookups
+            return
         for i, item in enumerate(wanted):  # the room shared evenly, what one leaves going to the next
             seq = item.seq
             allowed = min(self.k, room // (len(wanted) - i), seq.params.max_tokens - seq.num_output_tokens - 1,
@@ -173,7 +182,7 @@ class Speculator:
         length, chance = 0, p
         while length < min(allowed, len(draft)) and chance >= theta:
             length, chance = length + 1, chance * p
-        if length == 0 and state.idle >= PROBE_EVERY:
+        if length == 0 and state.idle >= PROBE_EVERY and theta <= MAX_PROBE_THETA:
             length = 1
         state.idle = 0 if length else state.idle + 1
         state.ngram = n
@@ -209,8 +218,11 @@ class Speculator:
         index = self.prompts.get(key)
         if index is None:
             index = self.prompts[key] = TokenIndex()
-            while len(self.prompts) > MAX_PROMPTS:
-                self.prompts.popitem(last=False)
+            total = sum(i.num_tokens for i in self.prompts.values())
+            while len(self.prompts) > MAX_PROMPTS or (total > MAX_REMEMBERED_TOKENS and len(self.prompts) > 1):
+                _, dropped = self.prompts.popitem(last=False)
+                dropped.alive = False
+                total -= dropped.num_tokens
         else:
             self.prompts.move_to_end(key)
             if index.num_tokens > MAX_INDEX_TOKENS:
