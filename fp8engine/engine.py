@@ -71,7 +71,7 @@ class LLMEngine:
         self.kv_scales.rescale = functools.partial(_rescale_live_kv, self.runner, self.scheduler)
         self.eos_token_ids = self._eos_token_ids()
         self.speculator = None if config.speculative is None else Speculator(
-            config.speculative, config.num_speculative_tokens, self.max_model_len)
+            config.speculative, config.num_speculative_tokens, self.max_model_len, config.device)
         self.outputs = OutputProcessor(self.scheduler, self.detokenizer, self.eos_token_ids, self.max_model_len,
                                        self.runner.routed_experts_of, self.runner.kernels.sample_rows,
                                        None if self.speculator is None else self.speculator.observe)

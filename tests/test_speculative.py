@@ -38,6 +38,12 @@ def oracle(reference, wrong_every: int = 0):
     return source
 
 
+def every_lookup(speculator):
+    """The speculator's own lookup (its n-gram index) without the cost rule, whose choices follow step timings: a
+    draft wherever the index has one, so what a test counts does not depend on the machine's speed."""
+    return lambda seq, k: speculator._lookup(speculator._state(seq), seq)[0][:k]
+
+
 def by_prompt(engine, prompts, params):
     return {tuple(o.prompt_token_ids): [c.token_ids for c in o.outputs] for o in engine.generate(prompts, params)}
 
@@ -58,6 +64,7 @@ def test_bitwise_equal_to_plain_decoding_in_every_mode(mode):
     expected = run(plain, prompts, greedy), run(plain, prompts[1:], SEEDED)
     method = "ngram" if mode in ("bf16", "fp8-kv") else "suffix"
     spec = make_engine(speculative=method, num_speculative_tokens=4, **options)
+    spec.speculator.source = every_lookup(spec.speculator)
     assert spec.get_stats().decoder_backend == "cpp-plan"
     assert (run(spec, prompts, greedy), run(spec, prompts[1:], SEEDED)) == expected
     stats = spec.get_stats()
@@ -211,3 +218,17 @@ def test_suffix_history_is_bounded_and_forgotten(monkeypatch):
     assert (1, 2, 3) not in spec.prompts and not earlier.draft_state.index.alive
     spec.forget()
     assert not spec.prompts
+
+
+def test_step_cost_fit_recovers_rho_and_stays_near_its_prior():
+    from fp8engine.spec.drafter import RHO_RANGE, StepCost
+    cost = StepCost(10.0)
+    assert cost.rho == 10.0  # no steps yet
+    for i in range(64):
+        rows = 1 + i % 6
+        cost.record(rows, 6.0 + 0.3 * rows)  # W = 6 ms, c = 0.3 ms: rho 20
+    assert abs(cost.rho - 20.0) < 1e-6
+    flat = StepCost(10.0)
+    for i in range(64):
+        flat.record(1 + i % 6, 6.0)  # rows cost nothing (noise would say so): capped, not infinite
+    assert flat.rho == 10.0 * RHO_RANGE

@@ -31,7 +31,11 @@ MAX_REMEMBERED_TOKENS = 1 << 18  # over all prompts (~100 MB); the least recentl
 MAX_PROMPTS = 256
 # The cost rule (Speculator): rho before the step-time fit has data, measured on a 2-core AVX-512 CPU with the
 # default model (a decode step: ~6 ms of weights, ~0.6 ms a row; docs/speculative.md), and its bounds.
-PRIOR_RHO, MIN_RHO, MAX_RHO = 10.0, 1.0, 4096.0
+PRIOR_RHO = {"cpu": 10.0, "cuda": 256.0}  # the fit stays within a factor RHO_RANGE of it: timings are noisy
+RHO_RANGE = 4.0
+# Past this many decodes in a step a draft token must be nearly sure (chance >= LARGE_BATCH_CHANCE) and nothing
+# probes: at 32 sequences drafts accepted at 16-27% cost 10-27% of throughput (bench --workload grpo, 4 x 8)
+LARGE_BATCH, LARGE_BATCH_CHANCE = 16, 0.8
 STEP_DECAY = 0.98  # forgetting of the step-time fit, per decode step
 PRIOR_WEIGHT = 2.0  # pseudo-tokens of the n-gram length's engine-wide rate in a sequence's acceptance estimate
 SEQ_DECAY, NGRAM_DECAY = 0.8, 0.99  # forgetting of the acceptance counts, per verification
@@ -102,7 +106,8 @@ class StepCost:
     = W / c is the row count at which the rows' compute costs what streaming the weights does (PRIOR_RHO until
     the fit has steps of more than one row count)."""
 
-    def __init__(self):
+    def __init__(self, prior_rho: float):
+        self.prior_rho = prior_rho
         self.sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows*seconds
 
     def record(self, rows: int, seconds: float) -> None:
@@ -113,13 +118,14 @@ class StepCost:
     def rho(self) -> float:
         w, x, y, xx, xy = self.sums
         var = w * xx - x * x
+        low, high = self.prior_rho / RHO_RANGE, self.prior_rho * RHO_RANGE
         if w < 8 or var <= 1e-9 * w * w:
-            return PRIOR_RHO
+            return self.prior_rho
         c = (w * xy - x * y) / var
         intercept = (y - c * x) / w
         if c <= 0 or intercept <= 0:
-            return MAX_RHO if c <= 0 else MIN_RHO
-        return min(MAX_RHO, max(MIN_RHO, intercept / c))
+            return high if c <= 0 else low
+        return min(high, max(low, intercept / c))
 
 
 class Speculator:
@@ -131,13 +137,14 @@ class Speculator:
     estimated as p**j, p from the sequence's own counts with its n-gram length's engine-wide rate as the prior,
     so a draft is as long as p**j >= theta allows (at most num_speculative_tokens). Memory-bound steps (rows
     well under rho) draft freely; compute-bound ones (rows near or past rho, large batches, prefill chunks) draft
-    only what is nearly sure, or nothing. A sequence that has not drafted for PROBE_EVERY steps drafts one token,
+    only what is nearly sure, or nothing; past LARGE_BATCH decodes a draft token needs a chance of at least
+    LARGE_BATCH_CHANCE whatever the fit says (measured: there a rejected row costs a whole GEMM tile). A sequence that has not drafted for PROBE_EVERY steps drafts one token,
     so its estimate can recover, in steps where theta <= MAX_PROBE_THETA.
 
     source(seq, k) -> draft, when given, replaces the lookup and the rule (tests: a source proposing garbage,
     or the right tokens)."""
 
-    def __init__(self, method: str, num_speculative_tokens: int, max_model_len: int,
+    def __init__(self, method: str, num_speculative_tokens: int, max_model_len: int, device: str = "cpu",
                  source: Callable[[Sequence, int], list[int]] | None = None):
         if method not in SPECULATIVE_METHODS[1:]:
             raise ValueError(f"speculative must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
@@ -146,7 +153,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.source = source
         self.prompts: OrderedDict[tuple[int, ...], TokenIndex] = OrderedDict()
-        self.cost = StepCost()
+        self.cost = StepCost(PRIOR_RHO.get(device, PRIOR_RHO["cpu"]))
         self.by_ngram = [[1.0, 1.0] for _ in range(MAX_NGRAM + 1)]  # decayed [accepted, rejected] by n
 
     # ------------------------------------------------------------------ drafting
@@ -158,7 +165,10 @@ class Speculator:
         wanted = [item for item in scheduled if _can_speculate(item)]
         if room <= 0 or not wanted:
             return
-        theta = sum(item.samples for item in scheduled) / (self.cost.rho + rows)
+        decodes = sum(item.samples for item in scheduled)
+        theta = decodes / (self.cost.rho + rows)
+        if decodes > LARGE_BATCH:
+            theta = max(theta, LARGE_BATCH_CHANCE)
         if theta > MAX_THETA and self.source is None:  # nothing is that sure: not worth the lookups
             return
         for i, item in enumerate(wanted):  # the room shared evenly, what one leaves going to the next
@@ -182,7 +192,7 @@ class Speculator:
         length, chance = 0, p
         while length < min(allowed, len(draft)) and chance >= theta:
             length, chance = length + 1, chance * p
-        if length == 0 and state.idle >= PROBE_EVERY and theta <= MAX_PROBE_THETA:
+        if length == 0 and state.idle >= PROBE_EVERY and theta <= MAX_PROBE_THETA:  # (never past LARGE_BATCH)
             length = 1
         state.idle = 0 if length else state.idle + 1
         state.ngram = n
