@@ -232,3 +232,28 @@ def test_step_cost_fit_recovers_rho_and_stays_near_its_prior():
     for i in range(64):
         flat.record(1 + i % 6, 6.0)  # rows cost nothing (noise would say so): capped, not infinite
     assert flat.rho == 10.0 * RHO_RANGE
+
+
+def test_penalties_and_logit_bias_see_the_accepted_drafts_as_tokens():
+    """Penalties read the tokens before each row, drafts included: the same bits as plain decoding."""
+    params = SamplingParams(n=2, temperature=0.9, top_k=30, max_tokens=24, seed=4, logprobs=1, presence_penalty=0.4,
+                            frequency_penalty=0.3, repetition_penalty=1.15, logit_bias={11: 2.0})
+    plain = make_engine(batch_invariant=True, num_kv_blocks=32)
+    expected = run(plain, [COUNT, RAW[5]], params)
+    spec = make_engine(batch_invariant=True, num_kv_blocks=32, speculative="ngram")
+    spec.speculator.source = oracle(by_prompt(plain, [COUNT, RAW[5]], params), wrong_every=5)
+    assert run(spec, [COUNT, RAW[5]], params) == expected
+    assert spec.get_stats().spec_accepted_tokens > 30
+    assert_no_block_held(spec)
+
+
+def test_without_batch_invariance_the_tokens_are_the_models_own():
+    """float32, not batch invariant: verification runs other shapes than plain decoding, so logits differ in
+    rounding only; greedy tokens on a clear-cut prompt are the same, logprobs within float32 rounding."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0, logprobs_mode="raw")
+    plain = make_engine(dtype="float32", num_kv_blocks=32).generate([COUNT], greedy)[0].outputs[0]
+    spec = make_engine(dtype="float32", num_kv_blocks=32, speculative="ngram")
+    spec.speculator.source = every_lookup(spec.speculator)
+    got = spec.generate([COUNT], greedy)[0].outputs[0]
+    assert got.token_ids == plain.token_ids and got.spec_accepted_tokens > 10
+    assert max(abs(a - b) for a, b in zip(got.logprobs, plain.logprobs)) < 1e-3
