@@ -3,6 +3,7 @@ top-k alternative is bitwise a plain run's, in every precision mode, through pre
 stop strings and max_tokens inside accepted drafts, MoE routing and in-flight weight updates; drafts that are
 garbage change no bit; rejected drafts leave no KV block behind."""
 
+import dataclasses
 import random
 
 import pytest
@@ -257,3 +258,21 @@ def test_without_batch_invariance_the_tokens_are_the_models_own():
     got = spec.generate([COUNT], greedy)[0].outputs[0]
     assert got.token_ids == plain.token_ids and got.spec_accepted_tokens > 10
     assert max(abs(a - b) for a, b in zip(got.logprobs, plain.logprobs)) < 1e-3
+
+
+def test_rollout_batches_and_exact_replay_are_the_same_with_drafts():
+    """Through the trainer adapter: a speculative rollout batch is the plain one (ids, logprobs, masks, versions),
+    and the engine's exact replay (LLMEngine.score) gives back its logprobs bit for bit."""
+    from fp8engine.rl import RolloutEngine
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=9, logprobs=0)
+    plain = RolloutEngine(EngineConfig(batch_invariant=True, quantization="fp8", num_kv_blocks=48))
+    spec = RolloutEngine(EngineConfig(batch_invariant=True, quantization="fp8", num_kv_blocks=48, speculative="suffix"))
+    spec.engine.speculator.source = every_lookup(spec.engine.speculator)
+    a = plain.rollout([COUNT, RAW[6]], n=3, sampling_params=params)
+    b = spec.rollout([COUNT, RAW[6]], n=3, sampling_params=params)
+    for name in ("input_ids", "response_ids", "response_mask", "rollout_logprobs", "token_weight_versions"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert spec.engine.get_stats().spec_draft_tokens > 0
+    prompts = [list(p) for p in (spec.engine.tokenize(COUNT), spec.engine.tokenize(RAW[6])) for _ in range(3)]
+    outs = [c for o in spec.engine.generate([COUNT, RAW[6]], dataclasses.replace(params, n=3)) for c in o.outputs]
+    assert spec.engine.score(prompts, [c.token_ids for c in outs], params) == [c.logprobs for c in outs]
