@@ -103,8 +103,8 @@ class SeqDrafts:
 
 class StepCost:
     """Seconds of a decode step as W + c * rows, fit online by least squares with exponential forgetting; `rho`
-    = W / c is the row count at which the rows' compute costs what streaming the weights does (PRIOR_RHO until
-    the fit has steps of more than one row count)."""
+    = W / c is the row count at which the rows' compute costs what streaming the weights does (the device's prior
+    until the fit has steps of more than one row count, and within a factor RHO_RANGE of it after)."""
 
     def __init__(self, prior_rho: float):
         self.prior_rho = prior_rho
@@ -138,8 +138,9 @@ class Speculator:
     so a draft is as long as p**j >= theta allows (at most num_speculative_tokens). Memory-bound steps (rows
     well under rho) draft freely; compute-bound ones (rows near or past rho, large batches, prefill chunks) draft
     only what is nearly sure, or nothing; past LARGE_BATCH decodes a draft token needs a chance of at least
-    LARGE_BATCH_CHANCE whatever the fit says (measured: there a rejected row costs a whole GEMM tile). A sequence that has not drafted for PROBE_EVERY steps drafts one token,
-    so its estimate can recover, in steps where theta <= MAX_PROBE_THETA.
+    LARGE_BATCH_CHANCE whatever the fit says (measured: there a rejected row costs a whole GEMM tile). A sequence
+    that has not drafted for PROBE_EVERY steps drafts one token, so its estimate can recover, in steps where
+    theta <= MAX_PROBE_THETA.
 
     source(seq, k) -> draft, when given, replaces the lookup and the rule (tests: a source proposing garbage,
     or the right tokens)."""
