@@ -147,14 +147,18 @@ def run_engine(mode: str, workload: Workload, prompts: list[list[int]], model: s
     stats = engine.get_stats()
     per_seq = [c.num_preemptions for o in outs for c in o.outputs]
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    name = mode if speculative == "off" else f"{mode}+{speculative}"
-    return {"mode": name, "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+    return {"mode": run_name(mode, speculative), "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
             "preemptions_total": stats.num_preemptions_total - preempt_before,
             "preemptions_per_seq_mean": sum(per_seq) / len(per_seq), "preemptions_per_seq_max": max(per_seq),
             "kv_capacity_tokens": stats.kv_cache_capacity_tokens,
             "recalibration_share": (engine.kv_scales.seconds_total - recal_before) / seconds,
             "linear_backend": stats.linear_backend, "attention_backend": stats.attention_backend,
             "decoder_backend": stats.decoder_backend, **_spec_figures(speculative, before, stats)}
+
+
+def run_name(mode: str, speculative: str) -> str:
+    """A run's row: the mode, with "+source" when it speculates."""
+    return mode if speculative == "off" else f"{mode}+{speculative}"
 
 
 def _spec_figures(speculative: str, before, after) -> dict:
@@ -226,7 +230,7 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
         from transformers import AutoTokenizer
         prompts = prompt_ids(spec, AutoTokenizer.from_pretrained(model_dir(model)))
         shape = shape_of(spec, prompts, threads)
-        runners = {m if s == "off" else f"{m}+{s}": functools.partial(
+        runners = {run_name(m, s): functools.partial(
             run_engine, m, spec, prompts, model, dtype, device, progress,
             **({} if s == "off" else dict(speculative=s, num_speculative_tokens=num_speculative_tokens)))
             for m in modes for s in speculative}

@@ -4,6 +4,8 @@ its options without importing the engine)."""
 import dataclasses
 from dataclasses import dataclass
 
+from fp8engine.config import SPECULATIVE
+
 _BASE_MODES = {
     "bf16": dict(),
     "fp8-linear": dict(quantization="fp8"),
@@ -20,7 +22,7 @@ PROMPT_KINDS = ("chat", "random")
 IN_FLIGHT_POLICIES = ("none", "wait", "keep", "keep+recompute")
 BASELINES = ("hf", "llama.cpp", "vllm")
 # --speculative: each mode without speculation (off) and with these draft sources (EngineConfig.speculative)
-SPECULATIVE_RUNS = ("off", "ngram", "suffix")
+SPECULATIVE_RUNS = ("off", *SPECULATIVE[1:])
 
 
 @dataclass(frozen=True)

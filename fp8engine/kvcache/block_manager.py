@@ -74,12 +74,7 @@ class BlockManager:
 
     def free_seq(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-                if block.hash is None:
-                    self.free.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_table.clear()
         seq.num_hashed_blocks = 0
 
@@ -94,14 +89,10 @@ class BlockManager:
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back seq's blocks past its first num_tokens tokens, newest first, each to the front of the free
-        list (where grow_uncached took them: the free list's order is restored)."""
+        list: they hold no cached content, and grow_uncached took them from there, so the order is restored."""
         keep = -(-num_tokens // self.block_size)
         while len(seq.block_table) > keep:
-            block = self.blocks[seq.block_table.pop()]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block.block_id] = None
-                self.free.move_to_end(block.block_id, last=False)
+            self._release(seq.block_table.pop())
 
     def can_fork(self, parent: Sequence) -> bool:
         """True when a fork of parent can get its copy of a partial last block."""
@@ -156,6 +147,16 @@ class BlockManager:
     @property
     def hit_rate(self) -> float:
         return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
+
+    def _release(self, block_id: int) -> None:
+        """One user fewer; a block with none left is free: at the back of the LRU list when it holds cached
+        content, at the front (taken first) when it holds none."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+            if block.hash is None:
+                self.free.move_to_end(block_id, last=False)
 
     def _take_hit(self, block_id: int) -> int:
         block = self.blocks[block_id]

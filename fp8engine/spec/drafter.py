@@ -21,9 +21,9 @@ weighs the two (Speculator) learns both the step's cost and each sequence's acce
 from collections import OrderedDict
 from collections.abc import Callable
 
+from fp8engine.config import SPECULATIVE
 from fp8engine.request import ScheduledSeq, Sequence
 
-SPECULATIVE_METHODS = (None, "ngram", "suffix")
 MAX_NGRAM = 3
 # "suffix" remembers rollouts within these bounds (an indexed token costs ~400 bytes: MAX_NGRAM dict entries)
 MAX_INDEX_TOKENS = 1 << 15  # per prompt
@@ -147,8 +147,8 @@ class Speculator:
 
     def __init__(self, method: str, num_speculative_tokens: int, max_model_len: int, device: str = "cpu",
                  source: Callable[[Sequence, int], list[int]] | None = None):
-        if method not in SPECULATIVE_METHODS[1:]:
-            raise ValueError(f"speculative must be one of {list(SPECULATIVE_METHODS)}, got {method!r}")
+        if method not in SPECULATIVE[1:]:
+            raise ValueError(f"speculative must be one of {list(SPECULATIVE)}, got {method!r}")
         self.method = method
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
@@ -163,15 +163,13 @@ class Speculator:
         extend(item, draft) cuts the draft to the KV room the scheduler finds and sets item.draft."""
         rows = sum(item.num_new_tokens for item in scheduled)
         room = budget - rows
-        wanted = [item for item in scheduled if _can_speculate(item)]
-        if room <= 0 or not wanted:
-            return
         decodes = sum(item.samples for item in scheduled)
         theta = decodes / (self.cost.rho + rows)
         if decodes > LARGE_BATCH:
             theta = max(theta, LARGE_BATCH_CHANCE)
-        if theta > MAX_THETA and self.source is None:  # nothing is that sure: not worth the lookups
+        if room <= 0 or (theta > MAX_THETA and self.source is None):  # no room, or nothing is that sure
             return
+        wanted = [item for item in scheduled if _can_speculate(item)]
         for i, item in enumerate(wanted):  # the room shared evenly, what one leaves going to the next
             seq = item.seq
             allowed = min(self.k, room // (len(wanted) - i), seq.params.max_tokens - seq.num_output_tokens - 1,
