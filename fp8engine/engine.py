@@ -22,6 +22,7 @@ from fp8engine.request import Request, Scoring
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.scheduler.scheduler import Scheduler
 from fp8engine.spec.drafter import Speculator
+from fp8engine.structured import GrammarCompiler
 from fp8engine.weights import updater
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup
@@ -70,6 +71,7 @@ class LLMEngine:
         # FP8 KV kept across a scale change is re-quantized to the new scale (not a closure over self: no cycle)
         self.kv_scales.rescale = functools.partial(_rescale_live_kv, self.runner, self.scheduler)
         self.eos_token_ids = self._eos_token_ids()
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.speculator = None if config.speculative is None else Speculator(
             config.speculative, config.num_speculative_tokens, self.max_model_len, config.device)
         self.outputs = OutputProcessor(self.scheduler, self.detokenizer, self.eos_token_ids, self.max_model_len,
@@ -111,8 +113,11 @@ class LLMEngine:
         if params.return_routed_experts and not self.runner.moe_blocks:
             raise ValueError(f"SamplingParams.return_routed_experts=True needs a MoE model; "
                              f"{self.runner.hf_config.model_type!r} routes no experts")
-        self.outputs.add(Request(request_id, token_ids, params, self.weight_version,
-                                 prompt if isinstance(prompt, str) else None, self._request_seed(params)))
+        grammar = self.grammars.compile(params)
+        request = Request(request_id, token_ids, params, self.weight_version,
+                          prompt if isinstance(prompt, str) else None, self._request_seed(params))
+        request.grammar = grammar
+        self.outputs.add(request)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -181,15 +186,17 @@ class LLMEngine:
         if params.logprobs is None:  # what a rollout asks for (the sampled token's logprob only)
             params = dataclasses.replace(params, logprobs=0)
         forward = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+        grammar = self.grammars.compile(params)
         requests, ids = [], []
         try:
-            for prompt, response in zip(prompts, responses):
+            for i, (prompt, response) in enumerate(zip(prompts, responses)):
                 if not response:
                     requests.append(None)
                     continue
+                _check_follows(grammar, response, i)
                 ids.append(self.add_request(list(prompt) + list(response[:-1]), forward))
                 request = self.requests[ids[-1]]
-                request.scoring = Scoring(params, len(prompt), response)
+                request.scoring = Scoring(params, len(prompt), response, grammar)
                 requests.append(request)
         except ValueError:
             for request_id in ids:
@@ -420,6 +427,14 @@ def _rescale_live_kv(runner: ModelRunner, scheduler: Scheduler, layer: int, old:
 
 IN_FLIGHT = ("wait", "abort", "keep")
 KV_ON_UPDATE = ("keep", "recompute")
+
+
+def _check_follows(grammar, response: list[int], i: int) -> None:
+    """ValueError unless response (token ids) stays inside grammar (None: no structured output)."""
+    matcher = None if grammar is None else grammar.matcher()
+    for j, token in enumerate(response if matcher is not None else ()):
+        if not matcher.follows(token):
+            raise ValueError(f"response {i} leaves the structured output of SamplingParams at token {j} ({token})")
 
 
 def check_update_options(in_flight: str, kv_on_update: str) -> None:

@@ -121,7 +121,7 @@ class OutputProcessor:
         for s, first, draft in sampling:
             for j in range(len(draft) + 1):  # the row after draft[:j]: a plain decode's after those tokens
                 rows.append(self._row(s.params, s.request.seed, s.index, s.num_tokens + j, s.token_ids,
-                                      s.num_prompt_tokens, draft[:j]))
+                                      s.num_prompt_tokens, draft[:j], s.matcher))
                 index.append(first + j)
         if index != list(range(logits.shape[0])):  # forks share their parent's row
             logits = logits[torch.tensor(index, device=logits.device)]
@@ -161,6 +161,8 @@ class OutputProcessor:
 
     def _append_token(self, seq: Sequence, token: int, logprob, top, log_kept) -> None:
         seq.token_ids.append(token)
+        if seq.matcher is not None:
+            seq.matcher.accept(token)
         seq.token_weight_versions.append(self.weight_version)
         self.counters["generation_tokens"] += 1
         if seq.params.logprobs is not None:
@@ -207,10 +209,12 @@ class OutputProcessor:
         return True
 
     def _row(self, params: SamplingParams, seed: int, index: int, position: int, token_ids: list[int],
-             num_prompt_tokens: int, more: tuple[int, ...] = ()) -> SampleRow:
-        """The sampler's row for the token after token_ids + more (the first num_prompt_tokens are the prompt)."""
+             num_prompt_tokens: int, more: tuple[int, ...] = (), matcher=None) -> SampleRow:
+        """The sampler's row for the token after token_ids + more (the first num_prompt_tokens are the prompt);
+        matcher: where a structured output is after them (no drafts come with one)."""
         num_output = len(token_ids) + len(more) - num_prompt_tokens
-        row = SampleRow(params, seed, index, position, self._bans(params, num_output))
+        row = SampleRow(params, seed, index, position, self._bans(params, num_output),
+                        allowed=None if matcher is None else matcher.allowed())
         if params.adjusts_logits:
             row.prompt_token_ids = token_ids[:num_prompt_tokens]
             row.output_token_ids = token_ids[num_prompt_tokens:] + list(more)
@@ -252,13 +256,18 @@ class OutputProcessor:
         scoring = request.scoring
         if start == 0:  # a preempted request recomputes from the start
             scoring.logprobs = []
+            scoring.matcher = None if scoring.grammar is None else scoring.grammar.matcher()
         first = max(0, scoring.prompt_len - 1 - start)
         targets = list(range(start + first + 1 - scoring.prompt_len, min(start + n + 1 - scoring.prompt_len,
                                                                          len(scoring.response))))
         if targets:
             prompt = request.prompt_token_ids[:scoring.prompt_len]
-            rows = [self._row(scoring.params, 0, 0, 0, prompt + scoring.response[:i], scoring.prompt_len)
-                    for i in targets]
+            rows = []
+            for i in targets:
+                rows.append(self._row(scoring.params, 0, 0, 0, prompt + scoring.response[:i], scoring.prompt_len,
+                                      matcher=scoring.matcher))
+                if scoring.matcher is not None:
+                    scoring.matcher.accept(scoring.response[i])
             got = sample(logits[first:first + len(targets)], rows, forced=[scoring.response[i] for i in targets],
                          kernel=self.sample_kernel)
             scoring.logprobs += got.logprobs

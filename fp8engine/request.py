@@ -39,6 +39,7 @@ class Request:
         self.num_cached_tokens = 0
         self.aborted = False
         self.scoring: Scoring | None = None
+        self.grammar = None  # structured output (structured.Grammar): each sample gets a matcher of it
 
     @property
     def finished(self) -> bool:
@@ -50,11 +51,13 @@ class Scoring:
     """A teacher-forced request (LLMEngine.score): its prompt is prompt + response[:-1], and the row at
     position j scores response[j + 1 - prompt_len] as the sampler would have reported it under `params`."""
 
-    def __init__(self, params: SamplingParams, prompt_len: int, response: list[int]):
+    def __init__(self, params: SamplingParams, prompt_len: int, response: list[int], grammar=None):
         self.params = params
         self.prompt_len = prompt_len
         self.response = list(response)
         self.logprobs: list[float] = []
+        self.grammar = grammar  # params' structured output (structured.Grammar), which the response follows
+        self.matcher = None  # where the scored rows are in it
 
 
 class Sequence:
@@ -80,6 +83,7 @@ class Sequence:
         self.num_draft_tokens = 0  # speculative decoding: draft tokens verified for this sample
         self.num_accepted_tokens = 0  # ... and of those, the ones equal to the sample drawn there
         self.draft_state = None  # the speculator's per-sequence state (spec/drafter.py)
+        self.matcher = request.grammar.matcher() if request.grammar is not None else None  # at the sample's end
         self.routed_experts = None  # captured when the sequence finishes (its blocks are freed then)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -1,9 +1,11 @@
 """SamplingParams: how one request is sampled and what it returns."""
 
+import json
 import math
 from dataclasses import dataclass, field
 
 MAX_LOGIT_BIAS = 100.0
+STRUCTURED = ("json_schema", "regex", "grammar")
 
 
 @dataclass(slots=True)
@@ -31,6 +33,11 @@ class SamplingParams:
         CTRL rule): logits of tokens in the prompt or output are divided by it when positive,
         multiplied when negative. logit_bias: {token_id: bias in [-100, 100]} added to the logits.
         All four change the distribution sampled from (and so processed logprobs), never raw ones.
+    json_schema / regex / grammar (at most one; structured.py): only tokens that keep the output inside a JSON
+        schema (a dict or its JSON text; {"type": "object"} for any object), a regular expression or an EBNF
+        grammar (xgrammar's dialect) are drawn, and the sample ends at a stop token once the grammar is complete.
+        Processed logprobs are under that masked distribution and log_kept_mass includes the mask's share; raw
+        logprobs are unchanged. Not with ignore_eos or min_tokens (the grammar decides where a stop may come).
     """
 
     n: int = 1
@@ -53,6 +60,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
     return_routed_experts: bool = False
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -94,6 +104,39 @@ class SamplingParams:
             isinstance(t, int) and t >= 0 and math.isfinite(b) and abs(b) <= MAX_LOGIT_BIAS
             for t, b in self.logit_bias.items()),
             "logit_bias", self.logit_bias, f"{{token_id >= 0: bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]}}")
+        self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        given = [name for name in STRUCTURED if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"SamplingParams.{given[1]}: at most one of {', '.join(STRUCTURED)} may be given, got "
+                             f"{' and '.join(given)}")
+        if not given:
+            return
+        name = given[0]
+        _require(not self.ignore_eos and self.min_tokens == 0, name, getattr(self, name),
+                 "used without ignore_eos and min_tokens (the grammar decides where the output may end)")
+        if name == "json_schema":
+            _require(isinstance(self.json_schema, (dict, str)), name, self.json_schema, "a dict or its JSON text")
+            try:
+                schema = json.loads(self.json_schema) if isinstance(self.json_schema, str) else self.json_schema
+                json.dumps(schema)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"SamplingParams.json_schema must be a JSON schema (a dict or its JSON text): "
+                                 f"{exc}") from None
+            _require(isinstance(schema, dict), name, self.json_schema, "a JSON object (a schema)")
+        else:
+            _require(isinstance(getattr(self, name), str) and getattr(self, name), name, getattr(self, name),
+                     "a non-empty string")
+
+    @property
+    def structured(self) -> tuple[str | None, str | None]:
+        """(the structured-output option given, its value as text: a schema as JSON), or (None, None)."""
+        for name in STRUCTURED:
+            value = getattr(self, name)
+            if value is not None:
+                return name, json.dumps(value) if isinstance(value, dict) else value
+        return None, None
 
     @property
     def greedy(self) -> bool:

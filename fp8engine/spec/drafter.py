@@ -274,6 +274,8 @@ def _newest_half(index: TokenIndex) -> TokenIndex:
 
 
 def _can_speculate(item: ScheduledSeq) -> bool:
-    """A decode of a sequence that has sampled already (no prefill chunk, no fork to come, no prompt logprobs)."""
+    """A decode of a sequence that has sampled already (no prefill chunk, no fork to come, no prompt logprobs), without
+    a structured output (its grammar would have to follow each draft and step back from the rejected ones)."""
     seq = item.seq
-    return item.samples and item.num_new_tokens == 1 and seq.num_output_tokens > 0 and not seq.needs_prompt_logprobs
+    return (item.samples and item.num_new_tokens == 1 and seq.num_output_tokens > 0 and not seq.needs_prompt_logprobs
+            and seq.matcher is None)

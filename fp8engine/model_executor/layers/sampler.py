@@ -8,7 +8,10 @@ The processed distribution (what tokens are actually drawn from), for temperatur
     keep min-p: tokens with p >= min_p * max(p)
     processed logprob = log p - log(kept mass), -inf outside the kept set.
 `log_kept_mass` = log(sum of p over the kept set) is returned per token so a trainer that does not
-truncate can remove the renormalisation. Greedy (T = 0) is a point mass: processed logprob 0.
+truncate can remove the renormalisation. A structured-output row (SampleRow.allowed, structured.py) keeps only
+the tokens its grammar allows: top-k, top-p and min-p act on p renormalised over those, the kept set lies inside
+them, and log_kept_mass includes the mask's share; greedy takes the argmax over allowed tokens.
+Greedy (T = 0) is a point mass: processed logprob 0.
 Penalties and logit_bias (`adjust_logits`) act on the logits first: they shape p and greedy's argmax,
 never raw logprobs.
 Sampling inverts the CDF of p_kept at 1 - u, where u = `sampling_uniforms(seed, index, position)`
@@ -44,6 +47,7 @@ class SampleRow:
     banned_token_ids: tuple[int, ...] = ()
     prompt_token_ids: list[int] = field(default_factory=list)  # read by repetition_penalty only
     output_token_ids: list[int] = field(default_factory=list)  # read by the penalties only
+    allowed: torch.Tensor | None = None  # bool [V]: the tokens a structured output's grammar allows here
 
 
 @dataclass(slots=True)
@@ -141,18 +145,28 @@ def _row_sums(x: torch.Tensor) -> torch.Tensor:
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor, min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       top_p: torch.Tensor, min_p: torch.Tensor,
+                       allowed: torch.Tensor | None = None,
+                       masked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(processed logprobs [R, V], log kept mass [R]) for float32 logits and per-row params (T > 0), on the logits'
-    device; the params may be host tensors (see truncation_mask)."""
+    device; the params may be host tensors (see truncation_mask). allowed: bool [R, V] on the logits' device, the
+    tokens each row's grammar allows, and masked: bool [R] on the host, the rows that have a grammar (both None:
+    no row has one); truncation acts within the allowed tokens."""
     device = logits.device
     tempered = logits if bool((temperature == 1.0).all()) else logits / temperature.to(device)[:, None]
     logp = torch.log_softmax(tempered, dim=-1)
     truncates = (top_k < logits.shape[-1]) | (top_p < 1.0) | (min_p > 0)
+    if masked is not None:
+        truncates = truncates | masked
     if not bool(truncates.any()):
         return logp, torch.zeros(logits.shape[0], device=device)
     # Rows that do not truncate keep logp exactly, whatever the other rows ask for.
-    mask = truncation_mask(logp.exp(), top_k, top_p, min_p) | ~truncates.to(device)[:, None]
+    probs = logp.exp() if allowed is None else logp.exp() * allowed
+    mask = truncation_mask(probs, top_k, top_p, min_p)
+    if allowed is not None:
+        mask &= allowed
     truncates = truncates.to(device)
+    mask |= ~truncates[:, None]
     kept = logp.masked_fill(~mask, float("-inf"))
     top = kept.amax(dim=-1, keepdim=True)  # a max is exact in any order; a lone kept token gives exactly top
     log_kept = (top + _row_sums((kept - top).exp()).log())[:, 0].masked_fill(~truncates, 0.0)
@@ -201,12 +215,18 @@ def _sample_reference(logits: torch.Tensor, rows: list[SampleRow], uniform: torc
             adjust_logits(logits[i], row)
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
+    allowed = _allowed(rows, device)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     index = None if len(sampled) == len(rows) else torch.tensor(sampled, dtype=torch.int64, device=device)
-    tokens = forced.to(device) if forced is not None else logits.argmax(dim=-1)
+    if forced is not None:
+        tokens = forced.to(device)
+    else:
+        tokens = (logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))).argmax(dim=-1)
     proc, log_kept = None, None
     if sampled:
-        proc, log_kept = _processed_rows(logits if index is None else logits[index], [rows[i] for i in sampled])
+        if index is not None:
+            logits, allowed = logits[index], None if allowed is None else allowed[index]
+        proc, log_kept = _processed_rows(logits, [rows[i] for i in sampled], allowed)
         if forced is None:
             drawn = _draw(proc.exp(), uniform[sampled])
             tokens = drawn if index is None else tokens.index_copy(0, index, drawn)
@@ -234,7 +254,17 @@ def adjust_logits(logits: torch.Tensor, row: SampleRow) -> None:
 
 def _fusable(row: SampleRow) -> bool:
     p = row.params
-    return not (p.truncates or p.logprobs or row.banned_token_ids or p.adjusts_logits)
+    return not (p.truncates or p.logprobs or row.banned_token_ids or p.adjusts_logits or row.allowed is not None)
+
+
+def _allowed(rows: list[SampleRow], device: torch.device) -> torch.Tensor | None:
+    """[R, V] bool: each row's grammar mask (all True for rows without one), or None when no row has one."""
+    masks = [r.allowed for r in rows]
+    if all(m is None for m in masks):
+        return None
+    vocab = next(m for m in masks if m is not None).shape[0]
+    everything = torch.ones(vocab, dtype=torch.bool)
+    return torch.stack([everything if m is None else m for m in masks]).to(device)
 
 
 def _fused_kernel(kernel, logits: torch.Tensor, rows: list[SampleRow]):
@@ -273,7 +303,7 @@ def _wants(row: SampleRow, mode: str) -> bool:
     return row.params.logprobs is not None and row.params.logprobs_mode == mode
 
 
-def _processed_rows(logits: torch.Tensor, rows: list[SampleRow]):
+def _processed_rows(logits: torch.Tensor, rows: list[SampleRow], allowed: torch.Tensor | None = None):
     """processed_logprobs of these rows; their params as host tensors (processed_logprobs moves them)."""
     vocab = logits.shape[1]
     p = [r.params for r in rows]
@@ -281,7 +311,8 @@ def _processed_rows(logits: torch.Tensor, rows: list[SampleRow]):
     top_k = torch.tensor([vocab if x.top_k == -1 else min(x.top_k, vocab) for x in p])
     top_p = torch.tensor([x.top_p for x in p])
     min_p = torch.tensor([x.min_p for x in p])
-    return processed_logprobs(logits, temperature, top_k, top_p, min_p)
+    masked = None if allowed is None else torch.tensor([r.allowed is not None for r in rows])
+    return processed_logprobs(logits, temperature, top_k, top_p, min_p, allowed, masked)
 
 
 def _collect(tokens: torch.Tensor, rows: list[SampleRow], raw, proc, log_kept, sampled: list[int]) -> SampleResult:
