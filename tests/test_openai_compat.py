@@ -194,9 +194,10 @@ def test_penalized_rows_do_not_depend_on_their_batch(reference):
 
 # ------------------------------------------------------------------ no field silently ignored
 UNSUPPORTED = [
-    ("completions", "response_format", {"type": "json_object"}),
-    ("chat", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("completions", "response_format", {"type": "yaml"}),
+    ("chat", "response_format", {"type": "json_schema", "json_schema": {"schema": {}}}),
+    ("completions", "structured_outputs", {"json": {}, "regex": "a"}),
+    ("chat", "tools", [{"type": "function", "function": {"name": "no spaces"}}]),
     ("chat", "tool_choice", "auto"),
     ("chat", "functions", [{"name": "f"}]),
     ("chat", "function_call", "auto"),

@@ -25,6 +25,7 @@ from fp8engine.benchmarks.workloads import (
 )
 from fp8engine.config import EngineConfig
 from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
+from fp8engine.tools import PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +221,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--clamp-max-tokens",), "clamp_max_tokens", "server", ("serve",),
            "cut max_tokens to what the context has left instead of answering 400 when prompt + max_tokens "
            "exceeds it", False, action="store_true"),
+    Option(("--tool-call-parser",), "tool_call_parser", "server", ("serve",),
+           "how tool calls are read from the model's replies (tools.py); default: by the chat template "
+           "(llama3_json for Llama 3 templates, else hermes)", None, choices=PARSERS),
     Option(("--admin-key",), "admin_key", "rl", ("serve",),
            "key for the RL endpoints (weight updates, pause, flush); none = the api key", metavar="KEY"),
     Option(("--allowed-weight-dir",), "allowed_weight_dir", "rl", ("serve",),

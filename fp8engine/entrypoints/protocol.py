@@ -4,11 +4,13 @@ OpenAI fields that work as OpenAI documents: model, prompt / messages, n, temper
 max_tokens (completions: 0 computes and scores the prompt only) / max_completion_tokens, stop,
 seed, stream, stream_options (with stream), logprobs, top_logprobs, echo (completions: the prompt,
 its tokens and logprobs come first, the first token's logprob null), presence_penalty,
-frequency_penalty, logit_bias, user (an end-user id; like OpenAI's, it changes no output), and the
-no-op values best_of == n, suffix "", response_format {"type": "text"}, tools [], functions [],
-tool_choice "none", parallel_tool_calls, modalities ["text"], store false. Any other field or value
-(tool calling, structured output, suffix insertion, best_of > n, audio, ...) answers 400 naming it:
-none is silently ignored.
+frequency_penalty, logit_bias, user (an end-user id; like OpenAI's, it changes no output),
+response_format (text, json_object, json_schema: the output follows it, structured.py), and on chat tools,
+tool_choice ("none" | "auto" | "required" | {"type": "function", "function": {"name"}}; "required" and a named
+function force exactly one call whose arguments follow the function's parameters), parallel_tool_calls, tool
+results as role "tool" messages with tool_call_id and assistant messages with tool_calls (tools.py renders them);
+the no-op values best_of == n, suffix "", functions [], modalities ["text"], store false. Any other field or
+value (suffix insertion, best_of > n, audio, ...) answers 400 naming it: none is silently ignored.
 
 Logprobs are raw by default here (log-softmax of the model's logits, before temperature, penalties and
 truncation, as in vLLM), so temperature 0 still gives k alternatives; `logprobs_mode: "processed"`
@@ -16,7 +18,11 @@ asks for the distribution actually sampled from. Echoed prompt logprobs are alwa
 
 Request extensions (both endpoints): top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
 repetition_penalty, return_token_ids, logprobs_mode ("raw" | "processed", default "raw"),
-return_routed_experts (MoE models).
+return_routed_experts (MoE models), structured_outputs ({"json": schema} | {"regex": ...} | {"grammar": EBNF},
+vLLM's names). Chat only: history_token_ids, the exact token ids of the conversation up to and including its
+last assistant message (the previous response's prompt_token_ids + token_ids, or an episode's history): the
+messages after that last assistant message are rendered alone and appended, so earlier turns are never
+re-rendered or re-tokenized (tools.continuation_ids; vLLM has no such field).
 Choice extensions: logprobs_mode, num_preemptions, weight_version (the version of the choice's last token),
 token_weight_versions (the version that sampled each token; a choice spans versions only across an update
 with in_flight=keep); token_ids and prompt_token_ids
@@ -29,6 +35,7 @@ In streams, token_ids / token_weight_versions / log_kept_mass hold the chunk's n
 
 import itertools
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,6 +51,7 @@ from pydantic import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from fp8engine import tools
 from fp8engine.engine import Prompt
 from fp8engine.outputs import CompletionOutput, RequestOutput
 from fp8engine.sampling_params import SamplingParams
@@ -56,6 +64,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MIN_TEMPERATURE = 0.01  # below this (and above 0) logits / T overflows float32; vLLM clamps to it
 MIN_LOGPROB = -9999.0  # stands for -inf, which JSON cannot carry
+RESPONSE_FORMATS = ("{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {'name', "
+                    "'schema', 'description', 'strict'}}")
 
 M = TypeVar("M", bound=BaseModel)
 Text = Annotated[str, Field(min_length=1)]
@@ -104,14 +114,16 @@ def validate(model: type[M], data: dict) -> M:
             what = UNSUPPORTED.get(str(error["loc"][-1]), "does not know it")
             message = f"unsupported field: fp8engine {what}, and rejects what it does not implement " \
                       f"rather than ignore it"
+        named = re.match(r"(\w+): ", message) if not error["loc"] else None  # a check across fields names one
+        if named and named.group(1) in model.model_fields:
+            raise ApiError(400, message, param=named.group(1)) from None
         raise ApiError(400, f"{loc or 'request'}: {message}",
                        param=str(error["loc"][0]) if error["loc"] else None) from None
 
 
 UNSUPPORTED = {name: f"does not implement {what}" for name, what in (
-    ("tools", "tool calling"), ("tool_choice", "tool calling"), ("functions", "function calling"),
-    ("function_call", "function calling"), ("tool_calls", "tool calling"), ("tool_call_id", "tool calling"),
-    ("response_format", "structured output"),
+    ("functions", "the deprecated function calling (use tools)"),
+    ("function_call", "the deprecated function calling (use tools and tool_choice)"),
     ("audio", "audio output"), ("prediction", "predicted outputs"), ("reasoning_effort", "reasoning models"),
     ("web_search_options", "web search"), ("service_tier", "service tiers"),
     ("metadata", "stored completions"), ("verbosity", "verbosity control"))}
@@ -181,9 +193,53 @@ class SamplingRequest(_OpenAIRequest):
         "propertyNames": {"pattern": "^[0-9]+$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
     user: str | None = None
-    response_format: dict | None = Field(None, json_schema_extra={"enum": [{"type": "text"}, None]})
+    response_format: dict | None = Field(None, description=RESPONSE_FORMATS, json_schema_extra={"oneOf": [
+        {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"],
+         "additionalProperties": False},
+        {"type": "object", "properties": {"type": {"const": "json_schema"}, "json_schema": {
+            "type": "object", "properties": {"name": {"type": "string"}, "description": {"type": "string"},
+                                             "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}},
+            "required": ["name"], "additionalProperties": False}},
+         "required": ["type", "json_schema"], "additionalProperties": False}]})
+    structured_outputs: dict | None = Field(None, description="one of {'json': schema}, {'regex': str}, "
+                                            "{'grammar': EBNF}", json_schema_extra={
+        "type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False,
+        "properties": {"json": {"type": ["object", "string"]}, "regex": {"type": "string", "minLength": 1},
+                       "grammar": {"type": "string", "minLength": 1}}})
 
-    _text_only_format = field_validator("response_format")(_only([{"type": "text"}], "structured output"))
+    @field_validator("response_format")
+    @classmethod
+    def _known_format(cls, value: dict | None) -> dict | None:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind in ("text", "json_object") and set(value) == {"type"}:
+            return value
+        spec = value.get("json_schema") if kind == "json_schema" else None
+        if isinstance(spec, dict) and set(value) == {"type", "json_schema"} and isinstance(spec.get("name"), str) \
+                and set(spec) <= {"name", "description", "schema", "strict"} \
+                and isinstance(spec.get("schema", {}), dict):
+            return value
+        raise ValueError(f"must be {RESPONSE_FORMATS}")
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_constraint(cls, value: dict | None) -> dict | None:
+        if value is not None and (len(value) != 1 or not set(value) <= {"json", "regex", "grammar"}):
+            raise ValueError(f"must hold exactly one of json, regex, grammar, got {sorted(value)}")
+        return value
+
+    def structured(self) -> dict:
+        """SamplingParams' structured-output option this request asks for ({} for none)."""
+        fmt = self.response_format or {"type": "text"}
+        if fmt["type"] != "text" and self.structured_outputs:
+            raise ValueError("response_format: give either response_format or structured_outputs, not both")
+        if fmt["type"] == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if fmt["type"] == "json_schema":
+            return {"json_schema": fmt["json_schema"].get("schema") or {"type": "object"}}
+        if self.structured_outputs:
+            (name, value), = self.structured_outputs.items()
+            return {{"json": "json_schema"}.get(name, name): value}
+        return {}
 
     @field_validator("temperature")
     @classmethod
@@ -235,9 +291,11 @@ class SamplingRequest(_OpenAIRequest):
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams of this request generating up to `max_tokens`; ValueError names the offending field."""
-        return SamplingParams(
+    def sampling_params(self, max_tokens: int, grammar: str | None = None) -> SamplingParams:
+        """SamplingParams of this request generating up to `max_tokens` (grammar: a forced tool call's, which
+        replaces any other structured output); ValueError names the offending field."""
+        structured = {"grammar": grammar} if grammar is not None else self.structured()
+        return SamplingParams(**structured,
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed,
@@ -285,10 +343,44 @@ class CompletionRequest(SamplingRequest):
         return list(p)
 
 
+class FunctionCall(_OpenAIRequest):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallMessage(_OpenAIRequest):
+    """A tool call in an assistant message of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"]}}]}
+_NO_CALLS = {"tool_calls": {"type": "null"}}
+
+
 class ChatMessage(_OpenAIRequest):
-    role: str
-    content: str | list[dict]
+    """A chat message: content required, except in an assistant message with tool_calls; a tool result names its
+    call (tool_call_id)."""
+
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"role": {"enum": ["system", "developer", "user"]}, "content": _CONTENT, **_NO_CALLS},
+         "required": ["content"]},
+        {"properties": {"role": {"const": "assistant"}, "content": _CONTENT}, "required": ["content"]},
+        {"properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+         "required": ["tool_calls"]},
+        {"properties": {"role": {"const": "tool"}, "content": _CONTENT, "tool_call_id": {"type": "string",
+                                                                                         "minLength": 1},
+                        **_NO_CALLS}, "required": ["content", "tool_call_id"]}]})
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -299,9 +391,40 @@ class ChatMessage(_OpenAIRequest):
             raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
         return "".join(part["text"] for part in content)
 
+    @model_validator(mode="after")
+    def _complete(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required, except in an assistant message with tool_calls")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry them, not {self.role!r}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message must name the call it answers")
+        return self
+
+
+class FunctionSpec(_OpenAIRequest):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(_OpenAIRequest):
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatCompletionRequest(SamplingRequest):
-    """POST /v1/chat/completions; messages are rendered with the model's chat template."""
+    """POST /v1/chat/completions; messages are rendered with the model's chat template (and tools, tools.py)."""
 
     prompt_field: ClassVar[str] = "messages"
     messages: list[ChatMessage] = Field(min_length=1)
@@ -309,15 +432,15 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list | None = Field(None, json_schema_extra={"maxItems": 0})
+    tools: list[ToolSpec] | None = Field(None, max_length=128)
     functions: list | None = Field(None, json_schema_extra={"maxItems": 0})
-    tool_choice: str | dict | None = Field(None, json_schema_extra={"enum": ["none", None]})
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    history_token_ids: TokenIds | None = None
     modalities: list[str] | None = Field(None, json_schema_extra={"enum": [["text"], None]})
     store: bool | None = Field(None, json_schema_extra={"enum": [False, None]})
 
-    _no_tools = field_validator("tools", "functions")(_only([[]], "tool calling"))
-    _no_tool_choice = field_validator("tool_choice")(_only(["none"], "tool calling"))
+    _no_functions = field_validator("functions")(_only([[]], "the deprecated function calling (use tools)"))
     _text_modality = field_validator("modalities")(_only([["text"]], "audio output"))
     _not_stored = field_validator("store")(_only([False], "stored completions"))
 
@@ -328,6 +451,46 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs needs logprobs=true")
         return value
 
+    @model_validator(mode="after")
+    def _tool_choice_fits(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: function names must be distinct")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: names {choice.function.name!r}, which is not among the tools "
+                             f"({', '.join(names) or 'none given'})")
+        if choice not in (None, "none") and not names:
+            raise ValueError(f"tool_choice: {choice if isinstance(choice, str) else 'a named function'!r} needs "
+                             f"tools")
+        if self.forces_call and (self.response_format or {"type": "text"})["type"] != "text":
+            raise ValueError("tool_choice: a forced tool call cannot also follow response_format")
+        if self.history_token_ids is not None and not any(m.role == "assistant" for m in self.messages):
+            raise ValueError("history_token_ids: the messages must include the assistant turn the history ends "
+                             "with (the messages after the last one are appended)")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """"none" (tools neither rendered nor parsed), "auto", "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def forces_call(self) -> bool:
+        return self.tool_mode in ("required", "named")
+
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -336,8 +499,16 @@ class ChatCompletionRequest(SamplingRequest):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def message_dicts(self) -> list[dict]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def new_messages(self) -> list[dict]:
+        """With history_token_ids: the messages after the last assistant one (those the history lacks)."""
+        last = max(i for i, m in enumerate(self.messages) if m.role == "assistant")
+        return self.message_dicts()[last + 1:]
+
     def prompts(self) -> list[Prompt]:
-        return [[m.model_dump(exclude_none=True) for m in self.messages]]
+        return [self.message_dicts()]
 
 
 class PauseRequest(_Request):
@@ -582,13 +753,41 @@ def _concat(first: dict, second: dict) -> dict:
 
 
 class ChatBuilder(ResponseBuilder):
+    """With tools (tool_choice other than "none") the reply's tool calls, parsed by `parser` (tools.py), become
+    the message's tool_calls and finish_reason "tool_calls"; their tokens stay in token_ids and logprobs. A stream
+    sends content up to where a call starts or may still start, and the calls in the choice's last chunk."""
+
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    def __init__(self, request: ChatCompletionRequest, model: str, tokens: TokenTable, parser: str = "hermes"):
+        super().__init__(request, model, tokens)
+        self.parser = parser if request.tool_mode != "none" else None
+        self._replies: dict[int, list[str]] = {}  # per streamed choice: [its text so far, the content sent]
+
     def _choice(self, index: int, piece: Piece, out: RequestOutput, first: bool, stream: bool) -> dict:
-        message = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
+        content, calls = piece.text, []
+        if self.parser is not None:
+            content, calls = self._stream_content(index, piece) if stream else tools.parse(self.parser, piece.text)
+        message = {"role": "assistant"} if first else {}
+        if not stream or content or not calls:
+            message["content"] = content if content or not calls else None
+        if calls:
+            message["tool_calls"] = [c.openai(i if stream else None) for i, c in enumerate(calls)]
+        finish = "tool_calls" if calls and piece.finish_reason in ("stop", "length") else piece.finish_reason
         return {"index": index, ("delta" if stream else "message"): message, "logprobs": self._logprobs(piece),
-                "finish_reason": piece.finish_reason, **self._extensions(piece, out, first)}
+                "finish_reason": finish, **self._extensions(piece, out, first)}
+
+    def _stream_content(self, index: int, piece: Piece) -> tuple[str, list[tools.ToolCall]]:
+        reply = self._replies.setdefault(index, ["", ""])
+        reply[0] += piece.text
+        if piece.finish_reason is None:
+            content, calls = reply[0][:tools.call_may_start(self.parser, reply[0])].rstrip(), []
+        else:
+            content, calls = tools.parse(self.parser, reply[0])
+        new = content[len(reply[1]):] if content.startswith(reply[1]) else ""
+        reply[1] += new
+        return new, calls
 
     def _logprobs(self, piece: Piece) -> dict | None:
         if piece.logprobs is None:

@@ -69,6 +69,7 @@ from safetensors import SafetensorError
 from starlette.exceptions import HTTPException
 
 import fp8engine
+from fp8engine import tools
 from fp8engine.engine import LLMEngine
 from fp8engine.entrypoints.async_engine import AsyncEngine, EnginePaused, RequestStream
 from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
@@ -99,6 +100,7 @@ from fp8engine.entrypoints.protocol import (
     validate,
 )
 from fp8engine.outputs import EngineStats, RequestOutput
+from fp8engine.sampling_params import STRUCTURED
 from fp8engine.weights.loader import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,7 @@ class ServerSettings:
     clamp_max_tokens: bool = False  # prompt + max_tokens beyond the context: cut max_tokens, not 400
     bucket_timeout_s: float = 600.0  # an open bucketed update with no bucket for this long is dropped
     shutdown: str = "wait"  # SIGTERM: in-flight requests finish ("wait") or are aborted ("abort")
+    tool_call_parser: str | None = None  # None: the model's (tools.default_parser)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -137,7 +140,7 @@ class ServerSettings:
                    allowed_weight_dirs=tuple(args.allowed_weight_dir or ()),
                    max_body_bytes=args.max_body_bytes, max_update_bytes=args.max_update_bytes,
                    clamp_max_tokens=args.clamp_max_tokens, bucket_timeout_s=args.bucket_timeout,
-                   shutdown=args.shutdown)
+                   shutdown=args.shutdown, tool_call_parser=args.tool_call_parser)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -217,6 +220,7 @@ class Server:
         basename = os.path.basename(os.path.normpath(llm.model_dir))
         self.model_name = "default" if llm.config.model == "default" else basename
         self.model_names = {"default", basename}
+        self.tool_call_parser = tools.check_parser(settings.tool_call_parser or tools.default_parser(llm.tokenizer))
         self.metrics = Metrics()
         self._bucket: list[tuple[str, torch.Tensor]] | None = None
         self._bucket_expiry: asyncio.TimerHandle | None = None
@@ -270,26 +274,30 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         body = parse_json(await _read_body(request, self.settings.max_body_bytes), ChatCompletionRequest)
-        return await self._generate(request, body, ChatBuilder(body, self.model_name, self.tokens))
+        return await self._generate(request, body, ChatBuilder(body, self.model_name, self.tokens,
+                                                               self.tool_call_parser))
 
     async def _generate(self, request: Request, body: SamplingRequest, builder: ResponseBuilder) -> Response:
         if body.model is not None and body.model not in self.model_names:
             raise ApiError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         timer = self.metrics.timer()
-        prompts = body.prompts()
         try:
-            token_ids = await self.engine.call(lambda llm: [llm.tokenize(p) for p in prompts])
+            token_ids = await self.engine.call(lambda llm: self._prompt_ids(llm, body))
         except ValueError as exc:
             raise ApiError(400, str(exc), param=body.prompt_field) from None
         try:
-            params = [body.sampling_params(self._max_tokens(body, len(ids))) for ids in token_ids]
+            grammar = self._forced_call_grammar(body)
         except ValueError as exc:
-            raise _bad_request(exc) from None
+            raise ApiError(400, str(exc), param="tools") from None
+        try:
+            params = [body.sampling_params(self._max_tokens(body, len(ids)), grammar) for ids in token_ids]
+        except ValueError as exc:
+            raise _bad_request(exc, body=body) from None
         try:
             stream = await self.engine.add(token_ids, params, builder.id)
         except ValueError as exc:
-            raise _bad_request(exc, default_param=body.prompt_field) from None
+            raise _bad_request(exc, default_param=body.prompt_field, body=body) from None
         except EnginePaused as exc:
             raise ApiError(503, str(exc), code="paused") from None
         if body.stream:
@@ -302,6 +310,25 @@ class Server:
         if finals is None:
             return Response(status_code=499)
         return JSONResponse(builder.response(finals))
+
+    def _prompt_ids(self, llm: LLMEngine, body: SamplingRequest) -> list[list[int]]:
+        """Each prompt's token ids: completions as the engine tokenizes them; a chat rendered with its tools, or
+        its new messages appended to history_token_ids (tools.py)."""
+        if not isinstance(body, ChatCompletionRequest):
+            return [llm.tokenize(p) for p in body.prompts()]
+        if body.history_token_ids is None:
+            return [tools.render_ids(llm.tokenizer, body.message_dicts(), body.tool_dicts)]
+        history = llm.tokenize(body.history_token_ids)
+        new = body.new_messages()
+        if not new:
+            raise ValueError("messages: with history_token_ids, at least one message must follow the last "
+                             "assistant message")
+        return [history + tools.continuation_ids(llm.tokenizer, history, new, llm.eos_token_ids)]
+
+    def _forced_call_grammar(self, body: SamplingRequest) -> str | None:
+        if not isinstance(body, ChatCompletionRequest) or not body.forces_call:
+            return None
+        return tools.forced_call_grammar(self.tool_call_parser, body.tool_dicts, body.forced_function)
 
     def _max_tokens(self, body: SamplingRequest, num_prompt_tokens: int) -> int:
         """max_tokens of one prompt: as asked when it fits the context, else 400 (or cut, with
@@ -676,9 +703,17 @@ def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
 
-def _bad_request(exc: ValueError, default_param: str | None = None) -> ApiError:
-    match = re.search(r"SamplingParams\.(\w+)", str(exc))
-    return ApiError(400, str(exc), param=match.group(1) if match else default_param)
+def _bad_request(exc: ValueError, default_param: str | None = None, body: SamplingRequest | None = None) -> ApiError:
+    """400 naming the request field behind a SamplingParams error (a structured output's: the field that asked
+    for it)."""
+    message = str(exc)
+    match = re.search(r"SamplingParams\.(\w+)", message)
+    param = match.group(1) if match else default_param
+    if param in STRUCTURED and body is not None:
+        forced = isinstance(body, ChatCompletionRequest) and body.forces_call
+        param = "tools" if forced else "response_format" if body.response_format else "structured_outputs"
+        message = message.replace(match.group(0), param, 1)
+    return ApiError(400, message, param=param)
 
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
