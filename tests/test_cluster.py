@@ -19,6 +19,7 @@ from fp8engine import EngineConfig, SamplingParams
 from fp8engine.benchmarks.serve_load import free_port, serving
 from fp8engine.rl import RolloutClient, RolloutCluster, RolloutEngine
 from fp8engine.rl.cluster import assign
+from fp8engine.rl.episodes import rollout_episodes
 from fp8engine.weights.dist_update import tensor_specs
 from fp8engine.weights.loader import iter_safetensors
 from tests.checkpoints import perturbed_state
@@ -93,6 +94,7 @@ def test_importing_the_adapter_does_not_import_ray():
 def test_groups_go_to_the_replica_with_the_fewest_outstanding_tokens():
     assert assign([100, 10, 10, 10, 100, 5], 2) == [0, 1, 1, 1, 1, 0]  # round-robin: [0, 1, 0, 1, 0, 1]
     assert assign([5, 5, 5, 5], 3) == [0, 1, 2, 0]
+    assert assign([5, 5, 5, 5], 2, [1, None, 1, None]) == [1, 0, 1, 0]  # pinned sessions count in the load
 
 
 def test_rollouts_equal_one_engine_in_prompt_order_with_each_prompts_samples_on_one_replica(cluster, reference):
@@ -247,6 +249,55 @@ def test_a_replica_killed_mid_rollout(cluster, reference, default_dir, monkeypat
     batch = cluster.rollout(PROMPTS, n=2, sampling_params=SEEDED)
     assert_same(batch, reference.rollout(PROMPTS, n=2, sampling_params=SEEDED))
     assert len(set(batch.stats["replica_of_prompt"])) == 2
+
+
+class Chat:
+    """An episode of user turns ("Say more."); `on_step` runs after each model turn (a kill, below)."""
+
+    def __init__(self, on_step=lambda turn: None):
+        self.on_step = on_step
+
+    def reset(self, prompt):
+        return [{"role": "user", "content": prompt}]
+
+    def step(self, turn):
+        self.on_step(turn)
+        return [{"role": "user", "content": "Say more."}], float(len(turn.token_ids)), False
+
+
+def test_episodes_stay_on_one_replica_and_move_with_their_history_when_it_dies(cluster, reference, default_dir):
+    state = perturbed_state(default_dir, seed=31)  # an object-store sync: add_replica() below starts from it
+    version = cluster.weight_version + 1
+    cluster.sync_weights(state, weight_version=version)
+    reference.sync_weights(state, weight_version=version)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=6)
+    prompts = RAW[:4]
+    expected = rollout_episodes(reference, Chat, prompts, n=2, sampling_params=params, max_turns=3)
+    fields = ("prompt_ids", "response_ids", "response_mask", "rollout_logprobs", "token_weight_versions", "rewards")
+
+    batch = rollout_episodes(cluster, Chat, prompts, n=2, sampling_params=params, max_turns=3)
+    for name in fields:
+        assert torch.equal(getattr(batch, name), getattr(expected, name)), name
+    placement = batch.stats["replicas_of_episode"]
+    assert all(len(set(turns)) == 1 for turns in placement) and len({turns[0] for turns in placement}) == 2
+    sent, computed = batch.stats["prompt_tokens_by_turn"], batch.stats["prefill_tokens_by_turn"]
+    assert all(c < s for c, s in zip(computed[1:], sent[1:]))  # each history was in its replica's prefix cache
+
+    [survivor, victim] = cluster.get_stats().replica_ids
+    killed = []
+
+    def kill(turn):
+        if not killed:
+            killed.append(turn.turn)
+            ray.kill(cluster.replicas[1])
+    batch = rollout_episodes(cluster, lambda: Chat(kill), prompts, n=2, sampling_params=params, max_turns=3)
+    for name in fields:
+        assert torch.equal(getattr(batch, name), getattr(expected, name)), name
+    placement = batch.stats["replicas_of_episode"]
+    assert killed == [0] and {turns[0] for turns in placement} == {survivor, victim}
+    assert all(set(turns[1:]) == {survivor} for turns in placement)
+    cluster.add_replica()
+    assert len(cluster.replicas) == 2
 
 
 # ---------------------------------------------------------------------- the weight-update group

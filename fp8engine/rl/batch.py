@@ -49,6 +49,9 @@ class RolloutBatch:
         rows follow the groups that finished (resumed ones first), not the prompts passed.
     partial: with rollout(..., min_groups=K), the groups stopped unfinished (fp8engine.rl.groups.PartialGroup,
         with their tokens, logprobs and versions so far), to pass as rollout(..., resume=batch.partial).
+    rewards / num_turns: [B] float32 / int64 from rl.episodes.rollout_episodes (each episode's summed reward and
+        its model turns; its response_ids then hold observation tokens too, with response_mask 0 on them);
+        None for single-turn rollouts.
     stats: rollout statistics of this call (see `rollout_stats`).
     scorer: (prompts, responses, params) -> per-token logprobs from the engine that made the batch, with
         its weights and numerics (`response_logprobs(..., exact=True)`); None where there is none (HTTP).
@@ -72,6 +75,8 @@ class RolloutBatch:
     partial: list = field(default_factory=list)
     stats: dict = field(default_factory=dict)
     scorer: Callable | None = field(default=None, repr=False, compare=False)
+    rewards: Tensor | None = None
+    num_turns: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -88,8 +93,9 @@ class RolloutBatch:
         return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
 
     def prompts_and_responses(self) -> tuple[list[list[int]], list[list[int]]]:
-        """Each row's prompt and response token ids, without padding."""
-        prompt_mask, response_mask = self.attention_mask[:, :self.prompt_ids.shape[1]].bool(), self.response_mask.bool()
+        """Each row's prompt and response token ids (an episode's observation tokens included), without padding."""
+        width = self.prompt_ids.shape[1]
+        prompt_mask, response_mask = self.attention_mask[:, :width].bool(), self.attention_mask[:, width:].bool()
         return ([row[m].tolist() for row, m in zip(self.prompt_ids, prompt_mask)],
                 [row[m].tolist() for row, m in zip(self.response_ids, response_mask)])
 

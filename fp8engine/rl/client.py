@@ -6,7 +6,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -38,7 +38,7 @@ from fp8engine.rl.groups import (
     gather,
     group_batch,
 )
-from fp8engine.rl.rollout import PauseMode, check_pause_mode, rollout_params
+from fp8engine.rl.rollout import PauseMode, check_pause_mode, check_sessions, prompt_params, rollout_params
 from fp8engine.rl.sync import (
     DEFAULT_BUCKET_BYTES,
     SyncDtype,
@@ -163,17 +163,22 @@ class RolloutClient:
             applied.result()
         return SyncReport(time.perf_counter() - start, num_bytes, len(names), num_buckets, version)
 
-    def rollout(self, prompts: Sequence[Prompt], n: int = 1, sampling_params: SamplingParams | None = None, *,
-                min_groups: MinGroups = None, resume: Sequence[PartialGroup] | None = None) -> RolloutBatch:
+    def rollout(self, prompts: Sequence[Prompt], n: int = 1,
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                min_groups: MinGroups = None, resume: Sequence[PartialGroup] | None = None,
+                sessions: Sequence[Hashable] | None = None) -> RolloutBatch:
         """Generate `n` samples per prompt via /v1/completions; the same RolloutBatch as in-process.
         min_groups / resume: as RolloutEngine.rollout; the groups then run as one streamed request each, and
         the ones still running once enough finished are disconnected (the server aborts them) and kept, with
-        the tokens they streamed, in batch.partial."""
+        the tokens they streamed, in batch.partial. sampling_params per prompt (a list) run that way too.
+        sessions: as RolloutEngine.rollout (one server: nothing to route)."""
         resume = check_resume(resume, n)
-        params = rollout_params(prompts, n, sampling_params, allow_empty=bool(resume))
+        params = rollout_params(prompts, n, sampling_params, allow_empty=bool(resume),
+                                per_prompt=min_groups is None and not resume)
         check_min_groups(min_groups, len(resume) + len(prompts))
-        if min_groups is not None or resume:
-            return self._rollout_groups(prompts, params, min_groups, resume)
+        check_sessions(sessions, prompts)
+        if min_groups is not None or resume or isinstance(params, list):
+            return self._rollout_groups(prompts, params, min_groups, resume, n)
         token_prompts = [prompt_token_ids(self.tokenizer, p) for p in prompts]
         start = time.perf_counter()
         answer = self._request("POST", "/v1/completions", json=self._body(params) | {"prompt": token_prompts})
@@ -187,21 +192,21 @@ class RolloutClient:
         batch.stats = rollout_stats(batch, seconds, self.get_stats())
         return batch
 
-    def _rollout_groups(self, prompts: Sequence[Prompt], params: SamplingParams, min_groups: MinGroups,
-                        resume: list[PartialGroup]) -> RolloutBatch:
+    def _rollout_groups(self, prompts: Sequence[Prompt], params: SamplingParams | list[SamplingParams],
+                        min_groups: MinGroups, resume: list[PartialGroup], n: int) -> RolloutBatch:
         start = time.perf_counter()
-        run = _HttpGroups(self, params.n, max_workers=len(prompts) + sum(g.num_unfinished for g in resume))
+        run = _HttpGroups(self, n, max_workers=len(prompts) + sum(g.num_unfinished for g in resume))
         finished, views = [], []
         try:
             run.add(resume, prompts, params)
             while run.active and not enough(min_groups, views):
                 for key, prompt, samples in run.wait():
                     finished.append((key, prompt, samples))
-                    views.append(group_batch(samples, params.n, self.pad_token_id, prompt)
+                    views.append(group_batch(samples, n, self.pad_token_id, prompt)
                                  if callable(min_groups) else None)
         finally:
             partial = run.abort()
-        batch = gather(finished, params.n, self.pad_token_id, partial, max(
+        batch = gather(finished, n, self.pad_token_id, partial, max(
             (s.weight_version for _, _, samples in finished for s in samples), default=-1))
         batch.stats = rollout_stats(batch, time.perf_counter() - start, self.get_stats())
         return batch
@@ -370,7 +375,8 @@ class _HttpGroups:
     def active(self) -> bool:
         return bool(self.book.num_running or self.ready)
 
-    def add(self, resume: list[PartialGroup], prompts: Sequence[Prompt], params: SamplingParams) -> None:
+    def add(self, resume: list[PartialGroup], prompts: Sequence[Prompt],
+            params: SamplingParams | list[SamplingParams]) -> None:
         for group in resume:
             key = next(self._keys)
             self.book.open(key, group.prompt, [None if s.finish_reason == UNFINISHED else s for s in group.samples])
@@ -384,11 +390,12 @@ class _HttpGroups:
                     self._submit(Slot(key, [index], [first]), first.prompt_ids + first.token_ids, more)
             if (done := self.book.finished_now(key)) is not None:
                 self.ready.append(done)
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             key = next(self._keys)
             self.book.open(key, prompt)
-            self._submit(Slot(key, list(range(params.n)), [None] * params.n),
-                         prompt_token_ids(self.client.tokenizer, prompt), params)
+            mine = prompt_params(params, i)
+            self._submit(Slot(key, list(range(mine.n)), [None] * mine.n),
+                         prompt_token_ids(self.client.tokenizer, prompt), mine)
 
     def _submit(self, slot: Slot, prompt_ids: list[int], params: SamplingParams) -> None:
         request_id = str(next(self._ids))

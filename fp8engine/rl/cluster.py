@@ -10,13 +10,14 @@ when a cluster is built, never by `import fp8engine.rl`.
     batch = cluster.rollout(prompts, n=8, sampling_params=params)    # prompt order kept
 """
 
+import collections
 import contextlib
 import dataclasses
 import itertools
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,6 +50,8 @@ from fp8engine.rl.rollout import (
     PauseMode,
     RolloutEngine,
     check_pause_mode,
+    check_sessions,
+    prompt_params,
     rollout_params,
 )
 from fp8engine.rl.sync import (
@@ -66,6 +69,7 @@ from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights import dist_update
 from fp8engine.weights.default_model import default_model_path
 
+MAX_SESSIONS = 1 << 16  # sessions whose replica the cluster remembers (the least recently used are forgotten)
 REPLICA_THREADS = 4  # a replica's actor threads: generate streams while a commit, stop or get_stats lands
 SyncMethod = Literal["object_store", "distributed"]
 SYNC_METHODS = ("object_store", "distributed")
@@ -82,6 +86,7 @@ class PromptGroup:
     params: SamplingParams
     prompt: object = None
     partial: PartialGroup | None = None
+    session: Hashable | None = None  # the conversation it continues (rollout(..., sessions=...))
 
     @property
     def cost(self) -> int:
@@ -254,12 +259,17 @@ class RolloutCluster:
     Dispatch: a prompt's n samples run on one replica; prompt groups go, in prompt order, to the
     replica with the fewest outstanding tokens (prompt + n * max_tokens). Requests without a seed
     get one per prompt here, so that a group rerun after its replica died samples the same tokens.
+    sticky_sessions: a prompt given a session key (rollout(..., sessions=...), as rl.episodes does for each
+    turn of an episode) goes to the replica that ran that session before, where its history is in the prefix
+    cache; new sessions, and those whose replica died (their history travels in the prompt), go least-loaded.
+    False: every prompt goes least-loaded (to compare).
     """
 
     def __init__(self, config: EngineConfig, num_replicas: int = 1, *, address: str | None = None,
                  num_cpus_per_replica: int | None = None, sync_method: SyncMethod = "object_store",
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, sync_dtype: SyncDtype = "auto",
-                 master_address: str | None = None, timeout_s: float = dist_update.DEFAULT_TIMEOUT_S):
+                 master_address: str | None = None, timeout_s: float = dist_update.DEFAULT_TIMEOUT_S,
+                 sticky_sessions: bool = True):
         ray = _ray()
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
@@ -273,6 +283,8 @@ class RolloutCluster:
         self.sync_dtype = torch.bfloat16 if sync_dtype == "auto" else sync_dtype
         self.master_address = master_address
         self.timeout_s = timeout_s
+        self.sticky_sessions = sticky_sessions
+        self._session_replicas: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
         self.tokenizer = AutoTokenizer.from_pretrained(default_model_path() if config.model == "default"
                                                        else config.model)
         self.pad_token_id = pad_token_id(self.tokenizer)
@@ -302,22 +314,28 @@ class RolloutCluster:
         return [m.actor for m in self._members]
 
     # ------------------------------------------------------------------ rollouts
-    def rollout(self, prompts: Sequence[Prompt], n: int = 1, sampling_params: SamplingParams | None = None, *,
-                min_groups: MinGroups = None, resume: Sequence[PartialGroup] | None = None) -> RolloutBatch:
+    def rollout(self, prompts: Sequence[Prompt], n: int = 1,
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                min_groups: MinGroups = None, resume: Sequence[PartialGroup] | None = None,
+                sessions: Sequence[Hashable] | None = None) -> RolloutBatch:
         """RolloutEngine.rollout over the replicas. A replica that dies meanwhile has its unfinished
         prompt groups rerun on the others (same seeds): the batch still comes back complete.
         min_groups / resume: as RolloutEngine.rollout, over the cluster's groups: once enough finished, every
         replica stops and returns its unfinished ones for batch.partial (the groups of a replica that died
         after that come back unstarted). batch.stats adds replica_of_prompt (the replica id that made each
-        group's samples, in row order) and num_prompt_groups_rerun."""
+        group's samples, in row order) and num_prompt_groups_rerun. sampling_params (one per prompt) and sessions:
+        as RolloutEngine.rollout; see the class for how sessions are routed."""
         if self.paused:
             raise RuntimeError(f"the cluster is paused (mode {self.paused!r}); call resume() first")
         resume = check_resume(resume, n)
-        params = rollout_params(prompts, n, sampling_params, allow_empty=bool(resume))
+        params = rollout_params(prompts, n, sampling_params, allow_empty=bool(resume),
+                                per_prompt=min_groups is None and not resume)
         check_min_groups(min_groups, len(resume) + len(prompts))
+        keys = check_sessions(sessions, prompts) or [None] * len(prompts)
         groups = [PromptGroup(i, g.samples[0].prompt_ids, self._seeded(params), g.prompt, g)
                   for i, g in enumerate(resume)]
-        groups += [PromptGroup(len(groups) + i, prompt_token_ids(self.tokenizer, p), self._seeded(params), p)
+        groups += [PromptGroup(len(groups) + i, prompt_token_ids(self.tokenizer, p),
+                               self._seeded(prompt_params(params, i)), p, session=keys[i])
                    for i, p in enumerate(prompts)]
         start = time.perf_counter()
         samples, partial, placement, num_rerun = self._run(groups, min_groups)
@@ -351,7 +369,7 @@ class RolloutCluster:
 
     def _dispatch(self, groups: list[PromptGroup]) -> dict:
         """One streaming `generate` call per replica that gets groups: {stream: (member, its groups)}."""
-        plan = assign([g.cost for g in groups], len(self._members))
+        plan = self._plan(groups)
         streams = {}
         for i, member in enumerate(self._members):
             mine = [g for g, r in zip(groups, plan) if r == i]
@@ -387,6 +405,21 @@ class RolloutCluster:
             if not unfinished:
                 del streams[stream]
         return sorted(lost, key=lambda g: g.index)
+
+    def _plan(self, groups: list[PromptGroup]) -> list[int]:
+        """The live member (index) of each group: a known session's replica, else the least loaded."""
+        ids = [m.id for m in self._members]
+        known = self._session_replicas if self.sticky_sessions else {}
+        pinned = [ids.index(known[g.session]) if g.session is not None and known.get(g.session) in ids else None
+                  for g in groups]
+        plan = assign([g.cost for g in groups], len(ids), pinned)
+        for group, replica in zip(groups, plan):
+            if group.session is not None:
+                self._session_replicas[group.session] = ids[replica]
+                self._session_replicas.move_to_end(group.session)
+        while len(self._session_replicas) > MAX_SESSIONS:
+            self._session_replicas.popitem(last=False)
+        return plan
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
@@ -596,14 +629,19 @@ class RolloutCluster:
         return _cluster_stats(results, self.weight_version, self.replicas_lost, self.num_prompt_groups_rerun)
 
 
-def assign(costs: Sequence[int], num_replicas: int) -> list[int]:
-    """The replica of each prompt group: in order, each goes to the replica with the fewest
-    outstanding tokens (the lowest index among equals)."""
+def assign(costs: Sequence[int], num_replicas: int, pinned: Sequence[int | None] | None = None) -> list[int]:
+    """The replica of each prompt group: a pinned group goes to its replica; the others, in order, each to the
+    replica with the fewest outstanding tokens (pinned ones counted; the lowest index among equals)."""
+    pinned = list(pinned or [None] * len(costs))
     load = [0] * num_replicas
+    for cost, replica in zip(costs, pinned):
+        if replica is not None:
+            load[replica] += cost
     plan = []
-    for cost in costs:
-        replica = min(range(num_replicas), key=load.__getitem__)
-        load[replica] += cost
+    for cost, replica in zip(costs, pinned):
+        if replica is None:
+            replica = min(range(num_replicas), key=load.__getitem__)
+            load[replica] += cost
         plan.append(replica)
     return plan
 

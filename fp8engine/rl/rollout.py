@@ -6,7 +6,7 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -62,6 +62,8 @@ class RolloutEngine:
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         self.sync_dtype = None if sync_dtype == "auto" else sync_dtype
         self.paused: PauseMode | None = None
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
         self.pad_token_id = pad_token_id(self.engine.tokenizer)
         self.turns = Turns()
         self.finished: dict[str, RequestOutput] = {}  # finished outputs not yet taken by their GroupRun
@@ -83,8 +85,10 @@ class RolloutEngine:
         return SyncReport(time.perf_counter() - start, sum(sizes), report.num_tensors, len(sizes),
                           version)
 
-    def rollout(self, prompts: Sequence[Prompt], n: int = 1, sampling_params: SamplingParams | None = None, *,
-                min_groups: MinGroups = None, resume: Sequence[PartialGroup] | None = None) -> RolloutBatch:
+    def rollout(self, prompts: Sequence[Prompt], n: int = 1,
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                min_groups: MinGroups = None, resume: Sequence[PartialGroup] | None = None,
+                sessions: Sequence[Hashable] | None = None) -> RolloutBatch:
         """Generate `n` samples per prompt (str, token ids or chat messages) and pad them into a
         RolloutBatch of B = len(prompts) * n rows, prompt-major, with per-token logprobs.
 
@@ -93,11 +97,16 @@ class RolloutEngine:
             the unfinished groups are aborted and kept in batch.partial. resume: a batch.partial to continue
             first (see fp8engine.rl.groups); prompts may then be empty. Rows follow the finished groups,
             resumed ones first (batch.group_prompts names each group's prompt).
+        sampling_params may be a list, one per prompt (without min_groups and resume). sessions: one key per
+            prompt naming the conversation it continues (rl.episodes); a RolloutCluster keeps a session on one
+            replica, one engine has nothing to route.
         """
         self._check_not_paused()
         resume = check_resume(resume, n)
-        params = rollout_params(prompts, n, sampling_params, allow_empty=bool(resume))
+        params = rollout_params(prompts, n, sampling_params, allow_empty=bool(resume),
+                                per_prompt=min_groups is None and not resume)
         check_min_groups(min_groups, len(resume) + len(prompts))
+        check_sessions(sessions, prompts)
         start = time.perf_counter()
         run = GroupRun(self, n)
         run.add(resume, prompts, params)
@@ -185,18 +194,42 @@ def check_pause_mode(mode) -> PauseMode:
 
 
 def rollout_params(prompts: Sequence[Prompt], n: int, sampling_params: SamplingParams | None, *,
-                   allow_empty: bool = False) -> SamplingParams:
-    """`sampling_params` with n set and logprobs on; checks the arguments of a rollout call."""
+                   allow_empty: bool = False, per_prompt: bool = False) -> SamplingParams | list[SamplingParams]:
+    """`sampling_params` with n set and logprobs on; checks the arguments of a rollout call. per_prompt: a list
+    of params, one per prompt, is accepted too (and returned as a list)."""
     if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence) or not (prompts or allow_empty):
         raise ValueError("prompts must be a non-empty list of prompts (each a str, token ids or "
                          f"chat messages), got {type(prompts).__name__}")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    if isinstance(sampling_params, (list, tuple)):
+        if not per_prompt:
+            raise ValueError("sampling_params: one SamplingParams here (a list, one per prompt, is taken without "
+                             "min_groups and resume)")
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts")
+        return [rollout_params(prompts, n, p, allow_empty=allow_empty) for p in sampling_params]
     params = sampling_params or SamplingParams()
     if params.n not in (1, n):
         raise ValueError(f"sampling_params.n={params.n} conflicts with n={n}; set one of them")
     logprobs = 0 if params.logprobs is None else params.logprobs
     return dataclasses.replace(params, n=n, logprobs=logprobs)
+
+
+def check_sessions(sessions: Sequence[Hashable] | None, prompts: Sequence[Prompt]) -> list | None:
+    """sessions as a list (one hashable key per prompt), or None."""
+    if sessions is None:
+        return None
+    if isinstance(sessions, (str, bytes)) or not isinstance(sessions, Sequence) or len(sessions) != len(prompts) \
+            or not all(isinstance(k, Hashable) for k in sessions):
+        raise ValueError(f"sessions must be a list of {len(prompts)} hashable keys (one per prompt), got "
+                         f"{sessions!r:.80}")
+    return list(sessions)
+
+
+def prompt_params(params: SamplingParams | list[SamplingParams], i: int) -> SamplingParams:
+    """Prompt i's params from rollout_params' result."""
+    return params[i] if isinstance(params, list) else params
 
 
 def _flatten(stream: Iterator[Bucket], sizes: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -272,8 +305,10 @@ class GroupRun:
         """Whether a group is still running or finished but not yet returned by step()."""
         return bool(self.book.num_running or self.ready)
 
-    def add(self, resume: list[PartialGroup], prompts: Sequence[Prompt], params: SamplingParams) -> None:
-        """Queue resumed groups, then new prompts; a prompt the engine refuses aborts all of this call's."""
+    def add(self, resume: list[PartialGroup], prompts: Sequence[Prompt],
+            params: SamplingParams | list[SamplingParams]) -> None:
+        """Queue resumed groups, then new prompts (params: one for all, or one per prompt without resume); a prompt
+        the engine refuses aborts all of this call's."""
         added: list[str | None] = []
         keys: list[int] = []
         ready = len(self.ready)
@@ -288,11 +323,12 @@ class GroupRun:
                             added.append(self._continue(key, index, sample, params))
                     if (done := self.book.finished_now(key)) is not None:
                         self.ready.append(done)
-                for prompt in prompts:
+                for i, prompt in enumerate(prompts):
                     keys.append(key := next(self._keys))
                     self.book.open(key, prompt)
-                    added.append(self.engine.add_request(prompt, params))
-                    self.book.track(added[-1], Slot(key, list(range(params.n)), [None] * params.n))
+                    mine = prompt_params(params, i)
+                    added.append(self.engine.add_request(prompt, mine))
+                    self.book.track(added[-1], Slot(key, list(range(mine.n)), [None] * mine.n))
             except ValueError:
                 for request_id in filter(None, added):
                     self.engine.abort_request(request_id)

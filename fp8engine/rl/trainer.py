@@ -40,5 +40,6 @@ def response_logprobs(model: nn.Module, batch: RolloutBatch, sampling_params: Sa
         raise ValueError("exact=True needs a batch from an in-process RolloutEngine (a RolloutClient batch "
                          "carries no engine to replay it)")
     scores = pad_float(batch.scorer(*batch.prompts_and_responses(), sampling_params), width).to(device)
+    scores = torch.where(batch.response_mask.to(device).bool(), scores, 0.0)  # an episode's observations: 0
     # + exactly 0 with ref's gradient; -inf (outside the trainer's kept set) passes no gradient
     return scores + torch.where(torch.isfinite(ref), ref - ref.detach(), 0.0)
