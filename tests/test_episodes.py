@@ -3,6 +3,9 @@ logprobs and versions mark model tokens only, rewards and turns come back per ep
 separate episodes; an in-process batch replays bitwise; a RolloutClient gives the same episodes."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +16,10 @@ from fp8engine.rl import RolloutClient, RolloutEngine
 from fp8engine.rl.episodes import rollout_episodes
 from fp8engine.tools import continuation_ids, forced_call_grammar, render_ids
 
-CALC = {"type": "function", "function": {"name": "calc", "parameters": {
-    "type": "object", "properties": {"expr": {"type": "string", "pattern": "^[0-9+*-]{1,9}$"}},
-    "required": ["expr"], "additionalProperties": False}}}
 CONFIG = dict(dtype="bfloat16", batch_invariant=True, num_kv_blocks=256)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from agent_grpo import CALC, calc  # noqa: E402 (the example's tool, its schema and its evaluator)
 
 
 class Calculator:
@@ -36,8 +39,7 @@ class Calculator:
     def step(self, turn):
         self.turns.append(turn)
         if turn.tool_calls:
-            expr = json.loads(turn.tool_calls[0].arguments)["expr"]
-            result = str(eval(expr, {}, {})) if expr[0].isdigit() and expr[-1].isdigit() else "error"
+            result = calc(turn.tool_calls[0].arguments)  # free turns may call with anything
             obs = [{"role": "tool", "tool_call_id": turn.tool_calls[0].id, "content": result}]
             self.observations.append(obs)
             return obs, 0.25, False
@@ -138,3 +140,18 @@ def test_a_client_over_http_gives_the_same_episodes(rollouts):
     for name in ("prompt_ids", "response_ids", "response_mask", "rollout_logprobs", "token_weight_versions",
                  "num_turns", "rewards"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_the_agent_grpo_example_runs_two_steps(tmp_path):
+    """examples/agent_grpo.py --smoke: 2 GRPO steps of 2 prompts x n=2 episodes, metrics and the plot written."""
+    out, png = tmp_path / "agent.json", tmp_path / "agent.png"
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "agent_grpo.py"), "--smoke", "--threads", "1",
+                          "--json", str(out), "--png", str(png)], capture_output=True, text=True, cwd=ROOT,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = json.loads(out.read_text())["steps"]
+    assert [s["step"] for s in steps] == [0, 1]
+    for s in steps:
+        assert 0.0 <= s["reward_mean"] <= 1.0 and 1.0 <= s["turns_mean"] <= 3.0
+        assert s["observation_tokens"] > 0 and s["prefill_tokens"] < s["prompt_tokens"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -235,7 +235,7 @@ class SamplingRequest(_OpenAIRequest):
         if fmt["type"] == "json_object":
             return {"json_schema": {"type": "object"}}
         if fmt["type"] == "json_schema":
-            return {"json_schema": fmt["json_schema"].get("schema") or {"type": "object"}}
+            return {"json_schema": fmt["json_schema"].get("schema", {})}  # {}: any JSON value
         if self.structured_outputs:
             (name, value), = self.structured_outputs.items()
             return {{"json": "json_schema"}.get(name, name): value}

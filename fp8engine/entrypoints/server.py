@@ -708,8 +708,9 @@ def _bad_request(exc: ValueError, default_param: str | None = None, body: Sampli
     for it)."""
     message = str(exc)
     match = re.search(r"SamplingParams\.(\w+)", message)
-    param = match.group(1) if match else default_param
-    if param in STRUCTURED and body is not None:
+    named = re.match(r"(\w+): ", message)  # a request check that names its field first
+    param = match.group(1) if match else named.group(1) if named else default_param
+    if match and param in STRUCTURED and body is not None:
         forced = isinstance(body, ChatCompletionRequest) and body.forces_call
         param = "tools" if forced else "response_format" if body.response_format else "structured_outputs"
         message = message.replace(match.group(0), param, 1)

@@ -1,6 +1,7 @@
 """RolloutClient: the trainer adapter over HTTP, against `fp8engine serve`."""
 
 import dataclasses
+import functools
 import itertools
 import json
 import queue
@@ -99,6 +100,11 @@ class RolloutClient:
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id(tokenizer)
         self.group = None  # a weight-update group with the server (use_weights_update_group)
+
+    @functools.cached_property
+    def max_model_len(self) -> int:
+        """The served model's context (GET /v1/models), read once."""
+        return int(self._request("GET", "/v1/models")["data"][0]["max_model_len"])
 
     def close(self) -> None:
         """Leave the weight-update group (when use_weights_update_group joined one) and close the connection."""

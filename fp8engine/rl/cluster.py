@@ -13,6 +13,7 @@ when a cluster is built, never by `import fp8engine.rl`.
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -307,6 +308,12 @@ class RolloutCluster:
         self._actor_class = ray.remote(Replica).options(num_cpus=1 if gpu else cpus, num_gpus=1 if gpu else 0,
                                                         max_concurrency=REPLICA_THREADS)
         self._members = self._start(num_replicas)
+
+    @functools.cached_property
+    def max_model_len(self) -> int:
+        """The replicas' context (they share one config), read once."""
+        self._check_live()
+        return _ray().get(self._members[0].actor.call.remote(_max_model_len))
 
     @property
     def replicas(self) -> list:
@@ -627,6 +634,10 @@ class RolloutCluster:
         results = self._wait([(m, m.actor.get_stats.remote()) for m in self._members])
         self._check_live()
         return _cluster_stats(results, self.weight_version, self.replicas_lost, self.num_prompt_groups_rerun)
+
+
+def _max_model_len(engine) -> int:
+    return engine.max_model_len
 
 
 def assign(costs: Sequence[int], num_replicas: int, pinned: Sequence[int | None] | None = None) -> list[int]:

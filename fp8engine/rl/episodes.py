@@ -128,7 +128,7 @@ def rollout_episodes(rollouts, env_factory: Callable[[], object], prompts: Seque
         seed = random_seed if params.seed is None else params.seed
         computed = rollouts.get_stats().num_prompt_tokens_total
         batch = rollouts.rollout([e.history for e in live], n=1, sessions=[(run, e.group, e.index) for e in live],
-                                 sampling_params=[_turn_params(params, seed, e, turn) for e in live])
+                                 sampling_params=[_turn_params(params, seed, e, turn, limit) for e in live])
         stats["num_model_calls"] += 1
         stats["prompt_tokens_by_turn"].append(sum(len(e.history) for e in live))
         stats["prefill_tokens_by_turn"].append(rollouts.get_stats().num_prompt_tokens_total - computed)
@@ -163,9 +163,12 @@ def _fits(episode: _Episode, limit: int | None, stats: dict) -> bool:
     return False
 
 
-def _turn_params(params: SamplingParams, base_seed: int, episode: _Episode, turn: int) -> SamplingParams:
+def _turn_params(params: SamplingParams, base_seed: int, episode: _Episode, turn: int,
+                 limit: int | None) -> SamplingParams:
+    """The episode's params this turn: its own seed, max_tokens cut to what the context has left."""
     seed = (base_seed * 1_000_003 + 7919 * (episode.group * 65_537 + episode.index + 1) + 104_729 * turn) % (1 << 62)
-    return dataclasses.replace(params, seed=seed)
+    room = params.max_tokens if limit is None else min(params.max_tokens, limit - len(episode.history))
+    return dataclasses.replace(params, seed=seed, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
 
 def _samples(batch: RolloutBatch) -> list[Sample]:

@@ -118,7 +118,7 @@ def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     on the host (no device synchronisation), and they are copied to probs' device for the arithmetic.
     """
     vocab = probs.shape[-1]
-    any_top_k, any_top_p = bool((top_k < vocab).any()), bool((top_p < 1.0).any())
+    any_top_k, any_top_p, any_min_p = bool((top_k < vocab).any()), bool((top_p < 1.0).any()), bool((min_p > 0).any())
     top_k, top_p, min_p = (t.to(probs.device) for t in (top_k, top_p, min_p))
     keep = torch.ones_like(probs, dtype=torch.bool)
     if any_top_k:
@@ -127,7 +127,9 @@ def truncation_mask(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     if any_top_p:
         q = probs * keep
         keep &= _top_p_set(q / _row_sums(q), top_p) | (top_p >= 1.0)[:, None]
-    return keep & (probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True))
+    if any_min_p:  # min_p = 0 keeps every token (p >= 0): skipped, the same set
+        keep &= probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return keep
 
 
 def _top_p_set(q: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -161,7 +163,9 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     if not bool(truncates.any()):
         return logp, torch.zeros(logits.shape[0], device=device)
     # Rows that do not truncate keep logp exactly, whatever the other rows ask for.
-    probs = logp.exp() if allowed is None else logp.exp() * allowed
+    probs = logp.exp()
+    if allowed is not None:
+        probs *= allowed
     mask = truncation_mask(probs, top_k, top_p, min_p)
     if allowed is not None:
         mask &= allowed
@@ -170,7 +174,7 @@ def processed_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: t
     kept = logp.masked_fill(~mask, float("-inf"))
     top = kept.amax(dim=-1, keepdim=True)  # a max is exact in any order; a lone kept token gives exactly top
     log_kept = (top + _row_sums((kept - top).exp()).log())[:, 0].masked_fill(~truncates, 0.0)
-    return (logp - log_kept[:, None]).masked_fill(~mask, float("-inf")), log_kept
+    return kept - log_kept[:, None], log_kept  # -inf stays -inf outside the kept set
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], forced: list[int] | None = None,
@@ -220,6 +224,8 @@ def _sample_reference(logits: torch.Tensor, rows: list[SampleRow], uniform: torc
     index = None if len(sampled) == len(rows) else torch.tensor(sampled, dtype=torch.int64, device=device)
     if forced is not None:
         tokens = forced.to(device)
+    elif len(sampled) == len(rows):  # every row draws: no argmax needed
+        tokens = torch.zeros(len(rows), dtype=torch.int64, device=device)
     else:
         tokens = (logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))).argmax(dim=-1)
     proc, log_kept = None, None
