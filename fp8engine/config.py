@@ -18,6 +18,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE = (None, "ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
+MAX_LORA_RANK = 256
 
 
 def _option(default, help: str, choices: tuple | None = None, unit: str | None = None):
@@ -76,6 +77,9 @@ class EngineConfig:
                                              f"{MAX_SPECULATIVE_TOKENS}; adapted per sequence to its acceptance)")
     speculative_forget_on_update: bool = _option(False, "suffix drafting forgets earlier rollouts at every weight "
                                                         "update")
+    max_lora_rank: int = _option(0, f"> 0: every q/k/v/o and gate/up/down linear carries a LoRA adapter of rank up to "
+                                    f"this (<= {MAX_LORA_RANK}), unmerged in the model dtype beside the base "
+                                    f"(update_lora)")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
     load_format: str = _option("auto", "auto (the model directory's safetensors) or dummy (seeded random weights "
                                        "from its config.json alone: for benchmarks of a model's shape)", LOAD_FORMATS)
@@ -94,6 +98,8 @@ class EngineConfig:
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")
+        if not (type(self.max_lora_rank) is int and 0 <= self.max_lora_rank <= MAX_LORA_RANK):
+            raise ValueError(f"max_lora_rank must be an integer in [0, {MAX_LORA_RANK}], got {self.max_lora_rank!r}")
         if self.kv_cache_memory_bytes is not None and self.num_kv_blocks is not None:
             raise ValueError("set at most one of kv_cache_memory_bytes and num_kv_blocks")
         if not self.kv_scale_margin >= 1.0:

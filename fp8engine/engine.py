@@ -23,7 +23,7 @@ from fp8engine.sampling_params import SamplingParams
 from fp8engine.scheduler.scheduler import Scheduler
 from fp8engine.spec.drafter import Speculator
 from fp8engine.structured import GrammarCompiler
-from fp8engine.weights import updater
+from fp8engine.weights import lora, updater
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup
 from fp8engine.weights.loader import read, read_kv_scales, resolve
@@ -302,24 +302,56 @@ class LLMEngine:
         reset, so no block of the old weights is reused). Returns a WeightUpdateReport.
         """
         check_update_options(in_flight, kv_on_update)
-        new_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         start = time.perf_counter()
         staged = updater.stage(self.runner.model, weights, self.kv_scales, self.runner.kernels.block_scales)
         scales = self.kv_scales.check_external(kv_scales)
+        num_quantized, num_aborted, num_recomputed = self._apply_update(
+            lambda: updater.commit(staged, self.runner.kernels.quantize_into),
+            staged.kv_scales | scales, weight_version, flush_cache, in_flight, kv_on_update, start)
+        return WeightUpdateReport(len(staged.items), staged.num_bytes, self.last_weight_update_seconds, num_quantized,
+                                  self.weight_version, num_aborted, num_recomputed)
+
+    def update_lora(self, adapter: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], scaling=1.0, *,
+                    weight_version: int | None = None, flush_cache: bool = True, in_flight: str = "wait",
+                    kv_on_update: str = "keep") -> WeightUpdateReport:
+        """Replace the LoRA adapter (EngineConfig(max_lora_rank=r) > 0) in place; the base weights are untouched.
+
+        adapter: PEFT's names and tensors (`get_peft_model_state_dict`: <module>.lora_A.weight [rank, in],
+        <module>.lora_B.weight [out, rank]), any subset of the q/k/v/o and gate/up/down projections, rank <= r;
+        modules it does not name carry no adapter afterwards. scaling: PEFT's lora_alpha / r, one number or a
+        mapping module name -> number. Validated before anything is written, like update_weights (whose
+        weight_version, flush_cache, in_flight and kv_on_update it takes too); KV scales recalibrate as after a
+        weight update. Returns a WeightUpdateReport (num_quantized 0: nothing is quantized).
+        """
+        if not self.runner.lora_layers:
+            raise ValueError("update_lora needs an engine with LoRA buffers: EngineConfig(max_lora_rank=r) with r > 0")
+        check_update_options(in_flight, kv_on_update)
+        start = time.perf_counter()
+        staged = lora.stage_adapter(self.runner.model, self.runner.lora_layers, adapter, scaling)
+        _, num_aborted, num_recomputed = self._apply_update(
+            lambda: lora.commit_adapter(self.runner.lora_layers, staged), {}, weight_version, flush_cache,
+            in_flight, kv_on_update, start)
+        return WeightUpdateReport(staged.num_tensors, staged.num_bytes, self.last_weight_update_seconds, 0,
+                                  self.weight_version, num_aborted, num_recomputed)
+
+    def _apply_update(self, commit, kv_scales: dict, weight_version: int | None, flush_cache: bool, in_flight: str,
+                      kv_on_update: str, start: float) -> tuple[object, int, int]:
+        """The part of a validated update that changes the engine: in-flight requests handled, `commit()` run,
+        KV scales and the prefix cache brought in line, the version moved on (seconds since `start` kept in
+        last_weight_update_seconds). Returns (what commit returned, aborted, recomputed)."""
+        new_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         num_aborted = self.drain(in_flight) if in_flight != "keep" else 0
         recompute = in_flight == "keep" and kv_on_update == "recompute"
         num_recomputed = len(self.scheduler.recompute_in_flight()) if recompute else 0
-        num_quantized = updater.commit(staged, self.runner.kernels.quantize_into)
-        self.kv_scales.on_weights_changed(staged.kv_scales | scales)
+        committed = commit()
+        self.kv_scales.on_weights_changed(kv_scales)
         if flush_cache or recompute:
             self.scheduler.reset_prefix_cache()
         if self.speculator is not None and self.config.speculative_forget_on_update:
             self.speculator.forget()
         self.weight_version = self.outputs.weight_version = new_version
-        seconds = time.perf_counter() - start
-        self.last_weight_update_seconds = seconds
-        return WeightUpdateReport(len(staged.items), staged.num_bytes, seconds, num_quantized,
-                                  new_version, num_aborted, num_recomputed)
+        self.last_weight_update_seconds = time.perf_counter() - start
+        return committed, num_aborted, num_recomputed
 
     def check_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Validate weights exactly as update_weights would (names, shapes, dtypes, values); writes nothing."""

@@ -5,7 +5,7 @@ the Python path's bit for bit; it only drops the Python around them, which at ba
 share of a decode step (module calls, attribute lookups, op-call overhead). The engine uses it on the CPU
 whenever the layers' ops are the C++ kernels: a dense model (no MoE), the C++ attention and layer ops, FP8 linears
 or BF16 ones (which take the C++ kernel or torch's GEMM by the step's row count, as the Python layer does), and
-no KV-scale calibration running (its observer needs the Python layer). Whether the plan may be built at all is the kernel set's `decoder_plan` (FP8ENGINE_FUSED_DECODER=0
+no KV-scale calibration running (its observer needs the Python layer), no LoRA adapter loaded. Whether the plan may be built at all is the kernel set's `decoder_plan` (FP8ENGINE_FUSED_DECODER=0
 turns it off).
 """
 
@@ -43,12 +43,17 @@ class FusedDecoder:
             layers[0].input_layernorm.eps, first.attn.scale, scale_fmt == "ue8m0", kernels.batch_invariant,
             list(kernels.gemms))
         self.attn = [layer.self_attn.attn for layer in layers]
+        self.loras = [linear.lora for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                      layer.mlp.gate_up_proj, layer.mlp.down_proj) if linear.lora is not None]
         self.dtype = layers[0].input_layernorm.weight.dtype
         self.batch_invariant = kernels.batch_invariant
         self.bf16_gemm = kernels.gemms[1]
 
     def usable(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.dtype and all(a.observer is None for a in self.attn)
+        """Not while KV scales calibrate (the observer is Python's) or a LoRA adapter is loaded (the plan has no
+        adapter path): the Python layers run those steps."""
+        return (x.dtype == self.dtype and all(a.observer is None for a in self.attn)
+                and not any(lora.active for lora in self.loras))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

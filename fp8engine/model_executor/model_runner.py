@@ -10,6 +10,7 @@ from fp8engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, Engi
 from fp8engine.model_executor import fused_decoder, kernel_set
 from fp8engine.model_executor.kernels.attention_ref import quantize_fp8
 from fp8engine.model_executor.layers.attention import AttentionMetadata
+from fp8engine.model_executor.layers.lora import LoRA
 from fp8engine.model_executor.models import model_class
 from fp8engine.model_executor.models.llama import LinearFactory
 from fp8engine.request import ScheduledSeq, Sequence
@@ -36,7 +37,7 @@ class ModelRunner:
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
         self.kernels = kernel_set.select(config)
-        make_linear = LinearFactory(self.dtype, self.kernels, config.fp8_scale_fmt)
+        make_linear = LinearFactory(self.dtype, self.kernels, config.fp8_scale_fmt, config.max_lora_rank)
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
         if config.load_format == "dummy":
@@ -52,11 +53,19 @@ class ModelRunner:
         self.routed_experts = self._allocate_routed_experts()
         self._attach_cache(self.kv_cache, self.routed_experts)
         self.model.fused = fused_decoder.build(self.model, self.kernels, config.fp8_scale_fmt)
+        self.lora_layers = {name.removesuffix(".lora"): m for name, m in self.model.named_modules()
+                            if isinstance(m, LoRA)}
 
     @property
     def kernel_names(self) -> dict[str, str]:
-        """What runs: the kernel set's names, and the decoder layers' path ("cpp-plan": one C++ call)."""
-        return self.kernels.names | {"decoder": "python" if self.model.fused is None else "cpp-plan"}
+        """What runs: the kernel set's names, and the decoder layers' path ("cpp-plan": one C++ call; "python" also
+        while a LoRA adapter is loaded, which the plan does not run)."""
+        fused = self.model.fused is not None and not self.lora_active
+        return self.kernels.names | {"decoder": "cpp-plan" if fused else "python"}
+
+    @property
+    def lora_active(self) -> bool:
+        return any(m.active for m in self.lora_layers.values())
 
     @property
     def kv_dtype(self) -> torch.dtype:

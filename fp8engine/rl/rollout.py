@@ -40,6 +40,7 @@ from fp8engine.rl.sync import (
     check_bucket_bytes,
     check_version,
     named_tensors,
+    peft_adapter,
 )
 from fp8engine.sampling_params import SamplingParams
 
@@ -68,15 +69,28 @@ class RolloutEngine:
         self.turns = Turns()
         self.finished: dict[str, RequestOutput] = {}  # finished outputs not yet taken by their GroupRun
 
+    @property
+    def takes_lora(self) -> bool:
+        """Whether sync_weights sends a PEFT model's adapter alone (the engine has LoRA buffers)."""
+        return self.engine.config.max_lora_rank > 0
+
     def sync_weights(self, model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
                      weight_version: int, *, in_flight: str = "wait", kv_on_update: str = "keep") -> SyncReport:
         """Stream the trainer's weights into the engine in buckets; the engine validates the
         whole stream before writing anything, then tags the tokens it samples with `weight_version`.
         Requests in flight finish on the old weights first ("wait"), are aborted ("abort"), or go on under
-        the new ones ("keep"; kv_on_update "keep" | "recompute", see LLMEngine.update_weights)."""
+        the new ones ("keep"; kv_on_update "keep" | "recompute", see LLMEngine.update_weights).
+        A PEFT LoRA model, on an engine with LoRA buffers (max_lora_rank > 0), sends its adapter alone
+        (LLMEngine.update_lora): the base stays as the engine holds it."""
         version = check_version(weight_version)
         check_update_options(in_flight, kv_on_update)
         start = time.perf_counter()
+        adapter = peft_adapter(model_or_state_dict) if self.takes_lora else None
+        if adapter is not None:
+            with self.turns.sync():
+                report = self.engine.update_lora(adapter[0], adapter[1], weight_version=version,
+                                                 in_flight=in_flight, kv_on_update=kv_on_update)
+            return SyncReport(time.perf_counter() - start, report.num_bytes, report.num_tensors, 1, version)
         sizes: list[int] = []
         stream = buckets(named_tensors(model_or_state_dict), self.bucket_bytes, self.sync_dtype)
         with self.turns.sync():

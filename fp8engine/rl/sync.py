@@ -58,6 +58,23 @@ def named_tensors(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor]
     return ((name, t) for name, t in tensors.items() if not (tied and name == TIED_PAIR[0]))
 
 
+def peft_adapter(model) -> tuple[dict[str, torch.Tensor], dict[str, float]] | None:
+    """For a PEFT LoRA model: its active adapter's tensors in PEFT's saved names (get_peft_model_state_dict,
+    detached, on the CPU) and each module's scaling (lora_alpha / r, rsLoRA's and per-module patterns included),
+    keyed as the adapter names them; None for any other model."""
+    if not (isinstance(model, nn.Module) and hasattr(model, "peft_config")):
+        return None
+    from peft import get_peft_model_state_dict
+    from peft.tuners.lora import LoraLayer
+
+    adapter = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapter[0]
+    tensors = {name: t.detach().to("cpu").contiguous()
+               for name, t in get_peft_model_state_dict(model, adapter_name=adapter).items()}
+    scaling = {_strip(name).removeprefix("base_model.model."): float(module.scaling[adapter])
+               for name, module in model.named_modules() if isinstance(module, LoraLayer) and adapter in module.scaling}
+    return tensors, scaling
+
+
 def buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
             dtype: torch.dtype | None) -> Iterator[Bucket]:
     """Group tensors into buckets of about `bucket_bytes` (one tensor larger than that is its own).

@@ -87,14 +87,15 @@ def make_rollout_func(rollouts, sampling_params: SamplingParams | None = None) -
 
     Each call syncs the trainer's weights into the engine first when `trainer.state.global_step`
     moved since the last sync (weight_version = global_step; the model unwrapped through
-    accelerate, a PEFT model's adapters merged in as TRL does for vLLM), switches TRL's
+    accelerate; a PEFT model's adapter alone when the rollouts take one — a RolloutEngine with
+    max_lora_rank > 0 —, else its adapters merged in as TRL does for vLLM), switches TRL's
     importance-sampling correction on for the engine's logprobs, and returns per completion:
     prompt_ids, completion_ids, logprobs (lists), and the extra fields num_preemptions,
     weight_version, token_weight_versions (one per completion token), finish_reason ("stop" |
     "length" | "abort"), which reward functions receive as keyword arguments. Metrics logged to TRL: fp8engine/{k1, k3, is_mean, is_min, is_max, ess}
     (the engine's logprobs vs TRL's old_per_token_logps, while vllm_importance_sampling_correction
     is on: TRL computes those only then), fp8engine/{weight_version, num_preemptions,
-    rollout_seconds, sync_seconds}. One trainer process (no multi-GPU data parallelism yet); no
+    rollout_seconds, sync_seconds, sync_bytes}. One trainer process (no multi-GPU data parallelism yet); no
     tools or environments.
     """
     return TRLRolloutFunc(rollouts, sampling_params)
@@ -141,10 +142,15 @@ class TRLRolloutFunc:
         if step == self.synced_step:
             return
         start = time.perf_counter()
-        with hf_weights(trainer.accelerator.unwrap_model(trainer.model)) as weights:
-            self.rollouts.sync_weights(weights, weight_version=step)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if getattr(self.rollouts, "takes_lora", False) and hasattr(model, "peft_config"):
+            report = self.rollouts.sync_weights(model, weight_version=step)  # the adapter alone, unmerged
+        else:
+            with hf_weights(model) as weights:
+                report = self.rollouts.sync_weights(weights, weight_version=step)
         self.synced_step = step
         trainer._log_metric("fp8engine/sync_seconds", time.perf_counter() - start)
+        trainer._log_metric("fp8engine/sync_bytes", float(report.num_bytes))
 
     def log_mismatch(self, trainer, completions: torch.Tensor, train_logprobs: torch.Tensor) -> None:
         """Log mismatch metrics when `completions` [B, T] (right-padded) are the last rollout's."""

@@ -11,15 +11,16 @@ import torch
 from torch import nn
 
 from fp8engine.model_executor.kernel_set import KernelSet
+from fp8engine.model_executor.layers.lora import LoRA
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
 
 
 class Linear(nn.Module):
     """fp8: E4M3 weights with block scales, run by kernels.fp8_linear; otherwise the model dtype, run by
-    kernels.dense_linear."""
+    kernels.dense_linear. lora_rank > 0: a LoRA adapter of up to that rank beside it (layers/lora.py)."""
 
     def __init__(self, in_features: int, shard_sizes: list[int], dtype: torch.dtype, kernels: KernelSet,
-                 bias: bool = False, fp8: bool = False, scale_fmt: str | None = None):
+                 bias: bool = False, fp8: bool = False, scale_fmt: str | None = None, lora_rank: int = 0):
         super().__init__()
         self.in_features = in_features
         self.shard_sizes = list(shard_sizes)
@@ -40,6 +41,7 @@ class Linear(nn.Module):
             self.scale_rows = None if self.fused_scales else torch.cat(
                 [torch.arange(size, dtype=torch.int32) // BLOCK + row0
                  for size, row0 in zip(self.shard_sizes, self.scale_row_offsets)])
+        self.lora = LoRA(in_features, self.shard_sizes, lora_rank, dtype, kernels) if lora_rank else None
 
     def shard_views(self, shard: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight rows, scale rows) of one shard: views into the layer's own storage."""
@@ -51,6 +53,10 @@ class Linear(nn.Module):
         return weight, self.weight_scale_inv[row0:row0 + cdiv(size, BLOCK)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        return y if self.lora is None or not self.lora.active else self.lora(x, y)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_fp8:
             return self.kernels.dense_linear(x, self.weight, self.bias)
         fp8_linear = self.kernels.fp8_linear

@@ -17,15 +17,16 @@ from fp8engine.model_executor.layers.rotary import RotaryEmbedding, rope_config
 
 
 class LinearFactory:
-    """Builds the model's linear layers: FP8 when the kernel set has a block-FP8 linear, else the model dtype.
-    Every layer of the model is given the same kernel set (`kernels`)."""
+    """Builds the model's linear layers: FP8 when the kernel set has a block-FP8 linear, else the model dtype, each
+    with LoRA buffers of lora_rank when that is > 0. Every layer of the model is given the same kernel set."""
 
-    def __init__(self, dtype: torch.dtype, kernels: KernelSet, scale_fmt: str | None = None):
-        self.dtype, self.kernels, self.scale_fmt = dtype, kernels, scale_fmt
+    def __init__(self, dtype: torch.dtype, kernels: KernelSet, scale_fmt: str | None = None, lora_rank: int = 0):
+        self.dtype, self.kernels, self.scale_fmt, self.lora_rank = dtype, kernels, scale_fmt, lora_rank
         self.fp8 = kernels.fp8_linear is not None
 
     def __call__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> Linear:
-        return Linear(in_features, shard_sizes, self.dtype, self.kernels, bias, self.fp8, self.scale_fmt)
+        return Linear(in_features, shard_sizes, self.dtype, self.kernels, bias, self.fp8, self.scale_fmt,
+                      self.lora_rank)
 
 
 def head_dim(cfg) -> int:
