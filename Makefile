@@ -24,7 +24,7 @@ test:
 	$(MAKE) --no-print-directory test-avx512
 
 AVX512_TESTS = tests/test_fp8_cpu_kernel.py tests/test_bf16_linear.py tests/test_fused_decoder.py \
-	tests/test_batch_invariance.py tests/test_exact_rollouts.py tests/test_cpu_backends.py
+	tests/test_batch_invariance.py tests/test_exact_rollouts.py tests/test_cpu_backends.py tests/test_lora.py
 test-avx512:
 	@if grep -qw amx_tile /proc/cpuinfo; then \
 		FP8ENGINE_FP8_GEMM=avx512 FP8ENGINE_BF16_GEMM=avx512 FP8ENGINE_REQUIRE_CPP=1 $(PY) -m pytest -q $(AVX512_TESTS); \
