@@ -449,7 +449,8 @@ class LLMEngine:
             kv_rescale_seconds_total=self.kv_scales.rescale_seconds_total,
             speculative=self.config.speculative, spec_draft_tokens=self.outputs.counters["draft_tokens"],
             spec_accepted_tokens=self.outputs.counters["accepted_tokens"],
-            spec_verifications=self.outputs.counters["verifications"])
+            spec_verifications=self.outputs.counters["verifications"], max_lora_rank=self.config.max_lora_rank,
+            lora_active=self.runner.lora_active)
 
 
 def _rescale_live_kv(runner: ModelRunner, scheduler: Scheduler, layer: int, old: tuple[float, float],

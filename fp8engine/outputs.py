@@ -121,3 +121,5 @@ class EngineStats:
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # ... equal to the token sampled at their position (emitted)
     spec_verifications: int = 0  # sequence-steps that verified a draft (each emits 1 + its accepted tokens)
+    max_lora_rank: int = 0  # EngineConfig.max_lora_rank: > 0, the linears take a LoRA adapter (update_lora)
+    lora_active: bool = False  # an adapter is loaded (the decoder plan steps aside while it is)

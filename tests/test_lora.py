@@ -201,3 +201,29 @@ def test_a_peft_model_syncs_its_adapter_alone_and_exact_logprobs_replay_it(model
         plain = response_logprobs(policy, batch, SEEDED)
     mask = batch.response_mask.bool()
     assert (plain - batch.rollout_logprobs)[mask].abs().mean() <= 0.02  # float32 trainer vs the BF16 engine
+
+
+def test_over_http_a_peft_model_syncs_its_adapter_alone_and_samples_as_in_process(model):
+    from fp8engine.benchmarks.serve_load import serving
+    from fp8engine.rl import RolloutClient, RolloutEngine
+    policy = _peft_model(model, seed=0)
+    local = RolloutEngine(EngineConfig(model=model, num_kv_blocks=96, batch_invariant=True, max_lora_rank=8))
+    local.sync_weights(policy, weight_version=4)
+    expected = local.rollout(PROMPTS[:2], n=2, sampling_params=SEEDED)
+    flags = ["--model", model, "--num-kv-blocks", "96", "--batch-invariant", "--max-lora-rank", "8"]
+    with serving(flags, startup_timeout=600) as url:
+        client = RolloutClient(url, tokenizer=model, sync_dtype=None)
+        report = client.sync_weights(policy, weight_version=4)
+        lora_bytes = sum(p.numel() * 4 for n, p in policy.named_parameters() if "lora_" in n)
+        assert (report.num_bytes, report.num_tensors, report.num_buckets) == (lora_bytes, 16, 1)
+        got = client.rollout(PROMPTS[:2], n=2, sampling_params=SEEDED)
+        stats = client.get_stats()
+        assert (stats.weight_version, stats.max_lora_rank, stats.lora_active) == (4, 8, True)
+        bad = adapter(8, seed=1)
+        bad[B_Q] = bad[B_Q][:, :4]
+        with pytest.raises(RuntimeError, match=r"HTTP 400.*q_proj.lora_B.weight.*shape \(128, 4\)"):
+            client.update_lora(bad, 2.0, weight_version=5)
+        assert client.get_stats().weight_version == 4
+        client.close()
+    assert got.response_ids.tolist() == expected.response_ids.tolist()
+    assert torch.allclose(got.rollout_logprobs, expected.rollout_logprobs, rtol=0, atol=1e-6)

@@ -323,3 +323,29 @@ def test_baseline_run_has_the_same_trainer_without_rollout_func(rollouts, tmp_pa
     png = tmp_path / "compare.png"
     example.main(["--compare", str(tmp_path / "fp8engine.json"), str(tmp_path / "trl.json"), "--png", str(png)])
     assert png.stat().st_size > 10_000
+
+
+def test_three_grpo_steps_with_a_peft_model_sync_the_adapter_alone(default_dir, tmp_path):
+    """A LoRA policy on an FP8 engine with LoRA buffers: each step sends the adapter (q/v, rank 8: 0.9 MB), not
+    the 135M model; the base's FP8 bytes never change, the engine's version follows the step."""
+    peft = pytest.importorskip("peft")
+    rollouts = RolloutEngine(EngineConfig(**FP8, max_lora_rank=8))
+    fp8_bytes = {n: t.clone() for n, t in rollouts.engine.named_parameters()}
+    policy = AutoModelForCausalLM.from_pretrained(default_dir, dtype=torch.float32)
+    policy = peft.get_peft_model(policy, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    adapter_bytes = sum(p.numel() * 4 for n, p in policy.named_parameters() if "lora_" in n)
+    trainer = GRPOTrainer(model=policy, reward_funcs=digit_reward, args=grpo_config(tmp_path, learning_rate=1e-3),
+                          rollout_func=make_rollout_func(rollouts), train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    trainer.train()
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [s["fp8engine/weight_version"] for s in steps] == [0, 1, 2] and rollouts.get_stats().weight_version == 2
+    assert [s["fp8engine/sync_bytes"] for s in steps] == [adapter_bytes] * 3 and adapter_bytes == 30 * 8 * (
+        576 + 576 + 576 + 192) * 4
+    assert all(torch.equal(t.view(torch.uint8), fp8_bytes[n].view(torch.uint8))
+               for n, t in rollouts.engine.named_parameters())
+    rollouts.sync_weights(policy, weight_version=3)  # the adapter after the last optimizer step
+    q_proj = policy.base_model.model.model.layers[0].self_attn.q_proj
+    lora = rollouts.engine.runner.lora_layers["model.layers.0.self_attn.qkv_proj"]
+    a, b = lora.shard_views(0)
+    assert torch.equal(a, q_proj.lora_A["default"].weight.to(torch.bfloat16))
+    assert torch.equal(b, (q_proj.lora_B["default"].weight * 2.0).to(torch.bfloat16))

@@ -119,7 +119,17 @@ class AsyncEngine:
         "wait" mode first to keep streams smooth. "abort" aborts them. "keep" lets them go on, sampled by
         the new weights from the next step (kv_on_update: their KV kept, or recomputed under the new weights).
         """
-        return await self._call(lambda: self._update(weights, weight_version, flush_cache, in_flight, kv_on_update))
+        return await self._call(lambda: self._updated(self.engine.update_weights(
+            weights, weight_version=weight_version, flush_cache=flush_cache, in_flight=in_flight,
+            kv_on_update=kv_on_update)))
+
+    async def update_lora(self, adapter: Mapping[str, torch.Tensor] | Iterable, scaling, *,
+                          weight_version: int | None = None, flush_cache: bool = True,
+                          in_flight: str = "wait", kv_on_update: str = "keep") -> WeightUpdateReport:
+        """LLMEngine.update_lora in the engine thread, between two steps (in_flight as update_weights)."""
+        return await self._call(lambda: self._updated(self.engine.update_lora(
+            adapter, scaling, weight_version=weight_version, flush_cache=flush_cache, in_flight=in_flight,
+            kv_on_update=kv_on_update)))
 
     async def stats(self) -> EngineStats:
         return await self.call(LLMEngine.get_stats)
@@ -193,10 +203,8 @@ class AsyncEngine:
         self.pause_mode = mode
         return self._abort(list(self._streams)) if mode == "abort" else 0
 
-    def _update(self, weights, weight_version: int | None, flush_cache: bool, in_flight: str,
-                kv_on_update: str) -> WeightUpdateReport:
-        report = self.engine.update_weights(weights, weight_version=weight_version, flush_cache=flush_cache,
-                                            in_flight=in_flight, kv_on_update=kv_on_update)
+    def _updated(self, report: WeightUpdateReport) -> WeightUpdateReport:
+        """After an update in the engine thread: a step, so the outputs it finished (in_flight="wait") go out."""
         self._step()
         return report
 

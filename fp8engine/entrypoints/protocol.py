@@ -525,6 +525,13 @@ class WeightUpdateOptions(_Request):
     kv_on_update: Literal["keep", "recompute"] = "keep"
 
 
+class LoraQuery(WeightUpdateOptions):
+    """POST /update_lora's query: LLMEngine.update_lora's options; scaling (lora_alpha / r) for every module the
+    adapter names, unless the body's safetensors metadata holds "lora_scaling" (JSON: module name -> number)."""
+
+    scaling: float | None = None
+
+
 class DiskUpdateRequest(WeightUpdateOptions):
     path: str
 

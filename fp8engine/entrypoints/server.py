@@ -21,6 +21,9 @@ accepted everywhere):
        every bucket in one LLMEngine.update_weights call. A bad bucket answers 400 and discards the
        whole update, leaving the engine unchanged; a new start also discards an open one, and so does
        --bucket-timeout seconds without a bucket (a trainer that died: its buckets' memory is freed).
+  POST /update_lora?scaling=S&weight_version=V&in_flight=...   body: a safetensors file of the LoRA adapter in
+       PEFT's names (an engine started with --max-lora-rank); scaling per module may come instead as the
+       file's metadata "lora_scaling" (JSON). Validated before anything is written (LLMEngine.update_lora)
   GET  /weight_version, /kv_scales, /stats (EngineStats, the pause mode, staged_update_bytes)
   POST /init_weights_update_group {"master_address", "master_port", "rank_offset", "world_size",
        "group_name", "backend", "timeout_s"}: join a trainer's weight-update group (it is rank 0)
@@ -90,6 +93,7 @@ from fp8engine.entrypoints.protocol import (
     CompletionRequest,
     DiskUpdateRequest,
     DistributedUpdateRequest,
+    LoraQuery,
     PauseRequest,
     ResponseBuilder,
     SamplingRequest,
@@ -109,8 +113,8 @@ logger = logging.getLogger(__name__)
 REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                   "/pause": PauseRequest, "/update_weights_from_disk": DiskUpdateRequest, "/update_weights": None,
                   "/init_weights_update_group": WeightsGroupRequest,
-                  "/update_weights_from_distributed": DistributedUpdateRequest}
-QUERIES = {"/update_weights": BucketQuery}
+                  "/update_weights_from_distributed": DistributedUpdateRequest, "/update_lora": None}
+QUERIES = {"/update_weights": BucketQuery, "/update_lora": LoraQuery}
 RESPONSES = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionResponse}
 CONTENT_TYPES = {"/v1/completions": (JSON, EVENTS), "/v1/chat/completions": (JSON, EVENTS), "/metrics": (TEXT,)}
 
@@ -236,6 +240,7 @@ class Server:
                 ("POST", "/flush_cache", self.flush_cache, admin),
                 ("POST", "/update_weights_from_disk", self.update_weights_from_disk, admin),
                 ("POST", "/update_weights", self.update_weights, admin),
+                ("POST", "/update_lora", self.update_lora, admin),
                 ("POST", "/init_weights_update_group", self.init_weights_update_group, admin),
                 ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed, admin),
                 ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group, admin),
@@ -389,6 +394,24 @@ class Server:
             if query.bucket is None:
                 return await self._apply(await _load_safetensors(data), query)
             return await self._bucketed(query, data)
+
+    async def update_lora(self, request: Request) -> dict:
+        query = validate(LoraQuery, dict(request.query_params))
+        data = await _read_body(request, self.settings.max_update_bytes)
+        tensors = await _load_safetensors(data)
+        scaling = _lora_scaling(data) if query.scaling is None else query.scaling
+        if scaling is None:
+            raise ApiError(400, "scaling is missing: give ?scaling= or the body's metadata \"lora_scaling\"",
+                           param="scaling")
+        async with self._weights_lock:
+            try:
+                report = await self.engine.update_lora(
+                    tensors, scaling, weight_version=query.weight_version, flush_cache=query.flush_cache,
+                    in_flight=query.in_flight, kv_on_update=query.kv_on_update)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="adapter") from None
+        self.metrics.update_seconds.observe(report.seconds)
+        return dataclasses.asdict(report)
 
     async def _bucketed(self, query: BucketQuery, data: bytes) -> dict:
         if query.bucket == "start":
@@ -681,6 +704,21 @@ async def _read_body(request: Request, limit: int) -> bytes:
 def _too_large(size: int, limit: int) -> ApiError:
     return ApiError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes", param="body",
                     code="body_too_large")
+
+
+def _lora_scaling(data: bytes) -> dict | None:
+    """The "lora_scaling" entry of a safetensors file's metadata (module name -> number), if it has one."""
+    size = int.from_bytes(data[:8], "little")
+    metadata = json.loads(data[8:8 + size]).get("__metadata__") or {}
+    if "lora_scaling" not in metadata:
+        return None
+    try:
+        scaling = json.loads(metadata["lora_scaling"])
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"the body's metadata lora_scaling is not JSON: {exc}", param="scaling") from None
+    if not isinstance(scaling, dict):
+        raise ApiError(400, "the body's metadata lora_scaling must map module names to numbers", param="scaling")
+    return scaling
 
 
 async def _load_safetensors(data: bytes) -> list[tuple[str, torch.Tensor]]:

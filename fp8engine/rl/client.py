@@ -49,6 +49,7 @@ from fp8engine.rl.sync import (
     check_bucket_bytes,
     check_version,
     named_tensors,
+    peft_adapter,
 )
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights.default_model import default_model_path
@@ -141,6 +142,12 @@ class RolloutClient:
         version = check_version(weight_version)
         check_update_options(in_flight, kv_on_update)
         start = time.perf_counter()
+        adapter = peft_adapter(model_or_state_dict) if self.takes_lora else None
+        if adapter is not None:
+            tensors, scaling = adapter
+            report = self.update_lora(tensors, scaling, weight_version=version, in_flight=in_flight,
+                                      kv_on_update=kv_on_update)
+            return SyncReport(time.perf_counter() - start, report["num_bytes"], len(tensors), 1, version)
         if self.group is not None:
             return self._broadcast(model_or_state_dict, version, in_flight, kv_on_update, start)
         self._update("start")
@@ -151,6 +158,27 @@ class RolloutClient:
             num_tensors += len(bucket)
         self._update("commit", weight_version=version, in_flight=in_flight, kv_on_update=kv_on_update)
         return SyncReport(time.perf_counter() - start, sum(sizes), num_tensors, len(sizes), version)
+
+    @functools.cached_property
+    def takes_lora(self) -> bool:
+        """Whether sync_weights sends a PEFT model's adapter alone (the server's engine has LoRA buffers)."""
+        return self.get_stats().max_lora_rank > 0
+
+    def update_lora(self, adapter: Mapping[str, torch.Tensor], scaling: float | Mapping[str, float], *,
+                    weight_version: int | None = None, in_flight: str = "wait", kv_on_update: str = "keep") -> dict:
+        """POST /update_lora: the adapter (PEFT's names) as one safetensors body, a per-module scaling in its
+        metadata; the server's LLMEngine.update_lora report as a dict."""
+        params = {"in_flight": in_flight, "kv_on_update": kv_on_update}
+        metadata = None
+        if isinstance(scaling, Mapping):
+            metadata = {"lora_scaling": json.dumps(dict(scaling))}
+        else:
+            params["scaling"] = scaling
+        if weight_version is not None:
+            params["weight_version"] = weight_version
+        body = safetensors_bytes({n: t.detach().to("cpu").contiguous() for n, t in adapter.items()}, metadata)
+        return self._request("POST", "/update_lora", params=params, content=body,
+                             headers={"Content-Type": "application/octet-stream"})
 
     def _broadcast(self, source, version: int, in_flight: str, kv_on_update: str, start: float) -> SyncReport:
         """sync_weights over the group: the server is told the names, dtypes and shapes (after the cast), then
