@@ -7,12 +7,13 @@ halves present) and writes nothing; the commit writes into the existing buffers.
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from fp8engine.weights.loader import FLOAT_DTYPES
+from fp8engine.weights.updater import entries, unpack
 
 # get_peft_model_state_dict names: base_model.model.<hf module>.lora_A.weight (an in-memory state dict has the
 # adapter's name before .weight: lora_A.default.weight)
@@ -36,7 +37,8 @@ def stage_adapter(model: torch.nn.Module, loras: Mapping[str, torch.nn.Module], 
     `loras` (module path -> LoRA); ValueError naming the tensor or module that is wrong, nothing written."""
     halves: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     staged = StagedAdapter()
-    for name, tensor in _pairs(adapter):
+    for entry in entries(adapter, "adapter"):
+        name, tensor = unpack(entry)
         match = _NAME.match(name)
         if match is None:
             raise ValueError(f"LoRA tensor {name!r}: not a PEFT LoRA name (<module>.lora_A.weight or "
@@ -70,15 +72,6 @@ def commit_adapter(loras: Mapping[str, torch.nn.Module], staged: StagedAdapter) 
             a_rows[:rank].copy_(a)
             b_cols[:, :rank].copy_(b.float() * scale if scale != 1.0 else b)
         lora.active = bool(shards)
-
-
-def _pairs(adapter) -> Iterable[tuple[str, torch.Tensor]]:
-    if isinstance(adapter, Mapping):
-        return adapter.items()
-    if isinstance(adapter, (str, bytes, torch.Tensor)) or not isinstance(adapter, Iterable):
-        raise ValueError(f"adapter must be a mapping or an iterable of (name, tensor) pairs, got "
-                         f"{type(adapter).__name__}")
-    return adapter
 
 
 def _layer_path(model: torch.nn.Module, loras: Mapping[str, torch.nn.Module], module: str) -> tuple[str, int]:

@@ -31,8 +31,8 @@ def stage(model: torch.nn.Module, weights, kv_scales, block_scales: BlockScales 
     block_scales: the quantizer's scale pass; FP8-bound tensors are then validated through their block
     scales, which the commit reuses instead of computing them again."""
     staged = Staged()
-    for entry in _entries(weights):
-        name, tensor = _unpack(entry)
+    for entry in entries(weights):
+        name, tensor = unpack(entry)
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"weight {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         staged.num_bytes += tensor.numel() * tensor.element_size()
@@ -52,16 +52,17 @@ def commit(staged: Staged, quantize_into) -> int:
     return sum(write(target, tensor, quantize_into, scales) for target, tensor, scales in staged.items)
 
 
-def _entries(weights) -> Iterable:
+def entries(weights, what: str = "weights") -> Iterable:
+    """A mapping's items, or the iterable of (name, tensor) pairs as it is; ValueError naming `what` otherwise."""
     if isinstance(weights, Mapping):
         return weights.items()
     if isinstance(weights, (str, bytes, torch.Tensor)) or not isinstance(weights, Iterable):
-        raise ValueError(f"weights must be a mapping or an iterable of (name, tensor) pairs, "
+        raise ValueError(f"{what} must be a mapping or an iterable of (name, tensor) pairs, "
                          f"got {type(weights).__name__}")
     return weights
 
 
-def _unpack(entry) -> tuple[str, torch.Tensor]:
+def unpack(entry) -> tuple[str, torch.Tensor]:
     if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
         raise ValueError(f"each weight must be a (name, tensor) pair, got {entry!r:.80}")
     return entry
