@@ -7,6 +7,7 @@ from safetensors.torch import load_file
 
 from fp8engine import EngineConfig, LLMEngine, SamplingParams
 from fp8engine.model_executor.layers.lora import lora_reference
+from tests.test_speculative import every_lookup
 from tests.tiny_models import tiny_dir  # noqa: F401 (a fixture)
 
 PROMPTS = [[5, 6, 7], list(range(100, 120)), [40, 41, 42, 43], list(range(2000, 2011))]
@@ -227,3 +228,26 @@ def test_over_http_a_peft_model_syncs_its_adapter_alone_and_samples_as_in_proces
         client.close()
     assert got.response_ids.tolist() == expected.response_ids.tolist()
     assert torch.allclose(got.rollout_logprobs, expected.rollout_logprobs, rtol=0, atol=1e-6)
+
+
+def test_speculation_and_an_in_flight_adapter_update_keep_their_guarantees(model):
+    """With an adapter, exact speculative decoding still gives the plain run's bits; an update_lora with
+    in_flight="keep" lets samples go on, their later tokens tagged with the new version."""
+    options = dict(batch_invariant=True, max_lora_rank=8)
+    plain, spec = engine_of(model, **options), engine_of(model, speculative="ngram", **options)
+    spec.speculator.source = every_lookup(spec.speculator)
+    for engine in (plain, spec):
+        engine.update_lora(adapter(8, seed=1), 2.0)
+    prompt = [7, 8, 9, 10] * 6
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    a, b = (e.generate([prompt], params)[0].outputs[0] for e in (plain, spec))
+    assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs) and spec.get_stats().spec_draft_tokens > 0
+    plain.add_request(prompt, params, request_id="r")
+    for _ in range(4):
+        plain.step()
+    plain.update_lora(adapter(8, seed=2), 2.0, weight_version=7, in_flight="keep")
+    outs = []
+    while plain.has_unfinished_requests():
+        outs += plain.step()
+    versions = next(o for o in outs if o.finished).outputs[0].token_weight_versions
+    assert len(versions) == 24 and versions[0] == 1 and versions[-1] == 7 and versions == sorted(versions)
