@@ -323,16 +323,23 @@ class LLMEngine:
         weight_version, flush_cache, in_flight and kv_on_update it takes too); KV scales recalibrate as after a
         weight update. Returns a WeightUpdateReport (num_quantized 0: nothing is quantized).
         """
-        if not self.runner.lora_layers:
-            raise ValueError("update_lora needs an engine with LoRA buffers: EngineConfig(max_lora_rank=r) with r > 0")
         check_update_options(in_flight, kv_on_update)
         start = time.perf_counter()
-        staged = lora.stage_adapter(self.runner.model, self.runner.lora_layers, adapter, scaling)
+        staged = self._stage_lora(adapter, scaling)
         _, num_aborted, num_recomputed = self._apply_update(
             lambda: lora.commit_adapter(self.runner.lora_layers, staged), {}, weight_version, flush_cache,
             in_flight, kv_on_update, start)
         return WeightUpdateReport(staged.num_tensors, staged.num_bytes, self.last_weight_update_seconds, 0,
                                   self.weight_version, num_aborted, num_recomputed)
+
+    def check_lora(self, adapter: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], scaling=1.0) -> None:
+        """Validate an adapter exactly as update_lora would; writes nothing."""
+        self._stage_lora(adapter, scaling)
+
+    def _stage_lora(self, adapter, scaling) -> lora.StagedAdapter:
+        if not self.runner.lora_layers:
+            raise ValueError("update_lora needs an engine with LoRA buffers: EngineConfig(max_lora_rank=r) with r > 0")
+        return lora.stage_adapter(self.runner.model, self.runner.lora_layers, adapter, scaling)
 
     def _apply_update(self, commit, kv_scales: dict, weight_version: int | None, flush_cache: bool, in_flight: str,
                       kv_on_update: str, start: float) -> tuple[object, int, int]:

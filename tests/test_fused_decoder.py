@@ -128,11 +128,11 @@ def test_where_the_plan_is_not_built(tiny_dir, monkeypatch):  # noqa: F811
 
 def test_plan_checks_its_inputs():
     cos = torch.zeros(8, 32, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="20 tensors per layer expected, got 3"):
+    with pytest.raises(RuntimeError, match="28 tensors per layer expected, got 3"):
         torch.classes.fp8engine.DecoderPlan([None] * 3, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False,
                                             ["avx512", "avx512"])
     with pytest.raises(RuntimeError, match="a layer norm weight is missing"):
-        torch.classes.fp8engine.DecoderPlan([None] * 20, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False,
+        torch.classes.fp8engine.DecoderPlan([None] * 28, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False,
                                             ["avx512", "avx512"])
 
 
@@ -156,3 +156,20 @@ def test_plan_sees_weight_updates(tiny_dir, mode):  # noqa: F811
     assert calls[0] >= 10
     assert after != before
     assert run(engine, fused=False) == after
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8-linear"])
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["plain", "batch-invariant"])
+def test_plan_runs_a_lora_adapter_as_the_python_layers_do(tiny_dir, mode, batch_invariant):  # noqa: F811
+    """A loaded adapter runs inside the plan (its two products per projection, the same ops as layers/lora.py):
+    bit for bit the Python layers, and removing it gives the base's outputs again."""
+    from tests.test_lora import adapter
+    engine = make_engine(tiny_dir("llama-llama3"), max_lora_rank=8, batch_invariant=batch_invariant, **MODES[mode])
+    base = run(engine, fused=True)
+    engine.update_lora(adapter(8, seed=1), 2.0)
+    calls = counting(engine)
+    fused = run(engine, fused=True)
+    assert calls[0] >= 10 and engine.get_stats().lora_active
+    assert fused != base and run(engine, fused=False) == fused
+    engine.update_lora({})
+    assert run(engine, fused=True) == base

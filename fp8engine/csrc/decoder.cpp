@@ -72,17 +72,26 @@ struct ProjPath {
 };
 
 // One projection as layers/linear.py calls it: FP8 (weight E4M3 + block scales, optional row -> scale-row map)
-// or the model dtype through the BF16 kernel or torch's linear (aten::linear, what F.linear calls).
+// or the model dtype through the BF16 kernel or torch's linear (aten::linear, what F.linear calls); with a LoRA
+// adapter loaded (`lora`), its two products added as layers/lora.py adds them: y + (x A^T) B^T, each product the
+// model dtype's linear.
 struct Proj {
   at::Tensor weight;
-  OptTensor scale, bias, scale_rows;
+  OptTensor scale, bias, scale_rows, lora_a, lora_b;
   bool ue8m0 = false;
 
-  at::Tensor operator()(const Ops& ops, const at::Tensor& x, const ProjPath& path) const {
-    if (scale) return ops.fp8_linear.call(x, weight, *scale, bias, ue8m0, scale_rows, path.batch_invariant,
-                                          path.fp8_gemm);
-    if (path.bf16_kernel) return ops.bf16_linear.call(x, weight, bias, path.batch_invariant, false, path.bf16_gemm);
-    return at::linear(x, weight, bias);
+  at::Tensor operator()(const Ops& ops, const at::Tensor& x, const ProjPath& path, bool lora) const {
+    at::Tensor y = scale ? ops.fp8_linear.call(x, weight, *scale, bias, ue8m0, scale_rows, path.batch_invariant,
+                                               path.fp8_gemm)
+                         : dense(ops, x, weight, bias, path);
+    if (!lora || !lora_a) return y;
+    return y + dense(ops, dense(ops, x, *lora_a, std::nullopt, path), *lora_b, std::nullopt, path);
+  }
+
+  static at::Tensor dense(const Ops& ops, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias,
+                          const ProjPath& path) {
+    if (path.bf16_kernel) return ops.bf16_linear.call(x, w, bias, path.batch_invariant, false, path.bf16_gemm);
+    return at::linear(x, w, bias);
   }
 };
 
@@ -92,11 +101,11 @@ struct Layer {
   Proj qkv, o, gate_up, down;
 };
 
-// Per layer, `tensors` holds 20 entries: input_layernorm, post_attention_layernorm, q_norm, k_norm weights,
-// then (weight, scale, bias, scale_rows) of qkv_proj, o_proj, gate_up_proj and down_proj; None where absent
-// (a BF16 projection has no scale). dims: heads, kv heads, head_dim, fixed attention partition (0: adaptive).
+// Per layer, `tensors` holds 28 entries: input_layernorm, post_attention_layernorm, q_norm, k_norm weights,
+// then (weight, scale, bias, scale_rows, lora_a, lora_b) of qkv_proj, o_proj, gate_up_proj and down_proj; None
+// where absent (a BF16 projection has no scale, an engine without LoRA buffers no lora_a / lora_b). dims: heads, kv heads, head_dim, fixed attention partition (0: adaptive).
 // gemms: the GEMM of the FP8 and of the BF16 projections ("avx512" | "amx"), as the engine chose them.
-constexpr int64_t kPerLayer = 20;
+constexpr int64_t kPerLayer = 28;
 
 class DecoderPlan : public torch::CustomClassHolder {
  public:
@@ -114,10 +123,11 @@ class DecoderPlan : public torch::CustomClassHolder {
       auto at_ = [&](size_t j) { return tensors[i + j]; };
       auto proj = [&](size_t j) {
         TORCH_CHECK(at_(j).has_value(), "DecoderPlan: a projection weight is missing");
-        return Proj{*at_(j), at_(j + 1), at_(j + 2), at_(j + 3), ue8m0};
+        TORCH_CHECK(at_(j + 4).has_value() == at_(j + 5).has_value(), "DecoderPlan: half a LoRA adapter");
+        return Proj{*at_(j), at_(j + 1), at_(j + 2), at_(j + 3), at_(j + 4), at_(j + 5), ue8m0};
       };
       TORCH_CHECK(at_(0).has_value() && at_(1).has_value(), "DecoderPlan: a layer norm weight is missing");
-      layers_.push_back(Layer{*at_(0), *at_(1), at_(2), at_(3), proj(4), proj(8), proj(12), proj(16)});
+      layers_.push_back(Layer{*at_(0), *at_(1), at_(2), at_(3), proj(4), proj(10), proj(16), proj(22)});
     }
   }
 
@@ -125,12 +135,13 @@ class DecoderPlan : public torch::CustomClassHolder {
 
   // x [T, hidden] (the embeddings) -> (output of the last layer, its residual), which the final norm adds.
   // kv_caches: k and v cache of each layer; scales: k, v and q scale of each layer (q 0: not full FP8);
-  // bf16_kernel: the BF16 projections take the C++ kernel at T rows (else torch's linear).
+  // bf16_kernel: the BF16 projections (and LoRA products) take the C++ kernel at T rows (else torch's linear);
+  // lora: a LoRA adapter is loaded, its products are added.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, const at::Tensor& positions,
                                              std::vector<at::Tensor> kv_caches, std::vector<double> scales,
                                              const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
                                              const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                                             bool bf16_kernel) const {
+                                             bool bf16_kernel, bool lora) const {
     const int64_t n = num_layers();
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == 2 * n && static_cast<int64_t>(scales.size()) == 3 * n,
                 "DecoderPlan.forward: ", 2 * n, " caches and ", 3 * n, " scales expected");
@@ -142,7 +153,7 @@ class DecoderPlan : public torch::CustomClassHolder {
       const Layer& l = layers_[i];
       auto [h, summed] = ops.rms_norm.call(x, residual, l.input_norm, eps_);
       residual = residual ? summed : x;
-      const at::Tensor qkv = l.qkv(ops, h, path);
+      const at::Tensor qkv = l.qkv(ops, h, path, lora);
       const int64_t t = qkv.size(0);
       at::Tensor q = qkv.narrow(-1, 0, q_size).reshape({t, heads_, head_dim_});
       at::Tensor k = qkv.narrow(-1, q_size, kv_size).reshape({t, kv_heads_, head_dim_});
@@ -160,10 +171,10 @@ class DecoderPlan : public torch::CustomClassHolder {
       ops.write_kv.call(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
       const at::Tensor attn = ops.attention.call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                                  attn_scale_, k_scale, v_scale, q_scale, partition_);
-      const at::Tensor o = l.o(ops, attn.reshape({t, -1}), path);
+      const at::Tensor o = l.o(ops, attn.reshape({t, -1}), path, lora);
       auto [h2, summed2] = ops.rms_norm.call(o, residual, l.post_norm, eps_);
       residual = summed2;
-      x = l.down(ops, ops.silu_and_mul.call(l.gate_up(ops, h2, path)), path);
+      x = l.down(ops, ops.silu_and_mul.call(l.gate_up(ops, h2, path, lora)), path, lora);
     }
     return {x, *residual};
   }

@@ -5,7 +5,7 @@ the Python path's bit for bit; it only drops the Python around them, which at ba
 share of a decode step (module calls, attribute lookups, op-call overhead). The engine uses it on the CPU
 whenever the layers' ops are the C++ kernels: a dense model (no MoE), the C++ attention and layer ops, FP8 linears
 or BF16 ones (which take the C++ kernel or torch's GEMM by the step's row count, as the Python layer does), and
-no KV-scale calibration running (its observer needs the Python layer), no LoRA adapter loaded. Whether the plan may be built at all is the kernel set's `decoder_plan` (FP8ENGINE_FUSED_DECODER=0
+no KV-scale calibration running (its observer needs the Python layer); a loaded LoRA adapter runs inside it. Whether the plan may be built at all is the kernel set's `decoder_plan` (FP8ENGINE_FUSED_DECODER=0
 turns it off).
 """
 
@@ -18,9 +18,10 @@ from fp8engine.model_executor.layers.linear import Linear
 
 
 def _proj(linear: Linear) -> list:
+    lora = [None, None] if linear.lora is None else [linear.lora.lora_a, linear.lora.lora_b]
     if linear.is_fp8:
-        return [linear.weight, linear.weight_scale_inv, linear.bias, linear.scale_rows]
-    return [linear.weight, None, linear.bias, None]
+        return [linear.weight, linear.weight_scale_inv, linear.bias, linear.scale_rows, *lora]
+    return [linear.weight, None, linear.bias, None, *lora]
 
 
 class FusedDecoder:
@@ -50,18 +51,17 @@ class FusedDecoder:
         self.bf16_gemm = kernels.gemms[1]
 
     def usable(self, x: torch.Tensor) -> bool:
-        """Not while KV scales calibrate (the observer is Python's) or a LoRA adapter is loaded (the plan has no
-        adapter path): the Python layers run those steps."""
-        return (x.dtype == self.dtype and all(a.observer is None for a in self.attn)
-                and not any(lora.active for lora in self.loras))
+        """Not while KV scales calibrate (the observer is Python's): the Python layers run those steps."""
+        return x.dtype == self.dtype and all(a.observer is None for a in self.attn)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         caches = [c for a in self.attn for c in (a.k_cache, a.v_cache)]
         scales = [float(s) for a in self.attn for s in (a.k_scale, a.v_scale, a.q_scale)]
         bf16_kernel = bf16_linear_cpu.kernel_takes(x.shape[0], self.batch_invariant, self.bf16_gemm)
+        lora = any(lora.active for lora in self.loras)
         return self.plan.forward(x, positions, caches, scales, meta.slot_mapping, meta.query_start_loc,
-                                 meta.seq_lens, meta.block_tables, bf16_kernel)
+                                 meta.seq_lens, meta.block_tables, bf16_kernel, lora)
 
 
 def build(model, kernels: KernelSet, scale_fmt: str | None) -> FusedDecoder | None:

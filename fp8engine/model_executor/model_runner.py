@@ -58,10 +58,8 @@ class ModelRunner:
 
     @property
     def kernel_names(self) -> dict[str, str]:
-        """What runs: the kernel set's names, and the decoder layers' path ("cpp-plan": one C++ call; "python" also
-        while a LoRA adapter is loaded, which the plan does not run)."""
-        fused = self.model.fused is not None and not self.lora_active
-        return self.kernels.names | {"decoder": "cpp-plan" if fused else "python"}
+        """What runs: the kernel set's names, and the decoder layers' path ("cpp-plan": one C++ call)."""
+        return self.kernels.names | {"decoder": "python" if self.model.fused is None else "cpp-plan"}
 
     @property
     def lora_active(self) -> bool:

@@ -65,6 +65,7 @@ from fp8engine.rl.sync import (
     check_bucket_bytes,
     check_version,
     named_tensors,
+    peft_adapter,
 )
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights import dist_update
@@ -139,6 +140,7 @@ class Replica:
         self.rollouts = RolloutEngine(config)
         self.engine = self.rollouts.engine
         self.staged: list[tuple[str, torch.Tensor]] = []
+        self.staged_lora: tuple[list[tuple[str, torch.Tensor]], object] | None = None  # (adapter, scaling)
         self.stops: dict[int, threading.Event] = {}
 
     def weight_version(self) -> int:
@@ -184,14 +186,25 @@ class Replica:
         self.staged += tensors
         return len(tensors)
 
+    def stage_lora(self, packed: Packed, scaling) -> int:
+        """Validate a LoRA adapter (PEFT's names) and keep it for `commit`, which loads it after any staged weights."""
+        tensors = unpack(packed)
+        self.engine.check_lora(tensors, scaling)
+        self.staged_lora = tensors, scaling
+        return len(tensors)
+
     def commit(self, weight_version: int, in_flight: str = "wait", kv_on_update: str = "keep") -> WeightUpdateReport:
-        staged, self.staged = self.staged, []
+        (staged, self.staged), (adapter, self.staged_lora) = (self.staged, []), (self.staged_lora, None)
+        options = dict(weight_version=weight_version, in_flight=in_flight, kv_on_update=kv_on_update)
         with self.rollouts.turns.sync():
-            return self.engine.update_weights(staged, weight_version=weight_version, in_flight=in_flight,
-                                              kv_on_update=kv_on_update)
+            if staged or adapter is None:
+                report = self.engine.update_weights(staged, **options)
+            if adapter is not None:
+                report = self.engine.update_lora(*adapter, **options)
+            return report
 
     def discard(self) -> None:
-        self.staged = []
+        self.staged, self.staged_lora = [], None
 
     def init_weights_update_group(self, *args) -> None:
         self.engine.init_weights_update_group(*args)
@@ -301,7 +314,8 @@ class RolloutCluster:
         self._group = None
         self._dead: set[int] = set()
         self._weights: list = []  # object refs of the last object-store sync's buckets
-        self._synced = False
+        self._lora: tuple | None = None  # (object ref, scaling) of the last LoRA adapter synced
+        self._synced = False  # a sync of whole weights happened (not only of LoRA adapters)
         gpu = config.device == "cuda"
         cpus = num_cpus_per_replica or max(1, int(ray.cluster_resources().get("CPU", 1)) // num_replicas)
         self._threads = None if gpu else cpus
@@ -429,17 +443,33 @@ class RolloutCluster:
         return plan
 
     # ------------------------------------------------------------------ weights
+    @property
+    def takes_lora(self) -> bool:
+        """Whether sync_weights sends a PEFT model's adapter alone (the replicas have LoRA buffers)."""
+        return self.config.max_lora_rank > 0
+
     def sync_weights(self, model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
                      weight_version: int, *, in_flight: str = "wait", kv_on_update: str = "keep") -> SyncReport:
         """All replicas or none: every replica stages (receives and validates) the whole update, and
         commits only once all have staged it. A bad tensor raises ValueError naming the replica and
         the tensor, every replica keeping its weights and version. A replica that dies meanwhile is
         dropped (get_stats reports it) and the others go on. in_flight / kv_on_update: as
-        RolloutEngine.sync_weights, on every replica."""
+        RolloutEngine.sync_weights, on every replica. A PEFT model on replicas with LoRA buffers sends its
+        adapter alone (put once in the object store; a replica added later loads it too)."""
         version = check_version(weight_version)
         check_update_options(in_flight, kv_on_update)
         self._check_live()
         start = time.perf_counter()
+        adapter = peft_adapter(model_or_state_dict) if self.takes_lora else None
+        if adapter is not None:
+            tensors, scaling = adapter
+            ref = _ray().put(pack(list(tensors.items())))
+            members = list(self._members)
+            self._settle([(m, m.actor.stage_lora.remote(ref, scaling)) for m in members], members)
+            self._commit(version, members, in_flight, kv_on_update)
+            self.weight_version, self._lora = version, (ref, scaling)
+            return SyncReport(time.perf_counter() - start, bucket_bytes_of(list(tensors.items())), len(tensors), 1,
+                              version)
         stage = self._stage_distributed if self.sync_method == "distributed" else self._stage_object_store
         refs, num_bytes, num_tensors, num_buckets = stage(named_tensors(model_or_state_dict), list(self._members))
         self._commit(version, list(self._members), in_flight, kv_on_update)
@@ -574,7 +604,9 @@ class RolloutCluster:
                 self._stage_object_store(named_tensors(model_or_state_dict), [member])
             else:
                 self._settle([(member, member.actor.stage.remote(ref)) for ref in self._weights], [member])
-            if self._synced or model_or_state_dict is not None:
+            if self._lora is not None:
+                self._settle([(member, member.actor.stage_lora.remote(*self._lora))], [member])
+            if self._synced or self._lora is not None or model_or_state_dict is not None:
                 self._commit(self.weight_version, [member])
             if self.paused:
                 _ray().get(member.actor.pause.remote(self.paused))

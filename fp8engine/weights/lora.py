@@ -61,17 +61,22 @@ def stage_adapter(model: torch.nn.Module, loras: Mapping[str, torch.nn.Module], 
 
 
 def commit_adapter(loras: Mapping[str, torch.nn.Module], staged: StagedAdapter) -> None:
-    """Write a staged adapter into the LoRA buffers (every layer it does not name is cleared)."""
+    """Write a staged adapter into the LoRA buffers (every layer it does not name is cleared). Only what changes
+    is written: each shard's new A and B, and zeros where a larger rank or a dropped module had been."""
     for path, lora in loras.items():
-        lora.lora_a.zero_()
-        lora.lora_b.zero_()
         shards = staged.shards.get(path, {})
-        for shard, (a, b, scale) in shards.items():
+        for shard, old in enumerate(lora.ranks):
             a_rows, b_cols = lora.shard_views(shard)
-            rank = a.shape[0]
-            a_rows[:rank].copy_(a)
-            b_cols[:, :rank].copy_(b.float() * scale if scale != 1.0 else b)
-        lora.active = bool(shards)
+            rank = 0
+            if shard in shards:
+                a, b, scale = shards[shard]
+                rank = a.shape[0]
+                a_rows[:rank].copy_(a)
+                b_cols[:, :rank].copy_(b.float() * scale if scale != 1.0 else b)
+            if old > rank:
+                a_rows[rank:old].zero_()
+                b_cols[:, rank:old].zero_()
+            lora.ranks[shard] = rank
 
 
 def _layer_path(model: torch.nn.Module, loras: Mapping[str, torch.nn.Module], module: str) -> tuple[str, int]:

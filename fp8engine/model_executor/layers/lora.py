@@ -26,7 +26,12 @@ class LoRA(nn.Module):
         self.register_buffer("lora_a", torch.zeros(width, in_features, dtype=dtype), persistent=False)
         self.register_buffer("lora_b", torch.zeros(sum(self.shard_sizes), width, dtype=dtype), persistent=False)
         self.dense_linear = kernels.dense_linear
-        self.active = False  # some shard holds an adapter: off, the layer skips both products
+        self.ranks = [0] * len(self.shard_sizes)  # the rank each shard's adapter has (0: none); the rest is zeros
+
+    @property
+    def active(self) -> bool:
+        """Some shard holds an adapter (otherwise the layer skips both products)."""
+        return any(self.ranks)
 
     def shard_views(self, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(A rows [R, K], B block [N_s, R]) of one shard: views into the buffers."""
