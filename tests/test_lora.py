@@ -6,7 +6,6 @@ import torch
 from safetensors.torch import load_file
 
 from fp8engine import EngineConfig, LLMEngine, SamplingParams
-from fp8engine.model_executor.layers.lora import lora_reference
 from tests.test_speculative import every_lookup
 from tests.tiny_models import tiny_dir  # noqa: F401 (a fixture)
 
@@ -93,7 +92,7 @@ def test_the_adapter_adds_what_the_torch_reference_adds(model):
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
     delta = qkv(x) - qkv._base(x)
     a, b = (lora[f"base_model.model.model.layers.1.self_attn.v_proj.lora_{h}.weight"] for h in "AB")
-    assert torch.allclose(delta[:, 192:], lora_reference(x, a, b, 0.5), atol=1e-5)
+    assert torch.allclose(delta[:, 192:], 0.5 * (x @ a.T) @ b.T, atol=1e-5)  # PEFT's scaling * B(A x)
     assert delta[:, :128].abs().max() == 0  # q has no adapter: exact zeros
 
 
@@ -250,3 +249,51 @@ def test_speculation_and_an_in_flight_adapter_update_keep_their_guarantees(model
         outs += plain.step()
     versions = next(o for o in outs if o.finished).outputs[0].token_weight_versions
     assert len(versions) == 24 and versions[0] == 1 and versions[-1] == 7 and versions == sorted(versions)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_cpu_kernel_adds_what_its_reference_adds_and_rows_do_not_depend_on_the_batch(dtype):
+    """Whole adapters (one segment) and block-diagonal ones (a fused layer's shards, ranks under the maximum: the
+    kernel skips what lies outside the segments, which the reference multiplies as zeros); 1 to 64 rows, so both
+    the row-parallel and the column-parallel split run; a row alone gives the bits it gives in the batch."""
+    from fp8engine.model_executor.kernels.layer_ops_ref import lora_add_ref
+    from tests.conftest import require_cpu_op
+    require_cpu_op("lora_add_")
+    g = torch.Generator().manual_seed(0)
+    cases = [(1, 576, 24, 960, [[0, 5, 0, 576], [8, 16, 576, 768], [16, 16, 768, 960]]), (37, 100, 13, 33, None),
+             (5, 16, 1, 1, None), (64, 1536, 64, 576, None), (3, 128, 16, 512, [[0, 3, 0, 256], [8, 16, 256, 512]])]
+    for rows, k, r, n, segments in cases:
+        x, a, bt, y = (torch.randn(*shape, generator=g).to(dtype) for shape in ((rows, k), (r, k), (r, n), (rows, n)))
+        segments = torch.tensor(segments or [[0, r, 0, n]])
+        inside = torch.zeros(r, n, dtype=torch.bool)
+        for j0, j1, o0, o1 in segments.tolist():
+            inside[j0:j1, o0:o1] = True
+        bt = torch.where(inside, bt, torch.zeros((), dtype=dtype))
+        a = torch.where(inside.any(dim=1, keepdim=True), a, torch.zeros((), dtype=dtype))
+        got = y.clone()
+        torch.ops.fp8engine.lora_add_(got, x, a, bt, segments)
+        want = lora_add_ref(y.clone(), x, a, bt)
+        if dtype == torch.float32:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        else:  # one rounding of fp32 sums that differ in order only: a bf16 ulp apart, or less than the order's noise
+            tol = want.float().abs() * 2 ** -7 + 1e-4 * want.float().abs().max()
+            assert ((got.float() - want.float()).abs() <= tol).all()
+        for i in (0, rows - 1):  # a row alone: the same bits as in the batch
+            alone = y[i:i + 1].clone()
+            torch.ops.fp8engine.lora_add_(alone, x[i:i + 1].contiguous(), a, bt, segments)
+            assert torch.equal(alone, got[i:i + 1])
+    zeros = [torch.zeros(*shape, dtype=dtype) for shape in ((2, 4), (2, 8), (3, 8), (3, 5))]
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.fp8engine.lora_add_(*zeros, torch.tensor([[0, 3, 0, 4]]))
+    zeros[-1] = torch.zeros(3, 4, dtype=dtype)
+    with pytest.raises(RuntimeError, match="segment 0 is out of range"):
+        torch.ops.fp8engine.lora_add_(*zeros, torch.tensor([[0, 4, 0, 4]]))
+
+
+def test_without_the_kernel_two_dense_linears_add_what_the_reference_adds():
+    from torch.nn import functional as F
+
+    from fp8engine.model_executor.kernels.layer_ops_ref import lora_add_dense, lora_add_ref
+    g = torch.Generator().manual_seed(1)
+    x, a, bt, y = (torch.randn(*shape, generator=g) for shape in ((7, 96), (12, 96), (12, 40), (7, 40)))
+    assert torch.allclose(lora_add_dense(F.linear, y.clone(), x, a, bt), lora_add_ref(y.clone(), x, a, bt), atol=1e-4)

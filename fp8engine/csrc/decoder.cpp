@@ -59,6 +59,10 @@ struct Ops {
           "fp8engine::paged_attention");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
       find_op<at::Tensor(const at::Tensor&)>("fp8engine::silu_and_mul");
+  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&)>
+      lora_add = find_op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&)>("fp8engine::lora_add_");
 };
 
 // How a step's projections run, as the engine chose them (kernel_set.py): the GEMM of the FP8 and of the BF16
@@ -73,25 +77,20 @@ struct ProjPath {
 
 // One projection as layers/linear.py calls it: FP8 (weight E4M3 + block scales, optional row -> scale-row map)
 // or the model dtype through the BF16 kernel or torch's linear (aten::linear, what F.linear calls); with a LoRA
-// adapter loaded (`lora`), its two products added as layers/lora.py adds them: y + (x A^T) B^T, each product the
-// model dtype's linear.
+// adapter loaded (`lora`), y += (x A^T) B^T by the kernel layers/lora.py calls (lora_add_).
 struct Proj {
   at::Tensor weight;
-  OptTensor scale, bias, scale_rows, lora_a, lora_b;
+  OptTensor scale, bias, scale_rows, lora_a, lora_b, lora_segments;
   bool ue8m0 = false;
 
   at::Tensor operator()(const Ops& ops, const at::Tensor& x, const ProjPath& path, bool lora) const {
     at::Tensor y = scale ? ops.fp8_linear.call(x, weight, *scale, bias, ue8m0, scale_rows, path.batch_invariant,
                                                path.fp8_gemm)
-                         : dense(ops, x, weight, bias, path);
-    if (!lora || !lora_a) return y;
-    return y + dense(ops, dense(ops, x, *lora_a, std::nullopt, path), *lora_b, std::nullopt, path);
-  }
-
-  static at::Tensor dense(const Ops& ops, const at::Tensor& x, const at::Tensor& w, const OptTensor& bias,
-                          const ProjPath& path) {
-    if (path.bf16_kernel) return ops.bf16_linear.call(x, w, bias, path.batch_invariant, false, path.bf16_gemm);
-    return at::linear(x, w, bias);
+                         : path.bf16_kernel ? ops.bf16_linear.call(x, weight, bias, path.batch_invariant, false,
+                                                                   path.bf16_gemm)
+                                            : at::linear(x, weight, bias);
+    if (lora && lora_a) ops.lora_add.call(y, x.contiguous(), *lora_a, *lora_b, *lora_segments);
+    return y;
   }
 };
 
@@ -101,11 +100,11 @@ struct Layer {
   Proj qkv, o, gate_up, down;
 };
 
-// Per layer, `tensors` holds 28 entries: input_layernorm, post_attention_layernorm, q_norm, k_norm weights,
-// then (weight, scale, bias, scale_rows, lora_a, lora_b) of qkv_proj, o_proj, gate_up_proj and down_proj; None
-// where absent (a BF16 projection has no scale, an engine without LoRA buffers no lora_a / lora_b). dims: heads, kv heads, head_dim, fixed attention partition (0: adaptive).
+// Per layer, `tensors` holds 32 entries: input_layernorm, post_attention_layernorm, q_norm, k_norm weights,
+// then (weight, scale, bias, scale_rows, lora_a, lora_b, lora_segments) of qkv_proj, o_proj, gate_up_proj and
+// down_proj; None where absent (a BF16 projection has no scale, an engine without LoRA buffers no LoRA tensors). dims: heads, kv heads, head_dim, fixed attention partition (0: adaptive).
 // gemms: the GEMM of the FP8 and of the BF16 projections ("avx512" | "amx"), as the engine chose them.
-constexpr int64_t kPerLayer = 28;
+constexpr int64_t kPerLayer = 32;
 
 class DecoderPlan : public torch::CustomClassHolder {
  public:
@@ -123,11 +122,12 @@ class DecoderPlan : public torch::CustomClassHolder {
       auto at_ = [&](size_t j) { return tensors[i + j]; };
       auto proj = [&](size_t j) {
         TORCH_CHECK(at_(j).has_value(), "DecoderPlan: a projection weight is missing");
-        TORCH_CHECK(at_(j + 4).has_value() == at_(j + 5).has_value(), "DecoderPlan: half a LoRA adapter");
-        return Proj{*at_(j), at_(j + 1), at_(j + 2), at_(j + 3), at_(j + 4), at_(j + 5), ue8m0};
+        TORCH_CHECK(at_(j + 4).has_value() == at_(j + 5).has_value() && at_(j + 5).has_value() == at_(j + 6).has_value(),
+                    "DecoderPlan: a LoRA adapter's tensors come together");
+        return Proj{*at_(j), at_(j + 1), at_(j + 2), at_(j + 3), at_(j + 4), at_(j + 5), at_(j + 6), ue8m0};
       };
       TORCH_CHECK(at_(0).has_value() && at_(1).has_value(), "DecoderPlan: a layer norm weight is missing");
-      layers_.push_back(Layer{*at_(0), *at_(1), at_(2), at_(3), proj(4), proj(10), proj(16), proj(22)});
+      layers_.push_back(Layer{*at_(0), *at_(1), at_(2), at_(3), proj(4), proj(11), proj(18), proj(25)});
     }
   }
 

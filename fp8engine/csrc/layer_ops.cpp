@@ -5,7 +5,8 @@
 //   rms_norm:      r = x + residual (in the model dtype); y = weight * (r * rsqrt(mean(r^2) + eps))
 //                  with the statistics in fp32 and the normalised value rounded before the weight;
 //   rotary:        q * cos + rotate_half(q) * sin, each product and the sum rounded;
-//   silu_and_mul:  silu(gate) rounded, times up.
+//   silu_and_mul:  silu(gate) rounded, times up;
+//   lora_add_:     y += (x A^T) B^T, the products in fp32 and y rounded once (lora_add_ref).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec_math.h"
@@ -177,18 +179,141 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out.view(shape);
 }
 
+// ---------------------------------------------------------------- LoRA
+
+// A LoRA adapter's share, y += (x A^T) B, in segments: each (j0, j1, o0, o1) adds x A[j0:j1]^T B^T[j0:j1, o0:o1]
+// to y[:, o0:o1] (a fused layer's shards: each shard's rank rows feed its own output columns only; an empty range
+// adds nothing). Per row: t[j] = x . A[j] (an fp32 FMA chain over K, 16 lanes, then a fixed reduction); then per
+// output lane one fp32 FMA chain over j in order, added to y in fp32 and rounded once. Rows, adapter rows and
+// output vectors are blocked (4 x 4 accumulators) for the loads they share, rows or output blocks split over the
+// threads, but every output's chain is the same whatever the blocks, the other rows or the thread count: batch
+// invariant.
+constexpr int kLoraBlock = 4;
+
+struct LoraSegment {
+  int64_t j0, j1, o0, o1;
+};
+
+template <typename T, int MB>
+void lora_shrink(const T* x, const T* a, float* t, int64_t k, int64_t r, int64_t j0, int64_t j1) {
+  for (int64_t j = j0; j < j1; j += kLoraBlock) {
+    const int64_t jb = std::min<int64_t>(kLoraBlock, j1 - j);
+    __m512 acc[MB][kLoraBlock];
+    for (auto& row : acc)
+      for (auto& v : row) v = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += kLanes) {
+      const __mmask16 m = tail_mask(k - i);
+      __m512 av[kLoraBlock];
+      for (int q = 0; q < kLoraBlock; ++q) av[q] = q < jb ? load16(a + (j + q) * k + i, m) : _mm512_setzero_ps();
+      for (int b = 0; b < MB; ++b) {
+        const __m512 xv = load16(x + b * k + i, m);
+        for (int q = 0; q < kLoraBlock; ++q) acc[b][q] = _mm512_fmadd_ps(xv, av[q], acc[b][q]);
+      }
+    }
+    for (int b = 0; b < MB; ++b)
+      for (int q = 0; q < jb; ++q) t[b * r + j + q] = _mm512_reduce_add_ps(acc[b][q]);
+  }
+}
+
+// Output columns [o, min(o + 64, o1)) of MB rows from their t.
+template <typename T, int MB>
+void lora_expand(const float* t, const T* bt, T* y, int64_t r, int64_t n, const LoraSegment& s, int64_t o) {
+  __mmask16 mk[kLoraBlock];
+  for (int v = 0; v < kLoraBlock; ++v) mk[v] = o + v * kLanes < s.o1 ? tail_mask(s.o1 - o - v * kLanes) : 0;
+  __m512 acc[MB][kLoraBlock];
+  for (auto& row : acc)
+    for (auto& v : row) v = _mm512_setzero_ps();
+  for (int64_t j = s.j0; j < s.j1; ++j) {
+    __m512 bv[kLoraBlock];
+    for (int v = 0; v < kLoraBlock; ++v) bv[v] = load16(bt + j * n + o + v * kLanes, mk[v]);
+    for (int b = 0; b < MB; ++b) {
+      const __m512 tj = _mm512_set1_ps(t[b * r + j]);
+      for (int v = 0; v < kLoraBlock; ++v) acc[b][v] = _mm512_fmadd_ps(tj, bv[v], acc[b][v]);
+    }
+  }
+  for (int b = 0; b < MB; ++b)
+    for (int v = 0; v < kLoraBlock; ++v)
+      if (mk[v]) {
+        T* out = y + b * n + o + v * kLanes;
+        store16(out, _mm512_add_ps(load16(out, mk[v]), acc[b][v]), mk[v]);
+      }
+}
+
+template <typename T, int MB>
+void lora_rows(const T* x, const T* a, const T* bt, T* y, float* t, int64_t k, int64_t r, int64_t n,
+               const std::vector<LoraSegment>& segs) {
+  for (const LoraSegment& s : segs) lora_shrink<T, MB>(x, a, t, k, r, s.j0, s.j1);
+  for (const LoraSegment& s : segs)
+    if (s.j1 > s.j0)
+      for (int64_t o = s.o0; o < s.o1; o += kLoraBlock * kLanes) lora_expand<T, MB>(t, bt, y, r, n, s, o);
+}
+
+// y [M, N] += (x [M, K] A [R, K]^T) B, B given transposed (bt [R, N]), by segments [S, 4] (j0, j1, o0, o1).
+void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+               const at::Tensor& segments) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && a.dim() == 2 && bt.dim() == 2, "lora_add_: 2-d tensors expected");
+  const int64_t rows = x.size(0), k = x.size(1), r = a.size(0), n = bt.size(1);
+  TORCH_CHECK(a.size(1) == k && bt.size(0) == r && y.size(0) == rows && y.size(1) == n, "lora_add_: y ", y.sizes(),
+              ", x ", x.sizes(), ", A ", a.sizes(), ", B^T ", bt.sizes(), " do not fit y += (x A^T) B");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type() && a.scalar_type() == y.scalar_type() &&
+                  bt.scalar_type() == y.scalar_type(), "lora_add_: y, x, A and B must have one dtype");
+  TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && a.is_contiguous() && bt.is_contiguous(),
+              "lora_add_: contiguous tensors expected");
+  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 4,
+              "lora_add_: segments must be int64 [S, 4]");
+  std::vector<LoraSegment> segs;
+  const at::Tensor sc = segments.contiguous();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < sc.size(0); ++i) {
+    const LoraSegment s{sp[4 * i], sp[4 * i + 1], sp[4 * i + 2], sp[4 * i + 3]};
+    TORCH_CHECK(0 <= s.j0 && s.j0 <= s.j1 && s.j1 <= r && 0 <= s.o0 && s.o0 <= s.o1 && s.o1 <= n,
+                "lora_add_: segment ", i, " is out of range");
+    segs.push_back(s);
+  }
+  dispatch_io(y.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T *xp = x.data_ptr<T>(), *ap = a.data_ptr<T>(), *bp = bt.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    if (rows >= kLoraBlock * at::get_num_threads()) {  // rows over the threads
+      at::parallel_for(0, rows, kLoraBlock, [&](int64_t begin, int64_t end) {
+        std::vector<float> t(kLoraBlock * r);
+        int64_t i = begin;
+        for (; i + kLoraBlock <= end; i += kLoraBlock)
+          lora_rows<T, kLoraBlock>(xp + i * k, ap, bp, yp + i * n, t.data(), k, r, n, segs);
+        for (; i < end; ++i) lora_rows<T, 1>(xp + i * k, ap, bp, yp + i * n, t.data(), k, r, n, segs);
+      });
+      return;
+    }
+    // a few rows: each row's t here, then the output blocks over the threads
+    std::vector<float> t(rows * r);
+    for (int64_t i = 0; i < rows; ++i)
+      for (const LoraSegment& s : segs) lora_shrink<T, 1>(xp + i * k, ap, t.data() + i * r, k, r, s.j0, s.j1);
+    std::vector<std::pair<int64_t, int64_t>> blocks;  // (segment, first output column)
+    for (size_t si = 0; si < segs.size(); ++si)
+      if (segs[si].j1 > segs[si].j0)
+        for (int64_t o = segs[si].o0; o < segs[si].o1; o += kLoraBlock * kLanes) blocks.emplace_back(si, o);
+    at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bi = begin; bi < end; ++bi)
+        for (int64_t i = 0; i < rows; ++i)
+          lora_expand<T, 1>(t.data() + i * r, bp, yp + i * n, r, n, segs[blocks[bi].first], blocks[bi].second);
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_embedding_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor positions) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor segments) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fp8engine, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding_", &rotary_embedding_);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("lora_add_", &lora_add_);
 }
 
 #endif

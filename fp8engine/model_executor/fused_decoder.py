@@ -18,7 +18,7 @@ from fp8engine.model_executor.layers.linear import Linear
 
 
 def _proj(linear: Linear) -> list:
-    lora = [None, None] if linear.lora is None else [linear.lora.lora_a, linear.lora.lora_b]
+    lora = [None] * 3 if linear.lora is None else [linear.lora.lora_a, linear.lora.lora_b, linear.lora.segments]
     if linear.is_fp8:
         return [linear.weight, linear.weight_scale_inv, linear.bias, linear.scale_rows, *lora]
     return [linear.weight, None, linear.bias, None, *lora]

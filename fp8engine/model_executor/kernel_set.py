@@ -36,6 +36,7 @@ class KernelSet:
     rms_norm(x, residual, weight, eps) -> (out, x + residual)
     rotary(q, k, cos, sin, positions) -> (q, k)              may rotate in place
     silu_and_mul(x) -> y
+    lora_add(y, x, a, bt, segments) -> y                     y += (x A^T) B in place, bt = B^T (a LoRA adapter)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
                     fp8_q_scale) -> out
@@ -65,6 +66,7 @@ class KernelSet:
     decoder_plan: bool  # the decoder layers may run as one C++ call (csrc/decoder.cpp)
     fp8_scale_rows: bool  # fp8_linear maps output rows to stacked scale grids (scale_rows) in one call
     names: dict[str, str] = field(default_factory=dict)
+    lora_add: Callable | None = None  # None: layer_ops_ref.lora_add_dense over dense_linear
 
     @property
     def linear_name(self) -> str:
@@ -158,9 +160,11 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
     if bi and (names["attention"] != "cpp" or linear in ("torch", "torch-reference")):
         raise ValueError(f"batch_invariant=True needs the C++ CPU kernels or the Triton ones, but linear runs on "
                          f"{linear!r} and attention on {names['attention']!r} (is a C++ compiler installed?)")
+    lora_add = layer_ops_cpu.lora_add_cpu if has("lora_add_") else None
+    names["lora"] = "cpp" if lora_add is not None else "dense-linear"
     return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm, rotary, silu,
                      write_kv, attend, None, sample_rows, quantize_into, block_scales, partition,
-                     (fp8_gemm, bf16_gemm), decoder_plan, True, names)
+                     (fp8_gemm, bf16_gemm), decoder_plan, True, names, lora_add)
 
 
 def fp8_linear_ref(x, w_q, w_scale_inv, bias=None, scale_fmt=None, scale_rows=None) -> torch.Tensor:

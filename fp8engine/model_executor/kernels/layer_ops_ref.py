@@ -35,3 +35,17 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def float32_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T with every product and sum in float32 (the float32 LM head's reference)."""
     return F.linear(x.float(), weight.float())
+
+
+def lora_add_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+    """y [M, N] += (x [M, K] A [R, K]^T) B, with B given transposed (bt [R, N]), in place: the products and the sum in
+    float32 and y rounded once (csrc/layer_ops.cpp lora_add_ sums in another order: equal to rounding)."""
+    return y.copy_((y.float() + (x.float() @ a.float().T) @ bt.float()).to(y.dtype))
+
+
+def lora_add_dense(dense_linear, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                   segments: torch.Tensor | None = None) -> torch.Tensor:
+    """lora_add_ref's y as two of the engine's dense linears and an add, over all of A and B (outside the segments
+    they hold zeros); where no LoRA kernel is built: the products in the model dtype, batch invariant where
+    `dense_linear` is."""
+    return y.add_(dense_linear(dense_linear(x, a, None), bt.t().contiguous(), None))

@@ -2,16 +2,20 @@
 
 Buffers are allocated once for the largest rank (EngineConfig.max_lora_rank) and written in place by
 `update_lora`. A fused layer (q/k/v, gate/up) holds one adapter per shard: shard s's A [r, K] in rows
-s*R..s*R+r of `lora_a` [S*R, K], its B [N_s, r] (scaling folded in) in its output rows and the same columns of
-`lora_b` [N, S*R], zero elsewhere, so one pair of GEMMs serves every shard and a smaller rank or a shard without
-an adapter adds exact zeros. Both products run through the kernel set's dense linear: the C++ kernels on CPU
-(batch invariant when the engine is), Triton on CUDA; `lora_reference` is the plain-torch reference.
+s*R..s*R+r of `lora_a` [S*R, K], its B [N_s, r] (scaling folded in) transposed in the same rows and its output
+columns of `lora_b` [S*R, N], zero elsewhere, so one pair of GEMMs serves every shard and a smaller rank or a shard without
+an adapter adds exact zeros. The kernel set's lora_add runs it: on CPU the C++ kernel (csrc/layer_ops.cpp lora_add_:
+each row's products in fp32, y rounded once, batch invariant), elsewhere two of its dense linears (Triton on CUDA);
+kernels/layer_ops_ref.py lora_add_ref is the plain-torch reference.
 """
+
+import functools
 
 import torch
 from torch import nn
 
 from fp8engine.model_executor.kernel_set import KernelSet
+from fp8engine.model_executor.kernels.layer_ops_ref import lora_add_dense
 
 
 class LoRA(nn.Module):
@@ -24,9 +28,18 @@ class LoRA(nn.Module):
         width = len(self.shard_sizes) * max_rank
         # buffers, not parameters: no checkpoint holds them, update_lora writes them
         self.register_buffer("lora_a", torch.zeros(width, in_features, dtype=dtype), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(sum(self.shard_sizes), width, dtype=dtype), persistent=False)
-        self.dense_linear = kernels.dense_linear
+        self.register_buffer("lora_b", torch.zeros(width, sum(self.shard_sizes), dtype=dtype), persistent=False)
+        self.lora_add = kernels.lora_add or functools.partial(lora_add_dense, kernels.dense_linear)
         self.ranks = [0] * len(self.shard_sizes)  # the rank each shard's adapter has (0: none); the rest is zeros
+        # per shard (j0, j1, o0, o1): rows j0:j1 of A and B (its rank's) feed output columns o0:o1; the kernel skips
+        # the rest (zeros: other shards' blocks, ranks under max_rank)
+        shards = enumerate(zip(self.shard_offsets, self.shard_sizes))
+        self.register_buffer("segments", torch.tensor([[s * max_rank, s * max_rank, o, o + n] for s, (o, n) in shards],
+                                                      dtype=torch.int64, device="cpu"), persistent=False)
+
+    def set_rank(self, shard: int, rank: int) -> None:
+        self.ranks[shard] = rank
+        self.segments[shard, 1] = shard * self.max_rank + rank
 
     @property
     def active(self) -> bool:
@@ -34,16 +47,11 @@ class LoRA(nn.Module):
         return any(self.ranks)
 
     def shard_views(self, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A rows [R, K], B block [N_s, R]) of one shard: views into the buffers."""
-        cols = slice(shard * self.max_rank, (shard + 1) * self.max_rank)
+        """(A rows [R, K], B block [N_s, R]) of one shard: views into the buffers (B's transposed)."""
+        rows = slice(shard * self.max_rank, (shard + 1) * self.max_rank)
         start, size = self.shard_offsets[shard], self.shard_sizes[shard]
-        return self.lora_a[cols], self.lora_b[start:start + size, cols]
+        return self.lora_a[rows], self.lora_b[rows, start:start + size].T
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the base layer's output for x) plus the adapter's."""
-        return y + self.dense_linear(self.dense_linear(x, self.lora_a, None), self.lora_b, None)
-
-
-def lora_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """What one shard's adapter adds, as PEFT computes it: scaling * (x A^T) B^T, in float32."""
-    return scaling * (x.float() @ a.float().T) @ b.float().T
+        """y (the base layer's fresh output for x) plus the adapter's, in place."""
+        return self.lora_add(y, x, self.lora_a, self.lora_b, self.segments)
