@@ -102,7 +102,8 @@ struct Layer {
 
 // Per layer, `tensors` holds 32 entries: input_layernorm, post_attention_layernorm, q_norm, k_norm weights,
 // then (weight, scale, bias, scale_rows, lora_a, lora_b, lora_segments) of qkv_proj, o_proj, gate_up_proj and
-// down_proj; None where absent (a BF16 projection has no scale, an engine without LoRA buffers no LoRA tensors). dims: heads, kv heads, head_dim, fixed attention partition (0: adaptive).
+// down_proj; None where absent (a BF16 projection has no scale, an engine without LoRA buffers no LoRA tensors).
+// dims: heads, kv heads, head_dim, fixed attention partition (0: adaptive).
 // gemms: the GEMM of the FP8 and of the BF16 projections ("avx512" | "amx"), as the engine chose them.
 constexpr int64_t kPerLayer = 32;
 
@@ -122,7 +123,8 @@ class DecoderPlan : public torch::CustomClassHolder {
       auto at_ = [&](size_t j) { return tensors[i + j]; };
       auto proj = [&](size_t j) {
         TORCH_CHECK(at_(j).has_value(), "DecoderPlan: a projection weight is missing");
-        TORCH_CHECK(at_(j + 4).has_value() == at_(j + 5).has_value() && at_(j + 5).has_value() == at_(j + 6).has_value(),
+        const bool lora = at_(j + 4).has_value();
+        TORCH_CHECK(at_(j + 5).has_value() == lora && at_(j + 6).has_value() == lora,
                     "DecoderPlan: a LoRA adapter's tensors come together");
         return Proj{*at_(j), at_(j + 1), at_(j + 2), at_(j + 3), at_(j + 4), at_(j + 5), at_(j + 6), ue8m0};
       };
