@@ -55,6 +55,7 @@ class KernelSet:
     rms_norm: Callable
     rotary: Callable
     silu_and_mul: Callable
+    lora_add: Callable
     write_kv_cache: Callable
     paged_attention: Callable
     fused_moe: Callable | None
@@ -66,7 +67,6 @@ class KernelSet:
     decoder_plan: bool  # the decoder layers may run as one C++ call (csrc/decoder.cpp)
     fp8_scale_rows: bool  # fp8_linear maps output rows to stacked scale grids (scale_rows) in one call
     names: dict[str, str] = field(default_factory=dict)
-    lora_add: Callable | None = None  # None: layer_ops_ref.lora_add_dense over dense_linear
 
     @property
     def linear_name(self) -> str:
@@ -160,11 +160,13 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
     if bi and (names["attention"] != "cpp" or linear in ("torch", "torch-reference")):
         raise ValueError(f"batch_invariant=True needs the C++ CPU kernels or the Triton ones, but linear runs on "
                          f"{linear!r} and attention on {names['attention']!r} (is a C++ compiler installed?)")
-    lora_add = layer_ops_cpu.lora_add_cpu if has("lora_add_") else None
-    names["lora"] = "cpp" if lora_add is not None else "dense-linear"
-    return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm, rotary, silu,
+    if has("lora_add_"):
+        lora_add, names["lora"] = layer_ops_cpu.lora_add_cpu, "cpp"
+    else:
+        lora_add, names["lora"] = functools.partial(layer_ops_ref.lora_add_dense, dense), "dense-linear"
+    return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm, rotary, silu, lora_add,
                      write_kv, attend, None, sample_rows, quantize_into, block_scales, partition,
-                     (fp8_gemm, bf16_gemm), decoder_plan, True, names, lora_add)
+                     (fp8_gemm, bf16_gemm), decoder_plan, True, names)
 
 
 def fp8_linear_ref(x, w_q, w_scale_inv, bias=None, scale_fmt=None, scale_rows=None) -> torch.Tensor:
@@ -203,8 +205,10 @@ def _cuda(config: EngineConfig) -> KernelSet:
     def quantize_into(w, out_q, out_scale, scale_fmt=None):
         fp8_triton.quantize_weight_blockwise_triton(w, out_q, out_scale, scale_fmt=scale_fmt)
 
+    names["lora"] = "dense-linear"
     return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm,
-                     layer_ops_ref.rotary_ref, layer_ops_ref.silu_and_mul_ref, attention_triton.write_kv_cache_triton,
+                     layer_ops_ref.rotary_ref, layer_ops_ref.silu_and_mul_ref,
+                     functools.partial(layer_ops_ref.lora_add_dense, dense), attention_triton.write_kv_cache_triton,
                      attend, functools.partial(moe_triton.fused_moe_triton, batch_invariant=bi), None, quantize_into,
                      None, 0, ("", ""), False, False, names)
 

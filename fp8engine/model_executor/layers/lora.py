@@ -9,13 +9,10 @@ each row's products in fp32, y rounded once, batch invariant), elsewhere two of 
 kernels/layer_ops_ref.py lora_add_ref is the plain-torch reference.
 """
 
-import functools
-
 import torch
 from torch import nn
 
 from fp8engine.model_executor.kernel_set import KernelSet
-from fp8engine.model_executor.kernels.layer_ops_ref import lora_add_dense
 
 
 class LoRA(nn.Module):
@@ -29,7 +26,7 @@ class LoRA(nn.Module):
         # buffers, not parameters: no checkpoint holds them, update_lora writes them
         self.register_buffer("lora_a", torch.zeros(width, in_features, dtype=dtype), persistent=False)
         self.register_buffer("lora_b", torch.zeros(width, sum(self.shard_sizes), dtype=dtype), persistent=False)
-        self.lora_add = kernels.lora_add or functools.partial(lora_add_dense, kernels.dense_linear)
+        self.lora_add = kernels.lora_add
         self.ranks = [0] * len(self.shard_sizes)  # the rank each shard's adapter has (0: none); the rest is zeros
         # per shard (j0, j1, o0, o1): rows j0:j1 of A and B (its rank's) feed output columns o0:o1; the kernel skips
         # the rest (zeros: other shards' blocks, ranks under max_rank)
