@@ -9,7 +9,9 @@ the same weights), and an 8B-shaped Llama with random weights drawn on the devic
 Checks (each `ok` or not, with its figures): teacher-forced logprobs against the CPU engine (float32); seeded
 sampling that repeats; update_weights in place (every data_ptr kept) with KV recalibration, equal to a fresh engine
 given the new weights; batch invariance, a request alone vs in a batch of 64 (4 in the dry run), bitwise, in BF16
-and FP8. Then speed:
+and FP8; a LoRA adapter (kernels/dense_triton.py lora_add_triton): its teacher-forced logprobs against the CPU engine
+with the same adapter (float32), and on an FP8 batch-invariant engine the base bytes kept and a request alone vs in
+the batch bitwise. Then speed:
 ms per decode step and tok/s of the 8B shape at batch 1, 64 and 256 in BF16 and FP8, beside the HBM floor (the bytes
 a step must read / 4.8 TB/s).
 """
@@ -133,6 +135,54 @@ def check_batch_invariance(model: str, device: str, vocab: int, kv_blocks: int, 
     return _check(f"batch_invariance_{quantization or 'bf16'}", same, batch=batch)
 
 
+def _adapter(shape: dict, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """A PEFT-named rank-`rank` adapter of random A and B on every projection of layers 0 and 1."""
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    modules = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv), "self_attn.v_proj": (hidden, kv),
+               "self_attn.o_proj": (q, hidden), "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
+               "mlp.down_proj": (inter, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in (0, 1):
+        for module, (k, n) in modules.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            out[f"{prefix}.lora_A.weight"] = torch.randn(rank, k, generator=gen) * 0.05
+            out[f"{prefix}.lora_B.weight"] = torch.randn(n, rank, generator=gen) * 0.05
+    return out
+
+
+def check_lora(model: str, device: str, cpu_device, shape: dict, kv_blocks: int, batch: int, tokens: int) -> dict:
+    """An unmerged rank-8 adapter: float32 logprobs against the CPU engine with the same adapter; on an FP8
+    batch-invariant engine the base's bytes unchanged by the update and a request alone vs in a batch bitwise."""
+    vocab, lora, scaling = shape["vocab_size"], _adapter(shape, 8, 12), 2.0
+    prompts, responses = _prompts(4, 24, vocab, 13), _prompts(4, 12, vocab, 14)
+    raw = SamplingParams(temperature=1.0, logprobs_mode="raw")
+    options = dict(model=model, dtype="float32", num_kv_blocks=kv_blocks, max_lora_rank=8)
+    engine = LLMEngine(EngineConfig(device=device, **options))
+    engine.update_lora(lora, scaling)
+    got = engine.score(prompts, responses, raw)
+    with cpu_device():
+        cpu = LLMEngine(EngineConfig(device="cpu", **options))
+        cpu.update_lora(lora, scaling)
+        want = cpu.score(prompts, responses, raw)
+    err = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+    fp8 = LLMEngine(EngineConfig(model=model, device=device, quantization="fp8", batch_invariant=True,
+                                 num_kv_blocks=kv_blocks, max_lora_rank=8))
+    base = {name: p.detach().clone() for name, p in fp8.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    fp8.update_lora(lora, scaling)
+    kept = all(torch.equal(p.view(torch.uint8), base[name].view(torch.uint8))
+               for name, p in fp8.named_parameters() if name in base)
+    params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=15, logprobs=0)
+    target, others = _prompts(1, 30, vocab, 16)[0], _prompts(batch - 1, 17, vocab, 17)
+    alone = fp8.generate([target], params)[0].outputs[0]
+    middle = batch // 2
+    batched = fp8.generate(others[:middle] + [target] + others[middle:], params)[middle].outputs[0]
+    same = (alone.token_ids, alone.logprobs) == (batched.token_ids, batched.logprobs)
+    return _check("lora_adapter", err <= 1e-3 and kept and same, max_abs_diff_vs_cpu=f"{err:.2e}",
+                  fp8_base_kept=kept, batch_invariant=same, kernel=engine.get_stats().kernels.get("lora", "?"))
+
+
 def decode_speed(model: str, device: str, batch: int, quantization, steps: int, prompt_len: int) -> dict:
     """ms per decode step (median over `steps`, after a warm-up step) of `batch` sequences of `prompt_len`."""
     kv_tokens = batch * (prompt_len + steps + 8)
@@ -189,6 +239,7 @@ def run(dry: bool, workdir: str | None = None) -> dict:
                   check_update_in_place(small, "cuda", vocab, blocks, size),
                   check_batch_invariance(small, "cuda", vocab, blocks, None, batch, tokens),
                   check_batch_invariance(small, "cuda", vocab, blocks, "fp8", batch, tokens),
+                  check_lora(small, "cuda", cpu_device, shape, blocks, batch, tokens),
                   _check("cuda_graph_replay", True, skipped="the engine has no CUDA graphs yet (issue 28, item 3)")]
         big = model_dir(root / "8b", TINY if dry else EIGHT_B, weights=False)
         speed = [decode_speed(big, "cuda", batch, quantization, 2 if dry else 16, 16 if dry else 128)

@@ -95,6 +95,36 @@ def test_rms_norm(residual):
     assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lora_add(dtype):
+    """A fused layer's adapter (three shards; ranks 5, 8 of 8 and none): rows independent of their batch, the
+    reference's sums up to order, and nothing read outside the segments (NaN there changes nothing)."""
+    from fp8engine.model_executor.kernels.layer_ops_ref import lora_add_ref
+    g = torch.Generator().manual_seed(9)
+    k, r, n = 200, 24, 150
+    segments = torch.tensor([[0, 5, 0, 64], [8, 16, 64, 107], [16, 16, 107, 150]])
+    x, a, bt, y = (torch.randn(*shape, generator=g).to(dtype) for shape in ((80, k), (r, k), (r, n), (80, n)))
+    inside = torch.zeros(r, n, dtype=torch.bool)
+    for j0, j1, o0, o1 in segments.tolist():
+        inside[j0:j1, o0:o1] = True
+    nan = torch.tensor(float("nan"), dtype=dtype)
+    a_nan, bt_nan = torch.where(inside.any(1, keepdim=True), a, nan), torch.where(inside, bt, nan)
+    both = torch.cat([x, y], dim=1)  # y's rows travel with their x rows
+
+    def run(rows):
+        return dt.lora_add_triton(rows[:, k:].contiguous(), rows[:, :k], a_nan, bt_nan, segments)
+    got = _assert_rows_invariant(run, both)
+    zero = torch.zeros((), dtype=dtype)
+    want = lora_add_ref(y.clone(), x, torch.where(a_nan.isnan(), zero, a), torch.where(bt_nan.isnan(), zero, bt))
+    assert got.dtype == dtype and not got.isnan().any()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:  # one rounding of float32 sums that differ in order only
+        tol = want.float().abs() * 2 ** -7 + 1e-4 * want.float().abs().max()
+        assert ((got.float() - want.float()).abs() <= tol).all()
+    assert torch.equal(got[:, 107:], y[:, 107:])  # the shard without an adapter: untouched
+
+
 SEQS = [(40, 1), (57, 20), (33, 1), (90, 30)]  # (context incl. new tokens, new tokens): decodes and chunks
 PROBE = 1  # the sequence whose rows are recomputed alone, as a decode step and as another chunk
 

@@ -37,6 +37,7 @@ GEMM = "_w8a8_block_matmul_kernel"
 ATTENTION = "_paged_attention_kernel"
 DENSE = "_linear_kernel"
 RMS_NORM = "_rms_norm_kernel"
+LORA_EXPAND = "_lora_expand_kernel"
 
 
 def _base(name: str) -> str:
@@ -129,6 +130,8 @@ def expected_mma(compiled) -> tuple[str, str] | None:
     name = _base(compiled.name)
     if name == DENSE:  # bf16 operands, BLOCK_M 64
         return ("wgmma" if arch == 90 else "mma"), "bf16"
+    if name == LORA_EXPAND:
+        return None  # float32 t times B in IEEE float32: FMA, by design (rank-wide K: a few FMAs an output)
     if name == GEMM:
         if arch == 90:
             # wgmma takes 64-row tiles; Triton lowers a 16-row fp8 dot on sm_90 to mma.sync on f16
@@ -152,6 +155,8 @@ def expected_cvt(compiled, case_name: str) -> list[str]:
         return ["f32->e4m3"] if kv_mode == "fp8" else []
     out_bf16 = not case_name.startswith("smollm2-135m-fp32") and "/lm_head_fp32/" not in case_name
     name = _base(compiled.name)
+    if "/lora/" in case_name:  # x A^T on the linear GEMM in float32, then y + t B rounded to the model dtype
+        return ["f32->bf16"] if name == LORA_EXPAND else []
     if name in (GEMM, DENSE, RMS_NORM):
         return ["f32->bf16"] if out_bf16 else []
     if name == ATTENTION:
@@ -226,6 +231,7 @@ def _one_binary_per_kernel_when_batch_invariant():
     groups = [[f"{shape}/linear/{layer}/{step}" for step in steps] for layer in ("qkv_proj", "down_proj")]
     groups += [[f"{shape}/dense/{layer}/{step}" for step in steps] for layer in ("o_proj", "lm_head_fp32")]
     groups += [[f"{shape}/rms_norm/{step}" for step in steps]]
+    groups += [[f"{shape}/lora/qkv_proj/{step}" for step in steps]]
     groups += [[f"{shape}/attention/{kv}/{step}" for step in tl_launch.ATTENTION_BATCHES] for kv in tl_launch.KV_MODES]
     seen = set()
     for group in groups:
@@ -233,7 +239,7 @@ def _one_binary_per_kernel_when_batch_invariant():
             assert len(keys) == 1, f"{group[0]}: {kernel} compiles {len(keys)} ways over the steps"
             seen.add(kernel.split("#")[0])
     assert seen == {"_w8a8_block_matmul_kernel_bi", "_group_quant_kernel", "_linear_kernel", "_rms_norm_kernel",
-                    "_paged_attention_kernel_bi"}, seen
+                    "_lora_expand_kernel", "_paged_attention_kernel_bi"}, seen
     default = _launch_keys([f"smollm2-135m/linear/o_proj/{step}" for step in steps], 90)
     assert len(default[GEMM]) == 3
     default = _launch_keys([f"smollm2-135m/attention/model/{step}" for step in tl_launch.ATTENTION_BATCHES], 90)

@@ -178,7 +178,7 @@ def triton_only(mods: SimpleNamespace) -> Iterator[None]:
 class Case:
     """One engine call: `run(mods, inputs)` calls the Triton wrappers, `ref(inputs)` the torch reference."""
     name: str
-    kind: str  # act_quant | weight_quant | linear | write_kv | attention
+    kind: str  # act_quant | weight_quant | linear | dense | rms_norm | lora | write_kv | attention
     make: Callable[[torch.device], dict]
     run: Callable[[SimpleNamespace, dict], object]
     ref: Callable[[dict], object] | None
@@ -281,6 +281,37 @@ def _dense_case(shape: ModelShape, layer: str, in_features: int, out_features: i
         out = inputs["x"].float() @ inputs["w"].float().T
         return out.to(out_dtype or inputs["x"].dtype)
     return Case(f"{shape.name}/dense/{layer}/{tokens}", "dense", make, run, ref)
+
+
+LORA_RANK = 16
+
+
+def _lora_case(shape: ModelShape, layer: str, in_features: int, shards: list[int], tokens: str) -> Case:
+    """A rank-16 LoRA adapter on every shard of a linear layer, added to its output (layers/lora.py's buffers:
+    A [S*R, K], B^T [S*R, N] block-diagonal, a segment per shard)."""
+    m, r = LINEAR_TOKENS[tokens], LORA_RANK
+
+    def make(device):
+        width, n = len(shards) * r, sum(shards)
+        offsets = [sum(shards[:i]) for i in range(len(shards))]
+        segments = torch.tensor([[i * r, (i + 1) * r, o, o + size] for i, (o, size) in enumerate(zip(offsets, shards))])
+        bt = _randn((width, n), shape.dtype, device, 0.02)
+        if torch.device(device).type != "meta":
+            inside = torch.zeros(width, n, dtype=torch.bool, device=device)
+            for j0, j1, o0, o1 in segments.tolist():
+                inside[j0:j1, o0:o1] = True
+            bt = torch.where(inside, bt, torch.zeros((), dtype=bt.dtype, device=device))
+        return {"x": _randn((m, in_features), shape.dtype, device), "y": _randn((m, n), shape.dtype, device),
+                "a": _randn((width, in_features), shape.dtype, device, 0.02), "bt": bt, "segments": segments}
+
+    def run(mods, inputs):
+        return mods.dense.lora_add_triton(inputs["y"].clone(), inputs["x"], inputs["a"], inputs["bt"],
+                                          inputs["segments"])
+
+    def ref(inputs):
+        from fp8engine.model_executor.kernels.layer_ops_ref import lora_add_ref
+        return lora_add_ref(inputs["y"].clone(), inputs["x"], inputs["a"], inputs["bt"])
+    return Case(f"{shape.name}/lora/{layer}/{tokens}", "lora", make, run, ref)
 
 
 def _rms_norm_case(shape: ModelShape, tokens: str) -> Case:
@@ -437,7 +468,8 @@ def engine_cases(shape: ModelShape, scale_fmts=(None,), kinds=KINDS, steps=tuple
 
 def batch_invariant_cases(shape: ModelShape, vocab: int = 49152) -> list[Case]:
     """The launches of EngineConfig(batch_invariant=True) on CUDA, at every step: FP8 and model-dtype linear
-    layers, the float32 LM head, RMSNorm and attention in each KV mode. Their shape name ends in "-bi"."""
+    layers, the float32 LM head, RMSNorm, a LoRA adapter on qkv_proj (the same kernels with or without batch
+    invariance) and attention in each KV mode. Their shape name ends in "-bi"."""
     bi = dataclasses.replace(shape, name=f"{shape.name}-bi")
     cases = []
     for step in LINEAR_TOKENS:
@@ -446,6 +478,7 @@ def batch_invariant_cases(shape: ModelShape, vocab: int = 49152) -> list[Case]:
             cases.append(_dense_case(bi, layer, k, sum(shards), step))
         cases.append(_dense_case(bi, "lm_head_fp32", shape.hidden, vocab, step, torch.float32))
         cases.append(_rms_norm_case(bi, step))
+        cases.append(_lora_case(bi, "qkv_proj", *linear_layers(shape)[0][1:], step))
     cases += [_attention_case(bi, step, kv_mode, batch_invariant=True)
               for kv_mode in KV_MODES for step in ATTENTION_BATCHES]
     return cases

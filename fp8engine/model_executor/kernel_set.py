@@ -205,10 +205,10 @@ def _cuda(config: EngineConfig) -> KernelSet:
     def quantize_into(w, out_q, out_scale, scale_fmt=None):
         fp8_triton.quantize_weight_blockwise_triton(w, out_q, out_scale, scale_fmt=scale_fmt)
 
-    names["lora"] = "dense-linear"
+    names["lora"] = "triton"
     return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm,
                      layer_ops_ref.rotary_ref, layer_ops_ref.silu_and_mul_ref,
-                     functools.partial(layer_ops_ref.lora_add_dense, dense), attention_triton.write_kv_cache_triton,
+                     dense_triton.lora_add_triton, attention_triton.write_kv_cache_triton,
                      attend, functools.partial(moe_triton.fused_moe_triton, batch_invariant=bi), None, quantize_into,
                      None, 0, ("", ""), False, False, names)
 

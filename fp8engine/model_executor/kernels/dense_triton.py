@@ -1,5 +1,5 @@
 """Triton kernels for batch-invariant model-dtype layers on CUDA: the linear GEMM (also the LM head, with
-float32 logits) and RMSNorm with the residual add fused in.
+float32 logits), RMSNorm with the residual add fused in, and a LoRA adapter's share added to a linear's output.
 
 torch's own kernels pick their blocking, split-K and reduction strategy by shape (cuBLAS heuristics, the
 reduction launcher's per-output thread counts), so a row's result there can change with the number of
@@ -23,6 +23,7 @@ from fp8engine.model_executor.kernels.attention_triton import _INTERPRET, _mma, 
 LINEAR_BLOCK_M = 64
 LINEAR_BLOCK_N = 64
 LINEAR_BLOCK_K = 64
+LORA_BLOCK_R = 16  # the expand's K step: adapter ranks are 8-64
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -109,3 +110,49 @@ def rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
             BLOCK_H=triton.next_power_of_2(h), INTERPRET=_INTERPRET, num_warps=4)
     shape = x.shape
     return out.reshape(shape), (x if residual is None else summed.reshape(shape))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _lora_expand_kernel(t_ptr, b_ptr, y_ptr, M, N, R, stride_t, stride_b, stride_y, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
+    """y [M, N] += t [M, R] (float32) @ B [R, N] (B^T's rows, model dtype), summed in float32, y rounded once."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        mask_r = offs_r < R - r0
+        t = tl.load(t_ptr + offs_m[:, None] * stride_t + (r0 + offs_r)[None, :],
+                    mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        b = tl.load(b_ptr + (r0 + offs_r)[:, None] * stride_b + offs_n[None, :],
+                    mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        acc = _mma(t, _upcast(b, tl.float32, INTERPRET), acc, INTERPRET)
+    mask = mask_m[:, None] & mask_n[None, :]
+    y = _upcast(tl.load(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], mask=mask, other=0.0), tl.float32,
+                INTERPRET)
+    tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], _round(y + acc, y_ptr.dtype.element_ty, INTERPRET),
+             mask=mask)
+
+
+def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                    segments: torch.Tensor) -> torch.Tensor:
+    """In place, y [..., N] += (x [..., K] A^T) B, B given transposed (bt [R, N]), by segments (int64 [S, 4] on the
+    host: j0, j1, o0, o1 — A and B's rows j0:j1 feed y's columns o0:o1, nothing else); y contiguous. As
+    layer_ops_ref.lora_add_ref up to the order of the float32 sums; a row's result does not depend on the others."""
+    n, k = y.shape[-1], x.shape[-1]
+    y2, x2 = y.view(-1, n), x.reshape(-1, k)
+    m = y2.shape[0]
+    for j0, j1, o0, o1 in segments.tolist():  # a host tensor: no device read
+        if m == 0 or j1 == j0 or o1 == o0:
+            continue
+        t = linear_triton(x2, a[j0:j1], out_dtype=torch.float32)
+        b, out = bt[j0:j1, o0:o1], y2[:, o0:o1]
+        grid = (triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(o1 - o0, LINEAR_BLOCK_N))
+        _lora_expand_kernel[grid](t, b, out, m, o1 - o0, j1 - j0, t.stride(0), b.stride(0), out.stride(0),
+                                  BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N, BLOCK_R=LORA_BLOCK_R,
+                                  INTERPRET=_INTERPRET, num_warps=4, num_stages=2)
+    return y

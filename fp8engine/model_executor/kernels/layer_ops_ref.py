@@ -46,6 +46,6 @@ def lora_add_ref(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Te
 def lora_add_dense(dense_linear, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
                    segments: torch.Tensor | None = None) -> torch.Tensor:
     """lora_add_ref's y as two of the engine's dense linears and an add, over all of A and B (outside the segments
-    they hold zeros); where no LoRA kernel is built: the products in the model dtype, batch invariant where
-    `dense_linear` is."""
+    they hold zeros); on a CPU where the C++ kernel is not built: the products in the model dtype, batch invariant
+    where `dense_linear` is."""
     return y.add_(dense_linear(dense_linear(x, a, None), bt.t().contiguous(), None))
