@@ -11,9 +11,10 @@ sampling that repeats; update_weights in place (every data_ptr kept) with KV rec
 given the new weights; batch invariance, a request alone vs in a batch of 64 (4 in the dry run), bitwise, in BF16
 and FP8; a LoRA adapter (kernels/dense_triton.py lora_add_triton): its teacher-forced logprobs against the CPU engine
 with the same adapter (float32), and on an FP8 batch-invariant engine the base bytes kept and a request alone vs in
-the batch bitwise. Then speed:
+the batch bitwise; CUDA graphs (model_executor/cuda_graphs.py): decode steps replayed from graphs against an eager
+engine, bitwise, through three buckets. Then speed:
 ms per decode step and tok/s of the 8B shape at batch 1, 64 and 256 in BF16 and FP8, beside the HBM floor (the bytes
-a step must read / 4.8 TB/s).
+a step must read / 4.8 TB/s), from graphs, and at batch 1 eagerly too (enforce_eager=True: the host's share).
 """
 
 import contextlib
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from fp8engine import EngineConfig, LLMEngine, SamplingParams
+from fp8engine.model_executor import cuda_graphs
 
 DEFAULT_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                      num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
@@ -183,12 +185,54 @@ def check_lora(model: str, device: str, cpu_device, shape: dict, kv_blocks: int,
                   fp8_base_kept=kept, batch_invariant=same, kernel=engine.get_stats().kernels.get("lora", "?"))
 
 
-def decode_speed(model: str, device: str, batch: int, quantization, steps: int, prompt_len: int) -> dict:
+def check_cuda_graphs(model: str, device: str, vocab: int, kv_blocks: int, batch: int, tokens: int,
+                      stand_in=None) -> dict:
+    """Decode steps replayed from CUDA graphs (model_executor/cuda_graphs.py) against an eager engine, both batch
+    invariant: batch - 1 sequences (a padded bucket) finishing at three lengths (three buckets), tokens and
+    logprobs bit for bit; the wall time of the same generate beside. stand_in: the dry run's capture."""
+    options = dict(model=model, device=device, batch_invariant=True, num_kv_blocks=kv_blocks, max_num_seqs=batch)
+    with contextlib.ExitStack() as stack:
+        if stand_in is not None:
+            stack.enter_context(_replaced(cuda_graphs, "capture_cuda", stand_in))
+        graphed = LLMEngine(EngineConfig(**options))
+    eager = LLMEngine(EngineConfig(enforce_eager=True, **options))
+    prompts = _prompts(max(batch - 1, 1), 20, vocab, 18)
+    params = [SamplingParams(temperature=1.0, max_tokens=tokens + i % 3, ignore_eos=True, seed=19, logprobs=1)
+              for i in range(len(prompts))]
+    results, seconds = [], []
+    for engine in (graphed, eager):
+        engine.generate(prompts[:1], params[0])  # warm-up
+        _sync(device)
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+        results.append([(c.token_ids, c.logprobs) for o in outs for c in o.outputs])
+    graphs = graphed.runner.graphs
+    replays = graphs.num_replays if graphs is not None else 0
+    mode = graphed.get_stats().kernels["cuda_graphs"]
+    return _check("cuda_graph_replay", results[0] == results[1] and replays > 0, graphs=mode, replays=replays,
+                  graph_s=f"{seconds[0]:.3f}", eager_s=f"{seconds[1]:.3f}")
+
+
+@contextlib.contextmanager
+def _replaced(owner, name: str, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def decode_speed(model: str, device: str, batch: int, quantization, steps: int, prompt_len: int,
+                 enforce_eager: bool = False) -> dict:
     """ms per decode step (median over `steps`, after a warm-up step) of `batch` sequences of `prompt_len`."""
     kv_tokens = batch * (prompt_len + steps + 8)
     engine = LLMEngine(EngineConfig(model=model, device=device, quantization=quantization, load_format="dummy",
                                     num_kv_blocks=-(-kv_tokens // 16) + batch, max_num_seqs=max(batch, 1),
-                                    max_num_batched_tokens=max(8192, prompt_len * min(batch, 64))))
+                                    max_num_batched_tokens=max(8192, prompt_len * min(batch, 64)),
+                                    enforce_eager=enforce_eager))
     params = SamplingParams(temperature=1.0, max_tokens=steps + 2, ignore_eos=True, seed=0, logprobs=0)
     for prompt in _prompts(batch, prompt_len, engine.vocab_size, 8):
         engine.add_request(prompt, params)
@@ -206,11 +250,12 @@ def decode_speed(model: str, device: str, batch: int, quantization, steps: int, 
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     kv = batch * (prompt_len + steps) * engine.runner.kv_bytes_per_block() / engine.config.block_size
     floor_ms = (weights + kv) / HBM_BYTES_PER_S * 1e3
-    row = {"batch": batch, "mode": quantization or "bf16", "ms_per_step": float(f"{ms:.4g}"),
+    graphs = engine.get_stats().kernels["cuda_graphs"]
+    row = {"batch": batch, "mode": quantization or "bf16", "graphs": graphs, "ms_per_step": float(f"{ms:.4g}"),
            "tok_per_s": float(f"{batch / ms * 1e3:.4g}"), "hbm_floor_ms": float(f"{floor_ms:.3g}"),
            "weight_gb": float(f"{weights / 1e9:.3g}")}
     print(f"    speed {row['mode']:5s} batch {batch:4d}: {ms:8.2f} ms/step {row['tok_per_s']:9.1f} tok/s "
-          f"(HBM floor {floor_ms:.3g} ms: {row['weight_gb']} GB of weights + KV)", flush=True)
+          f"(HBM floor {floor_ms:.3g} ms: {row['weight_gb']} GB of weights + KV; CUDA graphs: {graphs})", flush=True)
     del engine
     return row
 
@@ -224,26 +269,30 @@ def run(dry: bool, workdir: str | None = None) -> dict:
     """The checks and the speed table; dry: on the CPU under FakeCuda, tiny shapes."""
     with contextlib.ExitStack() as stack:
         root = Path(workdir or stack.enter_context(tempfile.TemporaryDirectory()))
-        if dry:
-            from tests.fake_cuda import FakeCuda
-            stack.enter_context(FakeCuda())
-            cpu_device = torch.overrides._pop_mode_temporarily
-        else:
-            cpu_device = contextlib.nullcontext
+        cpu_device = contextlib.nullcontext
         shape = TINY if dry else DEFAULT_SHAPE
         small = model_dir(root / "small", shape, weights=True)
         vocab, blocks, size = shape["vocab_size"], 256 if dry else 4096, 1 if dry else 4
         batch, tokens = (4, 3) if dry else (64, 8)
+        stand_in = None
+        if dry:
+            from tests.fake_cuda import FakeCuda
+            stand_in = stack.enter_context(FakeCuda()).stand_in_capture()
+            cpu_device = torch.overrides._pop_mode_temporarily
         checks = [check_logprobs_vs_cpu(small, "cuda", cpu_device, vocab, blocks),
                   check_seeded(small, "cuda", vocab, blocks, size),
                   check_update_in_place(small, "cuda", vocab, blocks, size),
                   check_batch_invariance(small, "cuda", vocab, blocks, None, batch, tokens),
                   check_batch_invariance(small, "cuda", vocab, blocks, "fp8", batch, tokens),
                   check_lora(small, "cuda", cpu_device, shape, blocks, batch, tokens),
-                  _check("cuda_graph_replay", True, skipped="the engine has no CUDA graphs yet (issue 28, item 3)")]
+                  check_cuda_graphs(small, "cuda", vocab, blocks, batch, tokens, stand_in)]
         big = model_dir(root / "8b", TINY if dry else EIGHT_B, weights=False)
-        speed = [decode_speed(big, "cuda", batch, quantization, 2 if dry else 16, 16 if dry else 128)
+        steps, prompt_len = (2, 16) if dry else (16, 128)
+        speed = [decode_speed(big, "cuda", batch, quantization, steps, prompt_len)
                  for quantization in (None, "fp8") for batch in ((1, 4) if dry else (1, 64, 256))]
+        # the host's share at batch 1: the same steps without graphs
+        speed += [decode_speed(big, "cuda", 1, quantization, steps, prompt_len, enforce_eager=True)
+                  for quantization in (None, "fp8")]
     return {"engine_checks": checks, "speed": speed, "speed_shape": "tiny" if dry else "llama-8b",
             "failures": [c["check"] for c in checks if not c["ok"]]}
 

@@ -3,7 +3,8 @@ tensors (each a kernel launch on a GPU), Triton launches and host synchronisatio
 time of a step, for a 32-layer model with an 8B model's layer structure (Llama-3-8B: 32 heads, 8 KV heads, head
 dim 128; the hidden sizes are shrunk, which changes no count). Triton launches are counted, not run
 (tests/fake_cuda.py, stub_kernels=True); the host time includes the tracking mode's own overhead, so it is an
-upper bound.
+upper bound. Each case runs eagerly and with CUDA graphs (model_executor/cuda_graphs.py; FakeCuda(graphs="stub"):
+the capture records the step once and a replay is the one call a graph replay is, the GPU's work not counted).
 
     python -m benchmarks.host_side [--batch 1,64] [--steps 8] [--json bench_results/host_side.json]   (checkout)
 """
@@ -34,9 +35,10 @@ def _model_dir(root: str) -> str:
     return root
 
 
-def measure(model: str, batch: int, steps: int, options: dict, params: SamplingParams) -> dict:
-    with FakeCuda(stub_kernels=True) as dev:
-        engine = LLMEngine(EngineConfig(model=model, device="cuda", num_kv_blocks=batch * 8 + 8, **options))
+def measure(model: str, batch: int, steps: int, options: dict, params: SamplingParams, graphs: bool) -> dict:
+    with FakeCuda(stub_kernels=True, graphs="stub" if graphs else None) as dev:
+        engine = LLMEngine(EngineConfig(model=model, device="cuda", num_kv_blocks=batch * 8 + 8, max_num_seqs=batch,
+                                        enforce_eager=not graphs, **options))
         for i in range(batch):
             engine.add_request([5 + i, 6, 7, 8], params)
         engine.step()  # the prefill
@@ -49,7 +51,8 @@ def measure(model: str, batch: int, steps: int, options: dict, params: SamplingP
             after = (dev.torch_calls, dev.device_ops, sum(dev.launches.values()), dev.host_syncs())
             rows.append([a - b for a, b in zip(after, before)] + [seconds])
     med = [statistics.median(col) for col in zip(*rows)]
-    return {"batch": batch, "torch_calls": med[0], "device_ops": med[1], "triton_launches": med[2],
+    assert (engine.runner.graphs is not None) == graphs, engine.get_stats().kernels["cuda_graphs"]
+    return {"batch": batch, "graphs": graphs, "torch_calls": med[0], "device_ops": med[1], "triton_launches": med[2],
             "host_syncs": med[3], "host_ms": med[4] * 1e3}
 
 
@@ -67,11 +70,12 @@ def main() -> None:
         model = _model_dir(root)
         for mode, options in (("bf16", {}), ("fp8", dict(quantization="fp8"))):
             for name, params in (("greedy", greedy), ("top_p", sampled)):
-                for batch in map(int, args.batch.split(",")):
+                for batch, graphs in ((b, g) for b in map(int, args.batch.split(",")) for g in (False, True)):
                     try:
-                        r = measure(model, batch, args.steps, options, params) | {"mode": mode, "sampling": name}
+                        r = measure(model, batch, args.steps, options, params, graphs) | {"mode": mode,
+                                                                                           "sampling": name}
                     except Exception as exc:  # the path before the device sampler raised on sampled rows
-                        r = {"mode": mode, "sampling": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:200]}
+                        r = {"mode": mode, "sampling": name, "batch": batch, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"[:200]}
                     results.append(r)
                     print(json.dumps(r))
     if args.json:

@@ -80,6 +80,7 @@ class EngineConfig:
     max_lora_rank: int = _option(0, f"> 0: every q/k/v/o and gate/up/down linear carries a LoRA adapter of rank up to "
                                     f"this (<= {MAX_LORA_RANK}), unmerged in the model dtype beside the base "
                                     f"(update_lora)")
+    enforce_eager: bool = _option(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
     load_format: str = _option("auto", "auto (the model directory's safetensors) or dummy (seeded random weights "
                                        "from its config.json alone: for benchmarks of a model's shape)", LOAD_FORMATS)

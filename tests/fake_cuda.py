@@ -17,6 +17,12 @@ one of its inputs is. What a GPU would refuse or stall on is checked:
 returns at once while the mode is on.
 `torch_calls` counts every torch call (metadata queries such as `.device` or `.stride()` included) and
 `device_ops` those that return device tensors (a kernel launch on a GPU, or a view); with `stub_kernels=True` the Triton kernels are counted but not run (for counting a big model's step).
+
+CUDA graphs (model_executor/cuda_graphs.py) cannot be captured on a CPU; without `graphs=` the engine's capture
+fails and its decode steps run eagerly. `graphs="replay"` puts a stand-in capture in its place: the captured
+function runs once with no host synchronisation allowed inside, and each replay runs it again on the static
+buffers and writes the captured output in place (what a graph does); `graphs="stub"` replays nothing (the work a
+GPU would do alone: for counting the host side of a graph step). `captured` lists the captured batch sizes.
 """
 
 import collections
@@ -50,9 +56,13 @@ def _is_cuda(device) -> bool:
 
 
 class FakeCuda(TorchFunctionMode):
-    def __init__(self, stub_kernels: bool = False):
+    def __init__(self, stub_kernels: bool = False, graphs: str | None = None):
         super().__init__()
+        if graphs not in (None, "replay", "stub"):
+            raise ValueError(f"graphs must be None, 'replay' or 'stub', got {graphs!r}")
         self.stub_kernels = stub_kernels
+        self.graphs = graphs
+        self.captured: list[int] = []
         self.torch_calls = 0
         self.device_ops = 0
         self.device_storages: set[int] = set()
@@ -139,8 +149,29 @@ class FakeCuda(TorchFunctionMode):
         return target is not None and torch.device(target).type == "cpu"
 
     # ------------------------------------------------------------------ CUDA stand-ins
+    def stand_in_capture(self, replay: bool = True):
+        """A stand-in for cuda_graphs.capture_cuda (see the module docstring); replay=False: replays do nothing."""
+        def capture_cuda():
+            def capture(forward):
+                before = self.host_syncs()
+                out = forward()
+                if self.host_syncs() != before:
+                    raise AssertionError(f"host synchronisation inside a captured region: {dict(self.syncs)}")
+                self.captured.append(out.shape[0])
+
+                def run_again():
+                    syncs = self.host_syncs()
+                    out.copy_(forward())
+                    if self.host_syncs() != syncs:
+                        raise AssertionError("host synchronisation inside a replay")
+                return (run_again if replay else lambda: None), out
+            return capture
+        return capture_cuda
+
     def __enter__(self):
         import triton.runtime.interpreter as interpreter
+
+        from fp8engine.model_executor import cuda_graphs
         mode = self
         grid_call = interpreter.GridExecutor.__call__
 
@@ -154,6 +185,9 @@ class FakeCuda(TorchFunctionMode):
                        (torch.cuda, "is_available"): torch.cuda.is_available,
                        (torch.cuda, "mem_get_info"): torch.cuda.mem_get_info,
                        (torch.cuda, "synchronize"): torch.cuda.synchronize}
+        if self.graphs is not None:
+            self._saved[cuda_graphs, "capture_cuda"] = cuda_graphs.capture_cuda
+            cuda_graphs.capture_cuda = self.stand_in_capture(self.graphs == "replay")
         interpreter.GridExecutor.__call__ = launch
         torch.cuda.is_available = lambda: True
         torch.cuda.mem_get_info = lambda device=None: (CUDA_FREE_BYTES, CUDA_TOTAL_BYTES)

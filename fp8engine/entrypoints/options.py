@@ -39,7 +39,7 @@ ENGINE_GROUPS = {"model": "model", "dtype": "model", "device": "model", "seed": 
                  "max_num_batched_tokens": "scheduling", "max_model_len": "scheduling",
                  "enable_prefix_caching": "scheduling", "batch_invariant": "kv", "lm_head_fp32": "kv",
                  "speculative": "scheduling", "num_speculative_tokens": "scheduling",
-                 "speculative_forget_on_update": "scheduling", "max_lora_rank": "model"}
+                 "speculative_forget_on_update": "scheduling", "max_lora_rank": "model", "enforce_eager": "model"}
 BENCH_ENGINE_OPTIONS = ("model", "dtype", "device")  # --modes sets the rest per mode, --speculative takes a list
 COMMANDS = ("serve", "generate", "bench")
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig
 
 from fp8engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
-from fp8engine.model_executor import fused_decoder, kernel_set
+from fp8engine.model_executor import cuda_graphs, fused_decoder, kernel_set
 from fp8engine.model_executor.kernels.attention_ref import quantize_fp8
 from fp8engine.model_executor.layers.attention import AttentionMetadata
 from fp8engine.model_executor.layers.lora import LoRA
@@ -55,11 +55,30 @@ class ModelRunner:
         self.model.fused = fused_decoder.build(self.model, self.kernels, config.fp8_scale_fmt)
         self.lora_layers = {name.removesuffix(".lora"): m for name, m in self.model.named_modules()
                             if isinstance(m, LoRA)}
+        self.graphs: cuda_graphs.DecodeGraphs | None = None
+        self.graphs_off = cuda_graphs.unavailable_reason(config, self)
+        if self.graphs_off is None:
+            self._graphs_guarded(self._start_graphs)
+
+    def _start_graphs(self) -> None:
+        self.graphs = cuda_graphs.DecodeGraphs(self, self.config.max_num_seqs, cuda_graphs.capture_cuda())
+        self.graphs.capture_all()
+
+    def _graphs_guarded(self, fn, *args):
+        """fn(*args), or None with the graphs switched off for good when it fails (said once, with the reason)."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # a capture that fails: the eager path stays right
+            self.graphs, self.graphs_off = None, f"capture failed ({type(exc).__name__}: {exc})"
+            logger.warning("CUDA graphs off, decode steps run eagerly: %s", self.graphs_off)
+            return None
 
     @property
     def kernel_names(self) -> dict[str, str]:
         """What runs: the kernel set's names, and the decoder layers' path ("cpp-plan": one C++ call)."""
-        return self.kernels.names | {"decoder": "python" if self.model.fused is None else "cpp-plan"}
+        graphs = "decode" if self.graphs is not None else f"off: {self.graphs_off}"
+        return self.kernels.names | {"decoder": "python" if self.model.fused is None else "cpp-plan",
+                                     "cuda_graphs": graphs}
 
     @property
     def lora_active(self) -> bool:
@@ -165,6 +184,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:
+        if self.graphs is not None and self.graphs.takes(scheduled):
+            logits = self._graphs_guarded(self.graphs.run, scheduled)
+            if logits is not None:
+                return StepOutput(logits, {})
         input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(scheduled)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[sample_rows]) if len(sample_rows) else None

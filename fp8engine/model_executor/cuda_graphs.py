@@ -1,0 +1,196 @@
+"""Decode steps replayed from CUDA graphs, one per batch-size bucket.
+
+A decode step of a 32-layer model issues about 2,800 torch calls and over a thousand kernel launches
+(benchmarks/host_side.py); on an H200 the host would take most of a step that the GPU finishes in ~2 ms. A CUDA
+graph records those launches once and replays them with one call. What a graph replays is fixed at capture: the
+shapes, every pointer and every Python number handed to a kernel. So:
+
+  * Buckets: a step of n sequences runs the graph of the smallest bucket >= n (1, 2, 4, 8, then multiples of 16
+    up to max_num_seqs, at most 256); rows n.. are padding: token 0 at position 0, KV slot -1 (the cache write
+    skips it), a context of one token over block 0. Their outputs are never read, and every kernel computes a
+    row from that row alone, so real rows get what an eager step of the bucket's size gives them; with
+    `batch_invariant=True` that is what an eager step of n rows gives, bit for bit.
+  * Static inputs: the step's token ids, positions, slots, context lengths and block tables go into one host
+    buffer (pinned where CUDA can pin it) and to the device in one copy; the graphs read that device buffer (their
+    first ops cast the lengths and tables to int32); the logits come back in a static output, sliced to n rows.
+  * What is baked in: the KV scales (Python floats handed to the attention kernels) and the LoRA segments (read on
+    the host). A step compares them with those of the capture and drops every graph when they changed (after a
+    weight update that recalibrates the scales, or update_lora); buckets are captured again on first use.
+  * Only pure decode steps: one new token per sequence, every row sampled, no draft tokens, no prompt logprobs,
+    no KV observer (calibration). Anything else runs eagerly, as do engines the graphs cannot serve (not CUDA,
+    `enforce_eager=True`, MoE models, whose routing sorts on the host, FlashInfer attention, which plans on the
+    host); `get_stats().kernels["cuda_graphs"]` says which and why.
+
+Capturing needs a CUDA device. `capture` is a parameter so the tests can drive the same buffers, padding and
+invalidation on the CPU (tests/test_cuda_graphs.py, under tests/fake_cuda.py: no host synchronisation inside
+the captured region, bitwise equal to eager steps).
+"""
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from fp8engine.model_executor.layers.attention import AttentionMetadata
+from fp8engine.request import ScheduledSeq
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 256
+
+# (forward) -> (replay, output): runs forward once under capture and returns the replay and the captured output.
+Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch.Tensor]]
+
+
+def buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes graphs are captured for: 1, 2, 4, 8, then multiples of 16 up to max_num_seqs (at most
+    MAX_GRAPH_BATCH), and max_num_seqs itself when it is not one of them."""
+    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+    sizes = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
+    return sizes if sizes[-1] == top else sizes + [top]
+
+
+def capture_cuda() -> Capture:
+    """The capture a CUDA device gives: one eager run on a side stream first (Triton compiles its kernels, the
+    libraries set up their workspaces: nothing of that may happen inside a capture), then torch.cuda.graph; every
+    bucket's graph allocates from one memory pool."""
+    pool = torch.cuda.graph_pool_handle()
+
+    def capture(forward):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+        return graph.replay, out
+    return capture
+
+
+def unavailable_reason(config, runner) -> str | None:
+    """Why decode steps of this engine cannot run from graphs (None: they can)."""
+    if runner.device.type != "cuda":
+        return "not a CUDA device"
+    if config.enforce_eager:
+        return "enforce_eager=True"
+    if runner.moe_blocks:
+        return "MoE routing sorts tokens by expert on the host"
+    if runner.kernels.names.get("attention", "").startswith("flashinfer"):
+        return "FlashInfer attention plans each batch on the host"
+    return None
+
+
+class DecodeGraphs:
+    """The graphs of one model runner: static inputs at the largest bucket, a graph per bucket on demand."""
+
+    def __init__(self, runner, max_num_seqs: int, capture: Capture):
+        self.runner = runner
+        self.sizes = buckets(max_num_seqs)
+        self.capture = capture
+        top = self.sizes[-1]
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        # A bucket of b rows reads [ids | positions | slots | context lengths | block tables (b x max_blocks)], b
+        # of each, from the front of one int64 buffer: one host-to-device copy a step; the graph converts.
+        numel = top * (4 + self.max_blocks)
+        self.staging = _pinned(numel)
+        self.inputs = torch.zeros(numel, dtype=torch.int64, device=runner.device)
+        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=runner.device)  # a token a row
+        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self.key: tuple | None = None
+        self.num_captures = 0
+        self.num_replays = 0
+
+    # ------------------------------------------------------------------ when
+    def takes(self, scheduled: list[ScheduledSeq]) -> bool:
+        """A pure decode step of at most the largest bucket, with nothing a graph cannot replay."""
+        if not scheduled or len(scheduled) > self.sizes[-1]:
+            return False
+        for item in scheduled:
+            if item.num_new_tokens != 1 or item.draft or not item.samples or item.seq.needs_prompt_logprobs:
+                return False
+        return not any(layer.observer is not None for layer in self.runner.attn_layers)
+
+    def _baked(self) -> tuple:
+        """What the captured kernels hold as host values: the KV scales, the LoRA segments."""
+        scales = tuple((a.k_scale, a.v_scale, a.q_scale) for a in self.runner.attn_layers)
+        lora = tuple(tuple(m.ranks) for m in self.runner.lora_layers.values())
+        return scales, lora
+
+    # ------------------------------------------------------------------ run
+    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits [n, vocab] of a decode step of n sequences, from the bucket's graph."""
+        key = self._baked()
+        if key != self.key:
+            if self.graphs:
+                logger.info("CUDA graphs: the KV scales or the LoRA adapter changed; graphs are captured again")
+            self.graphs.clear()
+            self.key = key
+        n = len(scheduled)
+        size = next(b for b in self.sizes if b >= n)
+        self._stage(scheduled, size)
+        if size not in self.graphs:
+            self.graphs[size] = self.capture(lambda: self._forward(size))
+            self.num_captures += 1
+        replay, logits = self.graphs[size]
+        replay()
+        self.num_replays += 1
+        return logits[:n]
+
+    def capture_all(self) -> None:
+        """Every bucket's graph, largest first, on padding rows alone (nothing is written to the cache): the
+        warm-up at start-up that compiles the decode kernels at every batch size a step will meet."""
+        self.key = self._baked()
+        for size in reversed(self.sizes):
+            if size not in self.graphs:
+                self._stage([], size)
+                self.graphs[size] = self.capture(lambda size=size: self._forward(size))
+                self.num_captures += 1
+
+    def _views(self, buffer: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, slots, context lengths, block tables) of a bucket in `buffer`'s layout."""
+        fields = buffer[:4 * size].view(4, size).unbind(0)
+        return (*fields, buffer[4 * size:size * (4 + self.max_blocks)].view(size, self.max_blocks))
+
+    def _forward(self, size: int) -> torch.Tensor:
+        ids, positions, slots, lens, tables = self._views(self.inputs, size)
+        meta = AttentionMetadata(slot_mapping=slots, query_start_loc=self.query_start_loc[:size + 1],
+                                 seq_lens=lens.to(torch.int32), block_tables=tables.to(torch.int32))
+        model = self.runner.model
+        return model.compute_logits(model(ids, positions, meta))
+
+    def _stage(self, scheduled: list[ScheduledSeq], size: int) -> None:
+        """The step's inputs into the pinned buffer, rows n..size as padding (token 0 at position 0, slot -1, a
+        one-token context over block 0), then to the device in one copy. Table columns past a sequence's blocks
+        keep what they held: attention reads a sequence's blocks only."""
+        n, bs = len(scheduled), self.runner.block_size
+        ids, positions, slots, lens, tables = self._views(self.staging, size)
+        tok, pos, slot, length, rows = [], [], [], [], []
+        for item in scheduled:
+            seq = item.seq
+            c, table = seq.num_computed_tokens, seq.block_table
+            tok.append(seq.token_ids[c])
+            pos.append(c)
+            slot.append(table[c // bs] * bs + c % bs)
+            length.append(c + 1)
+            rows.append(table)
+        pad = size - n
+        ids[:size] = torch.tensor(tok + [0] * pad, dtype=torch.int64)
+        positions[:size] = torch.tensor(pos + [0] * pad, dtype=torch.int64)
+        slots[:size] = torch.tensor(slot + [-1] * pad, dtype=torch.int64)
+        lens[:size] = torch.tensor(length + [1] * pad, dtype=torch.int64)
+        width = max((len(t) for t in rows), default=0)
+        if n and width:
+            tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int64)
+        tables[n:, 0] = 0
+        used = size * (4 + self.max_blocks)
+        self.inputs[:used].copy_(self.staging[:used], non_blocking=True)
+
+
+def _pinned(numel: int) -> torch.Tensor:
+    """An int64 host buffer, page-locked where CUDA can pin it (a pinned source lets the copy run asynchronously)."""
+    try:
+        return torch.zeros(numel, dtype=torch.int64, pin_memory=True)
+    except RuntimeError:  # no CUDA runtime to pin with (a CPU build, the tests' stand-in device)
+        return torch.zeros(numel, dtype=torch.int64)

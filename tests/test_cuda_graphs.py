@@ -1,0 +1,133 @@
+"""CUDA graphs for decode steps (model_executor/cuda_graphs.py), driven on the CPU: the engine's CUDA path under
+tests/fake_cuda.py with a capture that records nothing but checks what a real one needs — no host
+synchronisation inside the captured region, and a replay that reads only the static buffers (it runs the captured
+function again on them and writes the captured output in place, as a graph replays into its own memory:
+FakeCuda(graphs="replay")). What
+the buffers, the padding, the buckets and the invalidation do is therefore what a GPU would replay; the capture
+itself and the speed need a device (`make gpu-check`)."""
+
+import dataclasses
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels run on the interpreter
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fp8engine import SamplingParams  # noqa: E402
+from fp8engine.model_executor import cuda_graphs  # noqa: E402
+from tests.conftest import make_engine  # noqa: E402
+from tests.fake_cuda import FakeCuda  # noqa: E402
+from tests.tiny_models import save_tiny, tiny_dir  # noqa: E402,F401
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [40, 41, 42], list(range(300, 330))]
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5, ignore_eos=True, seed=3, logprobs=2)
+KV_BLOCKS = 48
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, tokenizer):
+    return save_tiny("llama-llama3", tmp_path_factory.mktemp("graphs_llama"), tokenizer, vocab_size=1024)
+
+
+@pytest.fixture()
+def dev():
+    with FakeCuda(graphs="replay") as mode:
+        yield mode
+
+
+def _engine(model, **options):
+    return make_engine(model, device="cuda", num_kv_blocks=KV_BLOCKS, max_num_seqs=4, **options)
+
+
+def _results(outs):
+    return [[(c.token_ids, c.logprobs, c.top_logprobs) for c in o.outputs] for o in outs]
+
+
+def test_buckets():
+    assert cuda_graphs.buckets(1) == [1]
+    assert cuda_graphs.buckets(5) == [1, 2, 4, 5]
+    assert cuda_graphs.buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert cuda_graphs.buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert cuda_graphs.buckets(1000)[-3:] == [224, 240, 256]
+
+
+@pytest.mark.parametrize("options", [dict(batch_invariant=True), dict(batch_invariant=True, quantization="fp8")],
+                         ids=["bf16", "fp8"])
+def test_decode_steps_from_graphs_equal_eager_steps_bitwise(dev, model, options):
+    """Three sequences (bucket 4: one padding row) then fewer as they finish: tokens, logprobs and top-k
+    alternatives bit for bit those of an eager engine, the KV cache too (padding writes nothing)."""
+    graphs = _engine(model, **options)
+    runner = graphs.runner
+    assert runner.graphs is not None and graphs.get_stats().kernels["cuda_graphs"] == "decode"
+    assert sorted(dev.captured) == [1, 2, 4]  # every bucket at start-up, on padding alone
+    eager = _engine(model, enforce_eager=True, **options)
+    assert eager.runner.graphs is None
+    assert eager.get_stats().kernels["cuda_graphs"] == "off: enforce_eager=True"
+    params = [SEEDED, dataclasses.replace(SEEDED, max_tokens=3), dataclasses.replace(SEEDED, max_tokens=7)]
+    got = _results(graphs.generate(PROMPTS, params))
+    assert got == _results(eager.generate(PROMPTS, params))
+    # 6 decode steps: 3 sequences twice, 2 sequences once, 1 sequence three times (buckets 4, 2 and 1)
+    assert runner.graphs.num_replays == 6
+    with dev.allow_mixing():
+        assert torch.equal(runner.kv_cache.view(torch.uint8), eager.runner.kv_cache.view(torch.uint8))
+
+
+def test_new_kv_scales_or_a_new_adapter_recapture(dev, model):
+    """FP8 KV scales are baked into the attention launches: a weight update that recalibrates them drops the
+    graphs, and the next steps equal an eager engine given the same update; so does a LoRA update. (Two sequences
+    that finish together: every step's batch is a bucket, so the launches are the eager ones without
+    batch_invariant, whose FP8 KV calibration runs fixed text that a 1024-token vocabulary cannot embed.)"""
+    options = dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", max_lora_rank=4)
+    graphs, eager = _engine(model, **options), _engine(model, enforce_eager=True, **options)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    update = {name: (torch.randn(graphs.get_weights_by_name(name).shape, generator=torch.Generator().manual_seed(1))
+                     * 0.3).bfloat16()}
+    g = torch.Generator().manual_seed(2)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    adapter = {f"{prefix}.lora_A.weight": torch.randn(4, 128, generator=g) * 0.1,
+               f"{prefix}.lora_B.weight": torch.randn(128, 4, generator=g) * 0.1}
+    runner = graphs.runner.graphs
+    first = graphs.generate(PROMPTS[:2], SEEDED)
+    assert _results(first) == _results(eager.generate(PROMPTS[:2], SEEDED))
+    captures = runner.num_captures
+    for engine in (graphs, eager):
+        engine.update_weights(update, weight_version=1)
+    after_update = graphs.generate(PROMPTS[:2], SEEDED)
+    assert _results(after_update) == _results(eager.generate(PROMPTS[:2], SEEDED)) != _results(first)
+    assert runner.num_captures > captures
+    captures = runner.num_captures
+    for engine in (graphs, eager):
+        engine.update_lora(adapter, 2.0)
+    after_lora = graphs.generate(PROMPTS[:2], SEEDED)
+    assert _results(after_lora) == _results(eager.generate(PROMPTS[:2], SEEDED)) != _results(after_update)
+    assert runner.num_captures > captures
+
+
+def test_other_steps_run_eagerly_and_a_failed_capture_switches_graphs_off(dev, model, monkeypatch):
+    """Prefill chunks, prompt logprobs and draft tokens are not graph steps; a capture that fails leaves the
+    engine on its eager path, saying why."""
+    engine = _engine(model, batch_invariant=True, speculative="ngram")
+    runner = engine.runner
+    outs = engine.generate([list(range(5, 25)) * 2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                                   prompt_logprobs=1))
+    assert outs[0].prompt_logprobs is not None and len(outs[0].outputs[0].token_ids) == 6
+    drafted = engine.get_stats().spec_verifications
+    assert runner.graphs.num_replays + drafted >= 1  # the prefill ran eagerly, the decodes from graphs or drafts
+
+    def broken():
+        def capture(forward):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return capture
+    monkeypatch.setattr(cuda_graphs, "capture_cuda", broken)
+    off = _engine(model, batch_invariant=True)
+    assert off.runner.graphs is None
+    assert off.get_stats().kernels["cuda_graphs"].startswith("off: capture failed (RuntimeError: operation not")
+    assert _results(off.generate(PROMPTS[:1], SEEDED)) == _results(engine.generate(PROMPTS[:1], SEEDED))
+
+
+def test_engines_the_graphs_cannot_serve_say_why(model, tiny_dir):  # noqa: F811
+    assert make_engine(model, num_kv_blocks=KV_BLOCKS).get_stats().kernels["cuda_graphs"] == "off: not a CUDA device"
+    with FakeCuda():
+        moe = make_engine(tiny_dir("qwen3_moe"), device="cuda", num_kv_blocks=KV_BLOCKS, max_num_seqs=2)
+        assert moe.get_stats().kernels["cuda_graphs"] == "off: MoE routing sorts tokens by expert on the host"
