@@ -12,7 +12,7 @@ given the new weights; batch invariance, a request alone vs in a batch of 64 (4 
 and FP8; a LoRA adapter (kernels/dense_triton.py lora_add_triton): its teacher-forced logprobs against the CPU engine
 with the same adapter (float32), and on an FP8 batch-invariant engine the base bytes kept and a request alone vs in
 the batch bitwise; CUDA graphs (model_executor/cuda_graphs.py): decode steps replayed from graphs against an eager
-engine, bitwise, through three buckets. Then speed:
+engine, bitwise, through three buckets; the OpenAI-compatible server through the openai client. Then speed:
 ms per decode step and tok/s of the 8B shape at batch 1, 64 and 256 in BF16 and FP8, beside the HBM floor (the bytes
 a step must read / 4.8 TB/s), from graphs, and at batch 1 eagerly too (enforce_eager=True: the host's share).
 """
@@ -215,6 +215,46 @@ def check_cuda_graphs(model: str, device: str, vocab: int, kv_blocks: int, batch
                   graph_s=f"{seconds[0]:.3f}", eager_s=f"{seconds[1]:.3f}")
 
 
+def check_server(model: str, device: str, vocab: int, kv_blocks: int, engine_thread=None) -> dict:
+    """The OpenAI-compatible server on the device engine, through the openai client (starlette's TestClient under
+    it: no port; plain JSON posts where openai is not installed): completions with n=2 and logprobs, then a streamed
+    greedy one, equal to the engine's own tokens. engine_thread: wraps the engine thread's loop (the dry run's
+    device tracking)."""
+    from starlette.testclient import TestClient
+
+    from fp8engine.entrypoints import async_engine
+    from fp8engine.entrypoints.server import ServerSettings, create_app
+    engine = LLMEngine(EngineConfig(model=model, device=device, num_kv_blocks=kv_blocks))
+    prompt = _prompts(1, 12, vocab, 20)[0]
+    want = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    sampled = dict(model="small", prompt=prompt, max_tokens=5, temperature=0.7, top_p=0.9, n=2, seed=1, logprobs=2)
+    greedy = dict(model="small", prompt=prompt, max_tokens=4, temperature=0.0, ignore_eos=True, return_token_ids=True)
+    with contextlib.ExitStack() as stack:
+        if engine_thread is not None:
+            stack.enter_context(_replaced(async_engine.AsyncEngine, "_run", engine_thread(async_engine.AsyncEngine._run)))
+        http = stack.enter_context(TestClient(create_app(engine, ServerSettings())))
+        try:
+            import openai
+        except ImportError:
+            client_name = "httpx"
+            choices = http.post("/v1/completions", json=sampled).json()["choices"]
+            lengths = [len(c["logprobs"]["token_logprobs"]) for c in choices]
+            whole = http.post("/v1/completions", json=greedy).json()["choices"][0]
+            streamed = whole["token_ids"]
+        else:
+            client_name = f"openai {openai.__version__}"
+            client = openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="unused", http_client=http)
+            extra = {k: sampled.pop(k) for k in ("top_p",)}
+            out = client.completions.create(**sampled, **extra)
+            lengths = [len(c.logprobs.token_logprobs) for c in out.choices]
+            body = {k: greedy.pop(k) for k in ("ignore_eos", "return_token_ids")}
+            chunks = client.completions.create(**greedy, stream=True, extra_body=body)
+            streamed = [t for chunk in chunks for c in chunk.choices for t in (getattr(c, "token_ids", None) or [])]
+    same = streamed == want.outputs[0].token_ids
+    return _check("server_openai_client", lengths == [5, 5] and same, client=client_name, sampled_lengths=lengths,
+                  greedy_equal=same)
+
+
 @contextlib.contextmanager
 def _replaced(owner, name: str, value):
     saved = getattr(owner, name)
@@ -274,18 +314,26 @@ def run(dry: bool, workdir: str | None = None) -> dict:
         small = model_dir(root / "small", shape, weights=True)
         vocab, blocks, size = shape["vocab_size"], 256 if dry else 4096, 1 if dry else 4
         batch, tokens = (4, 3) if dry else (64, 8)
-        stand_in = None
+        stand_in = engine_thread = None
         if dry:
             from tests.fake_cuda import FakeCuda
-            stand_in = stack.enter_context(FakeCuda()).stand_in_capture()
+            mode = stack.enter_context(FakeCuda())
+            stand_in = mode.stand_in_capture()
             cpu_device = torch.overrides._pop_mode_temporarily
+
+            def engine_thread(run):  # the server's engine thread tracked too (mode stacks are per thread)
+                def tracked(self):
+                    with mode.in_this_thread():
+                        run(self)
+                return tracked
         checks = [check_logprobs_vs_cpu(small, "cuda", cpu_device, vocab, blocks),
                   check_seeded(small, "cuda", vocab, blocks, size),
                   check_update_in_place(small, "cuda", vocab, blocks, size),
                   check_batch_invariance(small, "cuda", vocab, blocks, None, batch, tokens),
                   check_batch_invariance(small, "cuda", vocab, blocks, "fp8", batch, tokens),
                   check_lora(small, "cuda", cpu_device, shape, blocks, batch, tokens),
-                  check_cuda_graphs(small, "cuda", vocab, blocks, batch, tokens, stand_in)]
+                  check_cuda_graphs(small, "cuda", vocab, blocks, batch, tokens, stand_in),
+                  check_server(small, "cuda", vocab, blocks, engine_thread)]
         big = model_dir(root / "8b", TINY if dry else EIGHT_B, weights=False)
         steps, prompt_len = (2, 16) if dry else (16, 128)
         speed = [decode_speed(big, "cuda", batch, quantization, steps, prompt_len)

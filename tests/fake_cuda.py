@@ -44,6 +44,10 @@ _COPIES = (Tensor.copy_, Tensor.to, Tensor.cuda, Tensor.cpu, Tensor.type_as)
 _DEVICE, _IS_CUDA = torch._C.TensorBase.device, torch._C.TensorBase.is_cuda
 
 
+def _no_graphs():
+    raise RuntimeError("FakeCuda(graphs=None) captures no CUDA graphs")
+
+
 class MixedDevices(RuntimeError):
     """An op got device and host tensors together."""
 
@@ -185,9 +189,11 @@ class FakeCuda(TorchFunctionMode):
                        (torch.cuda, "is_available"): torch.cuda.is_available,
                        (torch.cuda, "mem_get_info"): torch.cuda.mem_get_info,
                        (torch.cuda, "synchronize"): torch.cuda.synchronize}
+        self._saved[cuda_graphs, "capture_cuda"] = cuda_graphs.capture_cuda
         if self.graphs is not None:
-            self._saved[cuda_graphs, "capture_cuda"] = cuda_graphs.capture_cuda
             cuda_graphs.capture_cuda = self.stand_in_capture(self.graphs == "replay")
+        else:
+            cuda_graphs.capture_cuda = _no_graphs
         interpreter.GridExecutor.__call__ = launch
         torch.cuda.is_available = lambda: True
         torch.cuda.mem_get_info = lambda device=None: (CUDA_FREE_BYTES, CUDA_TOTAL_BYTES)
