@@ -56,7 +56,8 @@ class EngineConfig:
     block_size: int = _option(16, "tokens per KV block")
     kv_cache_memory_bytes: int | None = _option(
         None, f"KV cache budget in bytes; none = {DEFAULT_CPU_KV_BYTES >> 30} GiB on CPU, "
-              f"{DEFAULT_GPU_KV_FRACTION:.0%} of free memory on CUDA (or set num_kv_blocks)", unit="bytes")
+              f"{DEFAULT_GPU_KV_FRACTION:.0%} of the free memory on CUDA left by the weights and a profiled "
+              f"max_num_batched_tokens step (or set num_kv_blocks)", unit="bytes")
     num_kv_blocks: int | None = _option(None, "KV cache size in blocks, instead of a budget in bytes")
     max_num_seqs: int = _option(256, "most sequences running in one step")
     max_num_batched_tokens: int = _option(8192, "token budget of one step (prefill chunks and decodes "

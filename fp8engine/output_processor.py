@@ -11,6 +11,7 @@ import torch
 
 from fp8engine.detokenizer import Detokenizer
 from fp8engine.model_executor.layers.sampler import SampleRow, sample
+from fp8engine.model_executor.model_runner import PromptLogits
 from fp8engine.outputs import CompletionOutput, RequestOutput
 from fp8engine.request import Request, ScheduledSeq, SeqStatus, Sequence
 from fp8engine.sampling_params import SamplingParams
@@ -227,7 +228,7 @@ class OutputProcessor:
         return eos + tuple(p.stop_token_ids)
 
     # ------------------------------------------------------------------ prompt logprobs and scoring
-    def _record_prompt_logprobs(self, seq: Sequence, n: int, logits: torch.Tensor) -> None:
+    def _record_prompt_logprobs(self, seq: Sequence, n: int, logits: PromptLogits) -> None:
         request, start = seq.request, seq.num_computed_tokens
         if request.scoring is not None:
             self._record_scores(request, start, n, logits)
@@ -235,23 +236,27 @@ class OutputProcessor:
         if start == 0:
             request.partial_prompt_logprobs, request.partial_prompt_top_logprobs = [None], [None]
         targets = seq.token_ids[start + 1:min(start + n + 1, seq.num_prompt_tokens)]
-        logp = torch.log_softmax(logits[:len(targets)], dim=-1)
-        chosen = logp.gather(1, torch.tensor(targets, dtype=torch.int64, device=logp.device)[:, None])
-        k = min(seq.params.prompt_logprobs, logp.shape[-1])
-        if k:  # one copy to the host: the chosen logprob, then the top-k values and ids of each row
-            values, ids = logp.topk(k, dim=-1)
-            rows = torch.cat([chosen, values, ids.to(logp.dtype)], dim=1).tolist()
+        k = seq.params.prompt_logprobs
+        pieces = []  # per row: the chosen logprob, then the top-k values and ids
+        for i, chunk in logits.chunks(0, len(targets)):
+            logp = torch.log_softmax(chunk, dim=-1)
+            ids = torch.tensor(targets[i:i + chunk.shape[0]], dtype=torch.int64, device=logp.device)
+            k = min(k, logp.shape[-1])
+            row = [logp.gather(1, ids[:, None])]
+            if k:
+                values, top = logp.topk(k, dim=-1)
+                row += [values, top.to(logp.dtype)]
+            pieces.append(torch.cat(row, dim=1))
+        rows = torch.cat(pieces).tolist() if pieces else []  # one copy to the host
+        if k:
             request.partial_prompt_top_logprobs += [dict(zip(map(int, r[1 + k:]), r[1:1 + k])) | {t: r[0]}
                                                     for r, t in zip(rows, targets)]
-            chosen = [r[0] for r in rows]
-        else:
-            chosen = chosen[:, 0].tolist()
-        request.partial_prompt_logprobs += chosen
+        request.partial_prompt_logprobs += [r[0] for r in rows]
         if len(request.partial_prompt_logprobs) == seq.num_prompt_tokens:
             request.prompt_logprobs = request.partial_prompt_logprobs
             request.prompt_top_logprobs = request.partial_prompt_top_logprobs if k else None
 
-    def _record_scores(self, request: Request, start: int, n: int, logits: torch.Tensor) -> None:
+    def _record_scores(self, request: Request, start: int, n: int, logits: PromptLogits) -> None:
         """Rows start..start+n-1 of a scoring request: row j scores response token j + 1 - prompt_len."""
         scoring = request.scoring
         if start == 0:  # a preempted request recomputes from the start
@@ -268,9 +273,11 @@ class OutputProcessor:
                                       matcher=scoring.matcher))
                 if scoring.matcher is not None:
                     scoring.matcher.accept(scoring.response[i])
-            got = sample(logits[first:first + len(targets)], rows, forced=[scoring.response[i] for i in targets],
-                         kernel=self.sample_kernel)
-            scoring.logprobs += got.logprobs
+            for i, chunk in logits.chunks(first, first + len(targets)):
+                part = slice(i, i + chunk.shape[0])
+                got = sample(chunk, rows[part], forced=[scoring.response[t] for t in targets[part]],
+                             kernel=self.sample_kernel)
+                scoring.logprobs += got.logprobs
         if start + n == len(request.prompt_token_ids):
             request.prompt_logprobs = scoring.logprobs  # done: nothing to recompute after a preemption
 

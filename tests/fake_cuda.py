@@ -13,8 +13,9 @@ one of its inputs is. What a GPU would refuse or stall on is checked:
   * Triton kernels run on the interpreter (TRITON_INTERPRET=1 must be set before triton is imported), outside
     the tracking (the interpreter copies its arguments to the host itself), and are counted in `launches`.
 
-`torch.cuda.is_available()` answers True, `torch.cuda.mem_get_info()` a fixed budget and `torch.cuda.synchronize()`
-returns at once while the mode is on.
+`torch.cuda.is_available()` answers True, `torch.cuda.mem_get_info()` a fixed budget, `max_memory_allocated()` the
+mode's `peak_bytes` (`memory_allocated()` 0), and `synchronize()`, `empty_cache()` and `reset_peak_memory_stats()`
+return at once while the mode is on.
 `torch_calls` counts every torch call (metadata queries such as `.device` or `.stride()` included) and
 `device_ops` those that return device tensors (a kernel launch on a GPU, or a view); with `stub_kernels=True` the Triton kernels are counted but not run (for counting a big model's step).
 
@@ -67,6 +68,7 @@ class FakeCuda(TorchFunctionMode):
         self.stub_kernels = stub_kernels
         self.graphs = graphs
         self.captured: list[int] = []
+        self.peak_bytes = 0  # what torch.cuda.max_memory_allocated() answers (the allocator is not tracked)
         self.torch_calls = 0
         self.device_ops = 0
         self.device_storages: set[int] = set()
@@ -188,7 +190,11 @@ class FakeCuda(TorchFunctionMode):
         self._saved = {(interpreter.GridExecutor, "__call__"): grid_call,
                        (torch.cuda, "is_available"): torch.cuda.is_available,
                        (torch.cuda, "mem_get_info"): torch.cuda.mem_get_info,
-                       (torch.cuda, "synchronize"): torch.cuda.synchronize}
+                       (torch.cuda, "synchronize"): torch.cuda.synchronize,
+                       (torch.cuda, "empty_cache"): torch.cuda.empty_cache,
+                       (torch.cuda, "reset_peak_memory_stats"): torch.cuda.reset_peak_memory_stats,
+                       (torch.cuda, "memory_allocated"): torch.cuda.memory_allocated,
+                       (torch.cuda, "max_memory_allocated"): torch.cuda.max_memory_allocated}
         self._saved[cuda_graphs, "capture_cuda"] = cuda_graphs.capture_cuda
         if self.graphs is not None:
             cuda_graphs.capture_cuda = self.stand_in_capture(self.graphs == "replay")
@@ -198,6 +204,10 @@ class FakeCuda(TorchFunctionMode):
         torch.cuda.is_available = lambda: True
         torch.cuda.mem_get_info = lambda device=None: (CUDA_FREE_BYTES, CUDA_TOTAL_BYTES)
         torch.cuda.synchronize = lambda device=None: None
+        torch.cuda.empty_cache = lambda: None
+        torch.cuda.reset_peak_memory_stats = lambda device=None: None
+        torch.cuda.memory_allocated = lambda device=None: 0
+        torch.cuda.max_memory_allocated = lambda device=None: mode.peak_bytes
         return super().__enter__()
 
     def __exit__(self, *exc):

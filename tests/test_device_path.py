@@ -153,3 +153,21 @@ def test_the_server_path_on_the_device(dev, model, monkeypatch):
         streamed = client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 4, "stream": True,
                                                         "temperature": 0.0, "logprobs": 1})
         assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]"), streamed.text
+
+
+def test_the_kv_budget_leaves_room_for_a_profiled_step(model):
+    """Without num_kv_blocks on CUDA, a forward of max_num_batched_tokens (with its logits) runs before the cache
+    is sized, and its peak beyond the weights comes off the free memory first (the private cache it writes is not
+    counted: the KV budget holds those bytes)."""
+    from fp8engine.config import DEFAULT_GPU_KV_FRACTION
+    from tests.fake_cuda import CUDA_FREE_BYTES
+    with FakeCuda() as mode:
+        mode.peak_bytes = 3 << 30  # of the 4 GiB FakeCuda calls free: a cache of ~0.85 GiB
+        engine = make_engine(model, device="cuda", max_num_batched_tokens=40, max_num_seqs=4)
+        assert mode.launches["_paged_attention_kernel"] >= 2  # the profile's forward ran (2 layers)
+    runner = engine.runner
+    first = runner.attn_layers[0]
+    scratch = 2 * 48 * first.num_kv_heads * first.head_dim * 2  # 40 tokens -> 3 blocks of 16, K and V, bf16
+    budget = int((CUDA_FREE_BYTES - ((3 << 30) - scratch)) * DEFAULT_GPU_KV_FRACTION)
+    assert runner.num_blocks == budget // runner.kv_bytes_per_block()
+    assert runner.kv_cache.shape[2] == runner.num_blocks

@@ -68,6 +68,25 @@ def test_score_equals_sampled_logprobs_after_preemption_and_chunking():
     assert engine.score(prompts, responses, params) == [c.logprobs for o in outs for c in o.outputs]
 
 
+def test_prompt_logits_in_row_chunks_change_no_bit(monkeypatch):
+    """Prompt logprobs and scoring compute the LM head a chunk of rows at a time (model_runner.PromptLogits, so an
+    8K-token prefill of a 128K vocabulary never holds its whole float32 logits): chunks of 3 rows give the bits one
+    chunk gives, top-k alternatives included."""
+    from fp8engine.model_executor import model_runner
+    engine = make_engine(batch_invariant=True, num_kv_blocks=64)
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=2, logprobs=0, prompt_logprobs=2)
+    texts = [list(range(100, 130)), list(range(2000, 2021))]
+    whole = engine.generate(texts, params)
+    prompts, responses = [o.prompt_token_ids for o in whole], [o.outputs[0].token_ids for o in whole]
+    scored = engine.score(prompts, responses, params)
+    monkeypatch.setattr(model_runner, "PROMPT_LOGITS_BYTES", 3 * 4 * engine.vocab_size)
+    chunked = engine.generate(texts, params)
+    assert [(o.prompt_logprobs, o.prompt_top_logprobs) for o in chunked] == \
+        [(o.prompt_logprobs, o.prompt_top_logprobs) for o in whole]
+    assert all(len(o.prompt_logprobs) > 6 for o in whole)  # more rows than one chunk
+    assert engine.score(prompts, responses, params) == scored == [o.outputs[0].logprobs for o in whole]
+
+
 def test_fp32_head_is_closer_to_float32_than_hf_bf16(default_dir):
     """Teacher-forced raw logprobs on float32 greedy continuations: the BF16 engine with a float32 LM head
     against a float32 model, as a ratio to Hugging Face's BF16 path against the same."""

@@ -20,13 +20,34 @@ from fp8engine.weights.quant import FP8_DTYPE
 logger = logging.getLogger(__name__)
 
 
+PROMPT_LOGITS_BYTES = 256 << 20  # float32 logits computed at once for prompt logprobs and scoring
+
+
+class PromptLogits:
+    """The LM head over a step's rows of one sequence, computed a chunk of rows at a time (at most
+    PROMPT_LOGITS_BYTES of float32 logits: 2 GiB of hidden rows' logits would otherwise be one tensor for an
+    8,192-token chunk of a 128K vocabulary, with log_softmax's copy beside it)."""
+
+    def __init__(self, model, hidden: torch.Tensor, vocab_size: int):
+        self.model, self.hidden = model, hidden
+        self.rows = max(1, PROMPT_LOGITS_BYTES // (4 * vocab_size))
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def chunks(self, start: int, stop: int):
+        """(offset from start, float32 logits of rows offset+start ..) over rows start..stop-1, in order."""
+        for i in range(start, stop, self.rows):
+            yield i - start, self.model.compute_logits(self.hidden[i:min(stop, i + self.rows)]).float()
+
+
 @dataclass(slots=True)
 class StepOutput:
     """Logits of the rows to sample (one per sampling sequence and one per draft token, in schedule order) and
-    prompt logprobs."""
+    the prompt rows' logits (prompt logprobs, scoring), by sequence."""
 
     logits: torch.Tensor | None
-    prompt_logits: dict[int, torch.Tensor]
+    prompt_logits: dict[int, PromptLogits]
 
 
 class ModelRunner:
@@ -48,6 +69,8 @@ class ModelRunner:
         self.attn_layers = self.model.attention_layers()
         self.moe_blocks = self.model.moe_blocks()
         self.block_size = config.block_size
+        self.kv_cache: torch.Tensor | None = None
+        self.routed_experts: torch.Tensor | None = None
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache()
         self.routed_experts = self._allocate_routed_experts()
@@ -99,8 +122,9 @@ class ModelRunner:
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
+                activations = self._profile_activations()
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * DEFAULT_GPU_KV_FRACTION)
+                budget = int((free - activations) * DEFAULT_GPU_KV_FRACTION)
             else:
                 budget = DEFAULT_CPU_KV_BYTES
         num = budget // self.kv_bytes_per_block()
@@ -124,11 +148,11 @@ class ModelRunner:
         return torch.zeros(self.num_blocks * self.block_size, len(self.moe_blocks), top_k, dtype=dtype,
                            device=self.device)
 
-    def _attach_cache(self, cache: torch.Tensor, routed: torch.Tensor | None) -> None:
+    def _attach_cache(self, cache: torch.Tensor | None, routed: torch.Tensor | None) -> None:
         """Points every attention layer at its [2, blocks, block_size, heads, dim] slice of cache, and every MoE
         block at its [slots, top_k] slice of routed (None: the forward records no routing)."""
         for i, layer in enumerate(self.attn_layers):
-            layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+            layer.k_cache, layer.v_cache = (None, None) if cache is None else (cache[i, 0], cache[i, 1])
         for i, block in enumerate(self.moe_blocks):
             block.routed = None if routed is None else routed[:, i]
 
@@ -162,9 +186,35 @@ class ModelRunner:
                 cache[index] = quantize_fp8(cache[index].float() * before, after)
 
     @torch.inference_mode()
-    def forward_detached(self, token_ids: list[int]) -> None:
-        """One forward of token_ids as a lone sequence against a private KV cache, for calibration: the
-        engine's cache and the scheduler's blocks are untouched."""
+    def _profile_activations(self) -> int:
+        """Device bytes a step at max_num_batched_tokens takes beyond the weights, measured before the KV cache is
+        sized: one forward of that many tokens (a lone sequence over a private cache, whose own bytes the KV budget
+        holds and are not counted), the logits of max_num_seqs sampled rows, and a chunk of prompt rows' float32
+        logits with log_softmax's copy (prompt logprobs and scoring compute no more at once: PromptLogits)."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        hidden = self.forward_detached([0] * n)
+        sampled = self.model.compute_logits(hidden[:min(n, self.config.max_num_seqs)])
+        prompt = next(PromptLogits(self.model, hidden, self.hf_config.vocab_size).chunks(0, n))[1]
+        torch.log_softmax(prompt, dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del hidden, sampled, prompt
+        torch.cuda.empty_cache()
+        first = self.attn_layers[0]
+        scratch = 2 * -(-n // self.block_size) * self.block_size * first.num_kv_heads * first.head_dim \
+            * torch.empty(0, dtype=self.kv_dtype).element_size()
+        activations = max(0, peak - scratch)
+        logger.info("profile forward of %d tokens: %.2f GiB of activations at the peak", n, activations / 2**30)
+        return activations
+
+    @torch.inference_mode()
+    def forward_detached(self, token_ids: list[int]) -> torch.Tensor:
+        """One forward of token_ids as a lone sequence against a private KV cache (its final hidden states), for
+        calibration and the start-up profile: the engine's cache and the scheduler's blocks are untouched."""
         n, bs, first = len(token_ids), self.block_size, self.attn_layers[0]
         num_blocks = -(-n // bs)
         scratch = torch.zeros(2, num_blocks, bs, first.num_kv_heads, first.head_dim, dtype=self.kv_dtype,
@@ -177,8 +227,8 @@ class ModelRunner:
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None])
         try:
             self._attach_cache(scratch, None)  # one scratch cache shared by every layer, one after the other
-            self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
-                       torch.arange(n, dtype=torch.int64, device=dev), meta)
+            return self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
+                              torch.arange(n, dtype=torch.int64, device=dev), meta)
         finally:
             self._attach_cache(self.kv_cache, self.routed_experts)
 
@@ -191,7 +241,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(scheduled)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[sample_rows]) if len(sample_rows) else None
-        prompt_logits = {seq_id: self.model.compute_logits(hidden[rows]).float()
+        vocab = self.hf_config.vocab_size
+        prompt_logits = {seq_id: PromptLogits(self.model, hidden[rows], vocab)
                          for seq_id, rows in prompt_rows.items()}  # rows: a slice of this step's tokens
         return StepOutput(logits, prompt_logits)
 
