@@ -94,7 +94,7 @@ class DecodeGraphs:
         # A bucket of b rows reads [ids | positions | slots | context lengths | block tables (b x max_blocks)], b
         # of each, from the front of one int64 buffer: one host-to-device copy a step; the graph converts.
         numel = top * (4 + self.max_blocks)
-        self.staging = _pinned(numel)
+        self.staging = pinned(numel)
         self.inputs = torch.zeros(numel, dtype=torch.int64, device=runner.device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=runner.device)  # a token a row
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
@@ -144,7 +144,7 @@ class DecodeGraphs:
         self.key = self._baked()
         for size in reversed(self.sizes):
             if size not in self.graphs:
-                self._stage([], size)
+                self._stage([], size, wait=True)
                 self.graphs[size] = self.capture(lambda size=size: self._forward(size))
                 self.num_captures += 1
 
@@ -160,10 +160,11 @@ class DecodeGraphs:
         model = self.runner.model
         return model.compute_logits(model(ids, positions, meta))
 
-    def _stage(self, scheduled: list[ScheduledSeq], size: int) -> None:
+    def _stage(self, scheduled: list[ScheduledSeq], size: int, wait: bool = False) -> None:
         """The step's inputs into the pinned buffer, rows n..size as padding (token 0 at position 0, slot -1, a
         one-token context over block 0), then to the device in one copy. Table columns past a sequence's blocks
-        keep what they held: attention reads a sequence's blocks only."""
+        keep what they held: attention reads a sequence's blocks only. The buffer is written again only after the
+        copy is done: a graph step ends with the sampler's read of its results, and capture_all waits (`wait`)."""
         n, bs = len(scheduled), self.runner.block_size
         ids, positions, slots, lens, tables = self._views(self.staging, size)
         tok, pos, slot, length, rows = [], [], [], [], []
@@ -185,12 +186,17 @@ class DecodeGraphs:
             tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int64)
         tables[n:, 0] = 0
         used = size * (4 + self.max_blocks)
-        self.inputs[:used].copy_(self.staging[:used], non_blocking=True)
+        self.inputs[:used].copy_(self.staging[:used], non_blocking=not wait)
 
 
-def _pinned(numel: int) -> torch.Tensor:
+def pinned(numel: int) -> torch.Tensor:
     """An int64 host buffer, page-locked where CUDA can pin it (a pinned source lets the copy run asynchronously)."""
+    return pin(torch.zeros(numel, dtype=torch.int64))
+
+
+def pin(host: torch.Tensor) -> torch.Tensor:
+    """host in page-locked memory where CUDA can pin it, else host itself (a CPU build, the tests' stand-in)."""
     try:
-        return torch.zeros(numel, dtype=torch.int64, pin_memory=True)
-    except RuntimeError:  # no CUDA runtime to pin with (a CPU build, the tests' stand-in device)
-        return torch.zeros(numel, dtype=torch.int64)
+        return host.pin_memory()
+    except RuntimeError:
+        return host

@@ -268,6 +268,8 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
+        if dev.type != "cpu":
+            return self._stage_on_device(ids, positions, slots, starts, seq_lens, padded, sample_rows) + (prompt_rows,)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
@@ -276,3 +278,21 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.int64, device=dev), prompt_rows)
+
+    def _stage_on_device(self, ids, positions, slots, starts, seq_lens, tables, sample_rows):
+        """The step's inputs in one host buffer (pinned where CUDA can pin it: torch's caching host allocator
+        reuses the block once its copy is done) and to the device in one copy; the device casts what attention
+        takes as int32."""
+        fields = (ids, positions, slots, starts, seq_lens, sample_rows)
+        host = torch.tensor([x for f in fields for x in f] + [x for t in tables for x in t], dtype=torch.int64)
+        staged = torch.empty(host.shape, dtype=torch.int64, device=self.device)
+        staged.copy_(cuda_graphs.pin(host), non_blocking=True)
+        parts, at = [], 0
+        for f in fields:
+            parts.append(staged[at:at + len(f)])
+            at += len(f)
+        ids_d, positions_d, slots_d, starts_d, lens_d, rows_d = parts
+        table_d = staged[at:].view(len(tables), -1)
+        meta = AttentionMetadata(slot_mapping=slots_d, query_start_loc=starts_d.to(torch.int32),
+                                 seq_lens=lens_d.to(torch.int32), block_tables=table_d.to(torch.int32))
+        return ids_d, positions_d, meta, rows_d
