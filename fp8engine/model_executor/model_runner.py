@@ -78,9 +78,11 @@ class ModelRunner:
         self.model.fused = fused_decoder.build(self.model, self.kernels, config.fp8_scale_fmt)
         self.lora_layers = {name.removesuffix(".lora"): m for name, m in self.model.named_modules()
                             if isinstance(m, LoRA)}
+        if self.device.type == "cuda":  # a prefill chunk's kernels compiled now, not in the first request
+            self.forward_detached([0] * min(config.max_num_batched_tokens, 2 * self.block_size - 1))
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         self.graphs_off = cuda_graphs.unavailable_reason(config, self)
-        if self.graphs_off is None:
+        if self.graphs_off is None:  # every decode bucket's kernels too: its graph captured on padding rows
             self._graphs_guarded(self._start_graphs)
 
     def _start_graphs(self) -> None:
