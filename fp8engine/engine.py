@@ -409,18 +409,39 @@ class LLMEngine:
         validated before anything is written. A transfer that fails (the trainer died, timeout_s
         passed) closes the group and leaves the engine on its old weights."""
         check_update_options(in_flight, kv_on_update)
-        return self.update_weights(self.receive_weights(names, dtypes, shapes), weight_version=weight_version,
-                                   flush_cache=flush_cache, in_flight=in_flight, kv_on_update=kv_on_update)
+        prequantizer = self.prequantizer()
+        received = self.receive_weights(names, dtypes, shapes, prequantizer)
+        report = self.update_weights(received, weight_version=weight_version, flush_cache=flush_cache,
+                                     in_flight=in_flight, kv_on_update=kv_on_update)
+        return self.received_report(report, names, prequantizer)
 
-    def receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]]
-                        ) -> list[tuple[str, torch.Tensor]]:
-        """The transfer half of update_weights_from_distributed: the received (name, tensor) pairs.
-        Touches nothing but the group, so it may run beside generation in another thread."""
+    def prequantizer(self) -> updater.Prequantizer | None:
+        """What receive_weights hands each tensor to as it arrives: on an FP8 engine, FP8-bound weights are
+        quantized then (updater.Prequantizer), so the received model is not held in BF16 until the commit."""
+        if self.config.quantization != "fp8":
+            return None
+        return updater.Prequantizer(self.runner.model, self.runner.kernels.quantize_into)
+
+    @staticmethod
+    def received_report(report: WeightUpdateReport, names: list[str],
+                        prequantizer: updater.Prequantizer | None) -> WeightUpdateReport:
+        """The report of an update received by broadcast, in the trainer's terms: its tensors and bytes, and
+        the quantized ones counted where they were quantized."""
+        if prequantizer is None:
+            return report
+        return dataclasses.replace(report, num_tensors=len(names), num_bytes=prequantizer.bytes_in,
+                                   num_quantized=report.num_quantized + prequantizer.count)
+
+    def receive_weights(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                        prequantizer: updater.Prequantizer | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The transfer half of update_weights_from_distributed: the received (name, tensor) pairs (FP8-bound
+        weights as codes and scales with a prequantizer). Touches nothing the engine runs with (new tensors
+        only), so it may run beside generation in another thread."""
         group = self.weights_update_group
         if group is None:
             raise ValueError("no weight-update group: call init_weights_update_group() first")
         try:
-            return group.receive(names, dtypes, shapes)
+            return group.receive(names, dtypes, shapes, prequantizer)
         except RuntimeError as exc:
             with contextlib.suppress(RuntimeError):
                 self.destroy_weights_update_group()

@@ -172,3 +172,60 @@ def test_prequantized_checkpoint_loads_as_is(default_dir, state_b, fresh_b, tmp_
     assert_same(rollout(engine), fresh_b)
     with pytest.raises(ValueError, match="use EngineConfig\\(quantization='fp8'\\)"):
         make_engine(str(tmp_path / "fp8_ckpt"))
+
+
+def test_a_broadcast_update_is_quantized_as_it_arrives_and_equals_update_weights(engine_a, state_b, monkeypatch):
+    """The weight-update group's receive hands each tensor to the engine's Prequantizer: FP8-bound weights are kept
+    as E4M3 codes and scales from the moment they arrive (not the BF16 model until the commit), and the update
+    writes every byte update_weights writes; a NaN is still refused by its own name, with nothing changed. The
+    broadcast is stood in for by a copy from the trainer's tensors (tests/test_cluster.py runs real gloo groups)."""
+    from torch import distributed as dist
+
+    from fp8engine.weights import dist_update
+    items = sorted(state_b.items())[:40]
+    sent = iter([])
+
+    def broadcast(tensor, src, group):
+        tensor.copy_(next(sent))
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    engine_a.weights_update_group = dist_update.WeightsUpdateGroup.__new__(dist_update.WeightsUpdateGroup)
+    engine_a.weights_update_group.device = "cpu"
+    engine_a.weights_update_group.group = None
+
+    held = []
+    receive = dist_update.WeightsUpdateGroup.receive
+
+    def watched(self, names, dtypes, shapes, transform=None):
+        out = receive(self, names, dtypes, shapes, transform)
+        held.extend(out)
+        return out
+    monkeypatch.setattr(dist_update.WeightsUpdateGroup, "receive", watched)
+    names, dtypes, shapes = [n for n, _ in items], [str(t.dtype).removeprefix("torch.") for _, t in items], \
+        [list(t.shape) for _, t in items]
+    sent = (dist_update._wire(t) for _, t in items)
+    report = engine_a.update_weights_from_distributed(names, dtypes, shapes, weight_version=5)
+    fp8_bound = [n for n, t in items if n.endswith("proj.weight")]
+    assert fp8_bound and report.num_tensors == len(items) and report.num_quantized == len(fp8_bound)
+    assert report.num_bytes == sum(t.numel() * t.element_size() for _, t in items)
+    assert {n: t.dtype for n, t in held if n in fp8_bound} == {n: torch.float8_e4m3fn for n in fp8_bound}
+    held_fp8 = sum(t.numel() * t.element_size() for n, t in held if n.removesuffix("_scale_inv") in fp8_bound)
+    assert held_fp8 < 0.52 * sum(t.numel() * t.element_size() for n, t in items if n in fp8_bound)
+    via_group = {n: engine_a.get_weights_by_name(n) for n, _ in items}
+    codes = [p.detach().clone() for _, p in engine_a.named_parameters()]
+
+    other = make_engine("default", quantization="fp8")
+    other.update_weights(dict(items), weight_version=5)
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+               for a, (_, b) in zip(codes, other.named_parameters()))
+    assert all(torch.equal(via_group[n], other.get_weights_by_name(n)) for n in via_group)
+
+    bad = [(n, t.clone()) for n, t in items]
+    bad[3][1].view(-1)[0] = float("nan")
+    sent = (dist_update._wire(t) for _, t in bad)
+    with pytest.raises(ValueError, match=f"weight '{bad[3][0]}': contains NaN or Inf"):
+        engine_a.update_weights_from_distributed(names, dtypes, shapes, weight_version=6)
+    assert engine_a.weight_version == 5
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+               for a, (_, b) in zip(codes, engine_a.named_parameters()))

@@ -461,14 +461,17 @@ class Server:
     async def update_weights_from_distributed(self, request: Request) -> dict:
         body = parse_json(await _read_body(request, self.settings.max_body_bytes), DistributedUpdateRequest)
         async with self._weights_lock:
+            llm = self.engine.engine
+            prequantizer = llm.prequantizer()
             try:
-                tensors = await asyncio.to_thread(self.engine.engine.receive_weights, body.names, body.dtypes,
-                                                  body.shapes)
+                tensors = await asyncio.to_thread(llm.receive_weights, body.names, body.dtypes, body.shapes,
+                                                  prequantizer)
             except ValueError as exc:
                 raise ApiError(400, str(exc)) from None
             except RuntimeError as exc:
                 raise ApiError(500, str(exc), code="broadcast_failed") from None
-            return await self._apply(tensors, body)
+            return await self._apply(tensors, body, lambda report: llm.received_report(report, body.names,
+                                                                                       prequantizer))
 
     async def destroy_weights_update_group(self) -> dict:
         await asyncio.to_thread(self.engine.engine.destroy_weights_update_group)
@@ -483,11 +486,13 @@ class Server:
             raise ApiError(400, f"bad bucket, the whole update is discarded: {exc}", param="body") from None
         self._bucket += tensors
 
-    async def _apply(self, tensors: list[tuple[str, torch.Tensor]], options: WeightUpdateOptions) -> dict:
+    async def _apply(self, tensors: list[tuple[str, torch.Tensor]], options: WeightUpdateOptions,
+                     reported=lambda report: report) -> dict:
         try:
-            report = await self.engine.update_weights(tensors, weight_version=options.weight_version,
-                                                      flush_cache=options.flush_cache,
-                                                      in_flight=options.in_flight, kv_on_update=options.kv_on_update)
+            report = reported(await self.engine.update_weights(tensors, weight_version=options.weight_version,
+                                                               flush_cache=options.flush_cache,
+                                                               in_flight=options.in_flight,
+                                                               kv_on_update=options.kv_on_update))
         except ValueError as exc:
             raise ApiError(400, str(exc), param="weights") from None
         self.metrics.update_seconds.observe(report.seconds)

@@ -181,10 +181,10 @@ class Replica:
 
     def stage_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> int:
         """Receive one broadcast update over the weight-update group, validate it, keep it for `commit`."""
-        tensors = self.engine.receive_weights(names, dtypes, shapes)
+        tensors = self.engine.receive_weights(names, dtypes, shapes, self.engine.prequantizer())
         self.engine.check_weights(tensors)
         self.staged += tensors
-        return len(tensors)
+        return len(names)
 
     def stage_lora(self, packed: Packed, scaling) -> int:
         """Validate a LoRA adapter (PEFT's names) and keep it for `commit`, which loads it after any staged weights."""

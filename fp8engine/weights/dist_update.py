@@ -17,7 +17,7 @@ Trainer side (the engines call init_weights_update_group / update_weights_from_d
 
 import datetime
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -102,16 +102,19 @@ class WeightsUpdateGroup:
         self.group = init_process_group(master_address, master_port, rank_offset, world_size, group_name,
                                         backend, timeout_s)
 
-    def receive(self, names: Sequence[str], dtypes: Sequence[str | torch.dtype],
-                shapes: Sequence[Sequence[int]]) -> list[tuple[str, torch.Tensor]]:
-        """The tensors rank 0 broadcasts, in `names` order. ValueError for inconsistent specs (before
-        anything is received); RuntimeError (torch's DistBackendError) when the transfer fails."""
+    def receive(self, names: Sequence[str], dtypes: Sequence[str | torch.dtype], shapes: Sequence[Sequence[int]],
+                transform: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None
+                ) -> list[tuple[str, torch.Tensor]]:
+        """The tensors rank 0 broadcasts, in `names` order; `transform` maps each one as it arrives to what is
+        kept of it (updater.Prequantizer: FP8-bound weights as E4M3 codes and scales), so that one received
+        tensor at a time is held as it came. ValueError for inconsistent specs (before anything is received);
+        RuntimeError (torch's DistBackendError) when the transfer fails."""
         specs = _specs(names, dtypes, shapes)
         received = []
         for name, dtype, shape in specs:
             tensor = torch.empty(shape, dtype=dtype, device=self.device)
             dist.broadcast(_wire(tensor), src=0, group=self.group)
-            received.append((name, tensor))
+            received += [(name, tensor)] if transform is None else transform(name, tensor)
         return received
 
     def destroy(self) -> None:

@@ -6,12 +6,14 @@ The commit quantizes or copies each tensor into the parameter storage the engine
 no parameter is re-allocated and no second copy of the model is made.
 """
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from fp8engine.weights.loader import KV_SCALE_NAME, BlockScales, Target, check, is_skipped, resolve, write
+from fp8engine.weights.loader import (FLOAT_DTYPES, KV_SCALE_NAME, BlockScales, Target, check, is_skipped,
+                                      min_max, resolve, write)
 from fp8engine.weights.quant import FP8_DTYPE
 
 
@@ -76,3 +78,34 @@ def _check_prequantized_pairs(items: list[tuple[Target, torch.Tensor, torch.Tens
                          f"{name}_scale_inv is missing from the update")
     for name in sorted(scales - fp8_weights):
         raise ValueError(f"{name}_scale_inv given without its float8_e4m3fn weight {name!r}")
+
+
+class Prequantizer:
+    """For a receive path that holds everything it received until the update commits (the weight-update group):
+    each float tensor bound for an FP8 weight is quantized as it arrives, into new E4M3 codes and block scales
+    (what the commit would write: the engine's own quantizer), and handed on as a pre-quantized pair, so about
+    half the bytes wait for the commit instead of the BF16 model. Anything else passes as it is, and so does a
+    tensor with NaN or Inf, which staging then refuses by its name. `count`: tensors quantized; `bytes_in`: bytes
+    received."""
+
+    def __init__(self, model: torch.nn.Module, quantize_into):
+        self.model, self.quantize_into = model, quantize_into
+        self.count = self.bytes_in = 0
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        self.bytes_in += tensor.numel() * tensor.element_size()
+        if is_skipped(name) or KV_SCALE_NAME.match(name) or tensor.dtype not in FLOAT_DTYPES:
+            return [(name, tensor)]
+        try:
+            target = resolve(self.model, name)
+        except ValueError:  # staging names it
+            return [(name, tensor)]
+        if target.kind != "fp8_weight" or tuple(tensor.shape) != target.shape:
+            return [(name, tensor)]
+        low, high = min_max(tensor)
+        if not (math.isfinite(low) and math.isfinite(high)):
+            return [(name, tensor)]
+        codes, scales = torch.empty_like(target.view), torch.empty_like(target.scale_view)
+        self.quantize_into(tensor.to(target.view.device), codes, scales, scale_fmt=target.scale_fmt)
+        self.count += 1
+        return [(name, codes), (f"{name}_scale_inv", scales)]
