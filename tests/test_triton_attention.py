@@ -146,3 +146,30 @@ def test_write_kv_cache_without_tokens():
     empty = torch.zeros(0, 1, 32)
     at.write_kv_cache_triton(empty, empty, k_cache, k_cache.clone(), torch.zeros(0, dtype=torch.int64))
     assert not k_cache.float().any()
+
+
+def test_flashinfer_is_planned_once_a_step(monkeypatch):
+    """plan() reads the batch layout on the host: every layer of a step hands the same metadata tensors, so the
+    wrapper plans when they change (a new step), not at each layer. A stand-in wrapper counts the calls."""
+    calls = []
+
+    class Wrapper:
+        def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *args, **kwargs):
+            calls.append(("plan", qo_indptr.tolist(), kv_indices.tolist()))
+
+        def run(self, q, kv, k_scale, v_scale, out):
+            calls.append(("run", q.shape[0]))
+            out.fill_(1.0)
+    wrapper = Wrapper()
+    monkeypatch.setattr(at, "_flashinfer_wrapper", lambda device: wrapper)
+    q = torch.zeros(5, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16)
+    step = (torch.tensor([0, 4, 5], dtype=torch.int32), torch.tensor([20, 3], dtype=torch.int32),
+            torch.tensor([[1, 2], [3, 0]], dtype=torch.int32))
+    for _layer in range(3):
+        out = at._flashinfer_attention(q, cache, cache, step[2], step[0], step[1], 0.125, 1.0, 1.0)
+    assert out.float().sum() == 5 * 4 * 64
+    assert calls == [("plan", [0, 4, 5], [1, 2, 3])] + [("run", 5)] * 3
+    next_step = tuple(t.clone() for t in step)
+    at._flashinfer_attention(q, cache, cache, next_step[2], next_step[0], next_step[1], 0.125, 1.0, 1.0)
+    assert [c[0] for c in calls[4:]] == ["plan", "run"]

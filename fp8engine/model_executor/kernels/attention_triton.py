@@ -358,17 +358,24 @@ def _flashinfer_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float,
                           v_scale: float) -> torch.Tensor:
     """FlashInfer's paged prefill kernel (its causal mask aligns the queries to the end of the context, as
-    here). It plans on every call: plan() reads the layout on the host, which a caller owning the wrapper could
-    do once per step instead of once per layer."""
+    here). plan() reads the batch's layout on the host; every layer of a step passes the same metadata tensors, so
+    the wrapper is planned once a step (when they or the shapes it was planned for change), not once a layer."""
     block_size = k_cache.shape[1]
-    pages = (seq_lens + block_size - 1) // block_size
-    used = torch.arange(block_tables.shape[1], device=q.device) < pages[:, None]
-    total = int(query_start_loc[-1])
-    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     wrapper = _flashinfer_wrapper(q.device)
-    wrapper.plan(query_start_loc.int(), F.pad(pages.cumsum(0), (1, 0)).int(), block_tables[used].int(),
-                 (seq_lens - (pages - 1) * block_size).int(), q.shape[1], k_cache.shape[2], q.shape[2],
-                 block_size, causal=True, sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+    key = (q.shape[1], k_cache.shape[2], q.shape[2], block_size, scale, q.dtype, k_cache.dtype)
+    planned = getattr(wrapper, "fp8engine_planned", None)
+    if planned is None or planned[0] is not query_start_loc or planned[1] is not seq_lens \
+            or planned[2] is not block_tables or planned[3] != key:
+        pages = (seq_lens + block_size - 1) // block_size
+        used = torch.arange(block_tables.shape[1], device=q.device) < pages[:, None]
+        wrapper.plan(query_start_loc.int(), F.pad(pages.cumsum(0), (1, 0)).int(), block_tables[used].int(),
+                     (seq_lens - (pages - 1) * block_size).int(), q.shape[1], k_cache.shape[2], q.shape[2],
+                     block_size, causal=True, sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        # the metadata held (not their ids): a later step's tensors cannot take their place unnoticed
+        planned = wrapper.fp8engine_planned = (query_start_loc, seq_lens, block_tables, key,
+                                               int(query_start_loc[-1]))
+    total = planned[4]
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     wrapper.run(q[:total].contiguous(), (k_cache, v_cache), k_scale=k_scale, v_scale=v_scale, out=out[:total])
     return out
 
