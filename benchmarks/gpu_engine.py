@@ -123,17 +123,22 @@ def check_update_in_place(model: str, device: str, vocab: int, kv_blocks: int, s
                   recalibrated=recalibrated, equals_fresh_engine=same, seconds=f"{report.seconds:.3f}")
 
 
+def _alone_equals_batched(engine: LLMEngine, vocab: int, batch: int, tokens: int, seed: int) -> bool:
+    """A seeded T=1 request alone and in the middle of a batch of `batch`: the same tokens and logprobs."""
+    params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=seed + 5, logprobs=0)
+    target, others = _prompts(1, 30, vocab, seed)[0], _prompts(batch - 1, 17, vocab, seed + 1)
+    alone = engine.generate([target], params)[0].outputs[0]
+    middle = batch // 2
+    batched = engine.generate(others[:middle] + [target] + others[middle:], params)[middle].outputs[0]
+    return (alone.token_ids, alone.logprobs) == (batched.token_ids, batched.logprobs)
+
+
 def check_batch_invariance(model: str, device: str, vocab: int, kv_blocks: int, quantization, batch: int,
                            tokens: int) -> dict:
     """A request alone and in the middle of a batch: the same tokens and logprobs, bit for bit."""
     engine = LLMEngine(EngineConfig(model=model, device=device, batch_invariant=True, quantization=quantization,
                                     num_kv_blocks=kv_blocks))
-    params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=11, logprobs=0)
-    target, others = _prompts(1, 30, vocab, 6)[0], _prompts(batch - 1, 17, vocab, 7)
-    alone = engine.generate([target], params)[0].outputs[0]
-    middle = batch // 2
-    batched = engine.generate(others[:middle] + [target] + others[middle:], params)[middle].outputs[0]
-    same = (alone.token_ids, alone.logprobs) == (batched.token_ids, batched.logprobs)
+    same = _alone_equals_batched(engine, vocab, batch, tokens, seed=6)
     return _check(f"batch_invariance_{quantization or 'bf16'}", same, batch=batch)
 
 
@@ -175,12 +180,7 @@ def check_lora(model: str, device: str, cpu_device, shape: dict, kv_blocks: int,
     fp8.update_lora(lora, scaling)
     kept = all(torch.equal(p.view(torch.uint8), base[name].view(torch.uint8))
                for name, p in fp8.named_parameters() if name in base)
-    params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=15, logprobs=0)
-    target, others = _prompts(1, 30, vocab, 16)[0], _prompts(batch - 1, 17, vocab, 17)
-    alone = fp8.generate([target], params)[0].outputs[0]
-    middle = batch // 2
-    batched = fp8.generate(others[:middle] + [target] + others[middle:], params)[middle].outputs[0]
-    same = (alone.token_ids, alone.logprobs) == (batched.token_ids, batched.logprobs)
+    same = _alone_equals_batched(fp8, vocab, batch, tokens, seed=16)
     return _check("lora_adapter", err <= 1e-3 and kept and same, max_abs_diff_vs_cpu=f"{err:.2e}",
                   fp8_base_kept=kept, batch_invariant=same, kernel=engine.get_stats().kernels.get("lora", "?"))
 

@@ -32,9 +32,6 @@ class PromptLogits:
         self.model, self.hidden = model, hidden
         self.rows = max(1, PROMPT_LOGITS_BYTES // (4 * vocab_size))
 
-    def __len__(self) -> int:
-        return self.hidden.shape[0]
-
     def chunks(self, start: int, stop: int):
         """(offset from start, float32 logits of rows offset+start ..) over rows start..stop-1, in order."""
         for i in range(start, stop, self.rows):
@@ -206,9 +203,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del hidden, sampled, prompt
         torch.cuda.empty_cache()
-        first = self.attn_layers[0]
-        scratch = 2 * -(-n // self.block_size) * self.block_size * first.num_kv_heads * first.head_dim \
-            * torch.empty(0, dtype=self.kv_dtype).element_size()
+        scratch = -(-n // self.block_size) * self.kv_bytes_per_block() // len(self.attn_layers)  # one layer's
         activations = max(0, peak - scratch)
         logger.info("profile forward of %d tokens: %.2f GiB of activations at the peak", n, activations / 2**30)
         return activations
