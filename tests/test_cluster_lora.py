@@ -53,15 +53,22 @@ def test_a_peft_policy_syncs_its_adapter_to_every_replica_or_none(local_ray, def
         assert ray.get([r.call.remote(lora_digest) for r in loras.replicas]) == [lora_digest(one.engine)] * 2
         assert_same(loras.rollout(PROMPTS, n=2, sampling_params=SEEDED),
                     one.rollout(PROMPTS, n=2, sampling_params=SEEDED))
+        weight = policy.base_model.model.model.layers[3].self_attn.v_proj.lora_B["default"].weight
+        kept = float(weight[2, 1])
         with torch.no_grad():
-            policy.base_model.model.model.layers[3].self_attn.v_proj.lora_B["default"].weight[2, 1] = float("nan")
+            weight[2, 1] = float("nan")
         with pytest.raises(ValueError, match=r"replica \d+ refused .*layers\.3\.self_attn\.v_proj\.lora_B.*NaN"):
             loras.sync_weights(policy, weight_version=2)
+        with torch.no_grad():
+            weight[2, 1] = kept
         assert ray.get([r.call.remote(lora_digest) for r in loras.replicas]) == [lora_digest(one.engine)] * 2
         assert [s.weight_version for s in loras.get_stats().replicas] == [1, 1]
         loras.remove_replica(1)  # its CPU for the new one
         loras.add_replica()
         assert ray.get([r.call.remote(lora_digest) for r in loras.replicas]) == [lora_digest(one.engine)] * 2
         assert [s.weight_version for s in loras.get_stats().replicas] == [1, 1]
+        loras.remove_replica(1)
+        loras.add_replica(policy)  # the PEFT model itself: its adapter, the base as the others hold it
+        assert ray.get([r.call.remote(lora_digest) for r in loras.replicas]) == [lora_digest(one.engine)] * 2
     finally:
         loras.shutdown()

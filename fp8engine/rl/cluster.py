@@ -594,19 +594,27 @@ class RolloutCluster:
     def add_replica(self, model_or_state_dict: nn.Module | Mapping[str, torch.Tensor] | None = None):
         """Start one more replica; it takes work only once it holds the cluster's weights and
         version: the last sync's buckets, kept in the object store, or `model_or_state_dict` when
-        given (needed after a distributed sync). Returns its actor handle."""
-        if self._synced and not self._weights and model_or_state_dict is None:
-            raise ValueError("the last sync was distributed (nothing kept in the object store): pass "
-                             "add_replica(model_or_state_dict) to bring the new replica to the current weights")
+        given (needed after a distributed sync). A PEFT model on replicas with LoRA buffers gives its
+        adapter (the base as the other replicas hold it). Returns its actor handle."""
+        adapter = peft_adapter(model_or_state_dict) if self.takes_lora else None
+        whole = model_or_state_dict is not None and adapter is None
+        if self._synced and not self._weights and not whole:
+            raise ValueError("the last sync of whole weights was distributed (nothing kept in the object store): "
+                             "pass add_replica(model_or_state_dict) with whole weights to bring the new replica "
+                             "to the current weights")
+        lora = self._lora
+        if adapter is not None:
+            tensors, scaling = adapter
+            lora = (_ray().put(pack(list(tensors.items()))), scaling)
         [member] = self._start(1)
         try:
-            if model_or_state_dict is not None:
+            if whole:
                 self._stage_object_store(named_tensors(model_or_state_dict), [member])
             else:
                 self._settle([(member, member.actor.stage.remote(ref)) for ref in self._weights], [member])
-            if self._lora is not None:
-                self._settle([(member, member.actor.stage_lora.remote(*self._lora))], [member])
-            if self._synced or self._lora is not None or model_or_state_dict is not None:
+            if lora is not None:
+                self._settle([(member, member.actor.stage_lora.remote(*lora))], [member])
+            if self._synced or lora is not None or whole:
                 self._commit(self.weight_version, [member])
             if self.paused:
                 _ray().get(member.actor.pause.remote(self.paused))
