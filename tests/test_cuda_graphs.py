@@ -131,3 +131,30 @@ def test_engines_the_graphs_cannot_serve_say_why(model, tiny_dir):  # noqa: F811
     with FakeCuda():
         moe = make_engine(tiny_dir("qwen3_moe"), device="cuda", num_kv_blocks=KV_BLOCKS, max_num_seqs=2)
         assert moe.get_stats().kernels["cuda_graphs"] == "off: MoE routing sorts tokens by expert on the host"
+
+
+def test_an_in_flight_update_between_graph_steps_equals_eager_steps(dev, model):
+    """update_weights(in_flight="keep") lands between two decode steps of live sequences (FP8 weights and KV):
+    the next steps recapture for the new KV scales and go on bit for bit as an eager engine given the same
+    update at the same step, per-token weight versions included."""
+    options = dict(quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    name = "model.layers.0.mlp.down_proj.weight"
+    engines = [_engine(model, **options), _engine(model, enforce_eager=True, **options)]
+    update = {name: (torch.randn(engines[0].get_weights_by_name(name).shape,
+                                 generator=torch.Generator().manual_seed(4)) * 0.2).bfloat16()}
+    results = []
+    for engine in engines:
+        for prompt in PROMPTS[:2]:
+            engine.add_request(prompt, dataclasses.replace(SEEDED, max_tokens=8))
+        finished, steps = [], 0
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+            steps += 1
+            if steps == 4:
+                engine.update_weights(update, weight_version=1, in_flight="keep")
+        results.append(sorted(((o.request_id, c.token_ids, c.logprobs, c.token_weight_versions)
+                               for o in finished for c in o.outputs), key=lambda r: r[1]))
+    assert results[0] == results[1]
+    assert all(r[3][0] == 0 and r[3][-1] == 1 for r in results[0])  # each sample spans both versions
+    # 7 decode steps: the first after the update calibrates the new KV scales eagerly (an observer), the rest replay
+    assert engines[0].runner.graphs.num_replays == 6
