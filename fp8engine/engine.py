@@ -420,7 +420,8 @@ class LLMEngine:
         quantized then (updater.Prequantizer), so the received model is not held in BF16 until the commit."""
         if self.config.quantization != "fp8":
             return None
-        return updater.Prequantizer(self.runner.model, self.runner.kernels.quantize_into)
+        kernels = self.runner.kernels
+        return updater.Prequantizer(self.runner.model, kernels.quantize_into, kernels.block_scales)
 
     @staticmethod
     def received_report(report: WeightUpdateReport, names: list[str],

@@ -170,7 +170,7 @@ def check(target: Target, tensor: torch.Tensor, block_scales: BlockScales | None
             if not finite:
                 raise ValueError(f"weight {target.name!r}: contains NaN or Inf values")
             return scales
-    low, high = min_max(tensor)
+    low, high = _min_max(tensor)
     if not (math.isfinite(low) and math.isfinite(high)):
         raise ValueError(f"weight {target.name!r}: contains NaN or Inf values")
     if target.kind == "fp8_scale" and not low > 0:
@@ -178,7 +178,7 @@ def check(target: Target, tensor: torch.Tensor, block_scales: BlockScales | None
     return None
 
 
-def min_max(tensor: torch.Tensor) -> tuple[float, float]:
+def _min_max(tensor: torch.Tensor) -> tuple[float, float]:
     """One pass, no temporaries; NaN and +-Inf propagate into the result."""
     if tensor.numel() == 0:
         return 0.0, 0.0

@@ -6,14 +6,13 @@ The commit quantizes or copies each tensor into the parameter storage the engine
 no parameter is re-allocated and no second copy of the model is made.
 """
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from fp8engine.weights.loader import (FLOAT_DTYPES, KV_SCALE_NAME, BlockScales, Target, check, is_skipped,
-                                      min_max, resolve, write)
+                                      resolve, write)
 from fp8engine.weights.quant import FP8_DTYPE
 
 
@@ -82,14 +81,14 @@ def _check_prequantized_pairs(items: list[tuple[Target, torch.Tensor, torch.Tens
 
 class Prequantizer:
     """For a receive path that holds everything it received until the update commits (the weight-update group):
-    each float tensor bound for an FP8 weight is quantized as it arrives, into new E4M3 codes and block scales
-    (what the commit would write: the engine's own quantizer), and handed on as a pre-quantized pair, so about
-    half the bytes wait for the commit instead of the BF16 model. Anything else passes as it is, and so does a
-    tensor with NaN or Inf, which staging then refuses by its name. `count`: tensors quantized; `bytes_in`: bytes
-    received."""
+    each float tensor bound for an FP8 weight is validated (loader.check, as staging does) and quantized as it
+    arrives, into new E4M3 codes and block scales (what the commit would write: the engine's own quantizer, with
+    the scales check computed), and handed on as a pre-quantized pair, so about half the bytes wait for the commit
+    instead of the BF16 model. Anything else passes as it is, and so does a tensor check refuses, which staging
+    then refuses by its name. `count`: tensors quantized; `bytes_in`: bytes received."""
 
-    def __init__(self, model: torch.nn.Module, quantize_into):
-        self.model, self.quantize_into = model, quantize_into
+    def __init__(self, model: torch.nn.Module, quantize_into, block_scales: BlockScales | None = None):
+        self.model, self.quantize_into, self.block_scales = model, quantize_into, block_scales
         self.count = self.bytes_in = 0
 
     def __call__(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -98,14 +97,13 @@ class Prequantizer:
             return [(name, tensor)]
         try:
             target = resolve(self.model, name)
+            if target.kind != "fp8_weight":
+                return [(name, tensor)]
+            block_scales = check(target, tensor, self.block_scales)
         except ValueError:  # staging names it
             return [(name, tensor)]
-        if target.kind != "fp8_weight" or tuple(tensor.shape) != target.shape:
-            return [(name, tensor)]
-        low, high = min_max(tensor)
-        if not (math.isfinite(low) and math.isfinite(high)):
-            return [(name, tensor)]
         codes, scales = torch.empty_like(target.view), torch.empty_like(target.scale_view)
-        self.quantize_into(tensor.to(target.view.device), codes, scales, scale_fmt=target.scale_fmt)
+        extra = {} if block_scales is None else {"scales": block_scales}
+        self.quantize_into(tensor.to(target.view.device), codes, scales, scale_fmt=target.scale_fmt, **extra)
         self.count += 1
         return [(name, codes), (f"{name}_scale_inv", scales)]
