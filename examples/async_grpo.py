@@ -17,6 +17,9 @@ idles while the engine generates).
     python examples/async_grpo.py --smoke                                  # 2 tiny steps of each mode
     python examples/async_grpo.py --steps 30 --json examples/results/async_grpo.json
     python examples/async_grpo.py --steps 30 --sync --json examples/results/sync_grpo.json
+    # long-tailed responses, DAPO's dynamic sampling, a BF16-autocast trainer: where async pays (docs/async-rl.md)
+    python examples/async_grpo.py --steps 30 --stop paragraph --max-tokens 128 --trainer-dtype bfloat16 \
+        --dynamic-sampling [--sync] --json examples/results/async_grpo_long.json
     python examples/async_grpo.py --plot examples/results/sync_grpo.json examples/results/async_grpo.json \\
         --out examples/results/async_grpo.png
 """
@@ -25,12 +28,14 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import queue
 import random
+import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from addition import answer_reward, make_problems
@@ -40,9 +45,10 @@ from transformers import AutoModelForCausalLM
 from fp8engine import SamplingParams, default_model_path
 from fp8engine.benchmarks.serve_load import server_process
 from fp8engine.rl import RolloutBatch, RolloutClient, correction, response_logprobs
-from fp8engine.rl.batch import concat
+from fp8engine.rl.batch import concat, micro_batches
 
 TIS_CLIP = 2.0
+STOPS = {"line": "\n", "paragraph": "\n\n"}
 ENGINE_FLAGS = ["--dtype", "bfloat16", "--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3",
                 "--kv-scale-mode", "recompute", "--kv-cache-memory-bytes", str(256 << 20)]
 
@@ -55,6 +61,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=4, help="prompt groups per training step")
     p.add_argument("--n", type=int, default=4, help="samples per prompt (the GRPO group)")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--stop", choices=tuple(STOPS), default="line",
+                   help="where a training response ends: its first line break (a few tokens), or a blank line "
+                        "(paragraph: lengths from a few tokens to --max-tokens, the long tail of RL rollouts)")
+    p.add_argument("--trainer-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="bfloat16: the trainer's decoder under BF16 autocast (float32 weights, optimizer and head)")
+    p.add_argument("--dynamic-sampling", action="store_true",
+                   help="DAPO's dynamic sampling: drop groups whose rewards are all equal (no gradient) and train "
+                        "on the next --prompts groups that differ")
+    p.add_argument("--micro-batch-tokens", type=int, default=2048,
+                   help="the trainer's micro-batches: at most this many padded positions, rows of similar length")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-operand", type=int, default=20)
     p.add_argument("--groups-in-flight", type=int, default=None,
@@ -102,19 +118,51 @@ def rewards(batch: RolloutBatch, answers: dict[str, int]) -> torch.Tensor:
 
 
 def train_step(policy, optimizer, batch: RolloutBatch, params: SamplingParams, reward: torch.Tensor,
-               version: int) -> dict[str, float]:
+               version: int, micro_batch_tokens: int, autocast: bool) -> dict[str, float]:
     """One GRPO update with token TIS against each token's behaviour logprob; the mismatch and the
-    staleness (versions behind `version`, the weights being trained) of the batch."""
-    mask = batch.response_mask
-    train_lp = response_logprobs(policy, batch, params)
-    weights = correction.token_tis_weights(train_lp, batch.rollout_logprobs, mask, clip=TIS_CLIP)
-    loss = -(weights * group_advantages(reward, batch.n)[:, None] * train_lp).sum() / mask.sum().clamp(min=1)
+    staleness (versions behind `version`, the weights being trained) of the rows trained.
+
+    Rows with advantage 0 (groups whose rewards are all equal) add nothing to the loss, so they are not run;
+    the others run in micro-batches of similar length (gradients accumulated), not padded to the longest
+    response of the step. autocast: the decoder in BF16 (the weights and the head stay float32)."""
+    advantages = group_advantages(reward, batch.n)
+    rows = advantages.nonzero().view(-1)
+    mask = batch.response_mask[rows]
+    total = mask.sum().clamp(min=1)
+    parts = []
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    loss_sum = 0.0
+    for part_rows, part in micro_batches(batch, micro_batch_tokens, rows):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            train_lp = response_logprobs(policy, part, params)
+        weights = correction.token_tis_weights(train_lp, part.rollout_logprobs, part.response_mask, clip=TIS_CLIP)
+        loss = -(weights * advantages[part_rows, None] * train_lp).sum() / total
+        loss.backward()
+        loss_sum += loss.item()
+        parts.append((part_rows, train_lp.detach()))
+    if not parts:  # every group's rewards were equal: nothing to learn from this step
+        return {"loss": 0.0, "rows_trained": 0, "k3": float("nan"),
+                **correction.staleness(batch.token_weight_versions, batch.response_mask, version)}
     torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
     optimizer.step()
-    return {"loss": loss.item(), **correction.mismatch_metrics(
-        train_lp.detach(), batch.rollout_logprobs, mask, batch.token_weight_versions, version)}
+    train_lp = torch.zeros(mask.shape)
+    where = {int(r): i for i, r in enumerate(rows)}
+    for part_rows, lp in parts:
+        train_lp[[where[int(r)] for r in part_rows], :lp.shape[1]] = lp
+    return {"loss": loss_sum, "rows_trained": len(rows), **correction.mismatch_metrics(
+        train_lp, batch.rollout_logprobs[rows], mask, batch.token_weight_versions[rows], version)}
+
+
+def float32_head(policy) -> None:
+    """Keep the LM head (and so the logprobs) in float32 under BF16 autocast: a logit of 20 in BF16 is off by
+    up to 0.06, more than the mismatch TIS corrects for."""
+    head = policy.get_output_embeddings()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return torch.nn.functional.linear(hidden.float(), head.weight, head.bias)
+
+    head.forward = forward
 
 
 def evaluate(client: RolloutClient, problems: tuple[list[str], list[int]], max_tokens: int) -> float:
@@ -150,14 +198,17 @@ class Streamer:
         finally:
             self._stream.close()  # disconnects the groups still generating: the server aborts them
 
-    def take(self, count: int) -> list[RolloutBatch]:
-        out = []
+    def take(self, count: int, keep: Callable[[RolloutBatch], RolloutBatch | None]) -> tuple[list[RolloutBatch], int]:
+        """The next `count` finished groups that `keep` keeps, and how many it dropped."""
+        out, dropped = [], 0
         while len(out) < count:
             item = self.groups.get()
             if isinstance(item, BaseException):
                 raise RuntimeError("the rollout stream failed") from item
-            out.append(item)
-        return out
+            kept = keep(item)
+            dropped += kept is None
+            out += [kept] if kept is not None else []
+        return out, dropped
 
     def close(self) -> None:
         self.stopped.set()
@@ -169,11 +220,21 @@ def run(args: argparse.Namespace, client: RolloutClient) -> dict:
     problems = Problems(args.seed, args.max_operand)
     held_out = make_problems(random.Random(args.seed + 1), args.eval_prompts, args.max_operand)
     policy = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    if args.trainer_dtype == "bfloat16":
+        float32_head(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, stop=["\n"])
+    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, stop=[STOPS[args.stop]])
     client.sync_weights(policy, weight_version=0)
     accuracy_before = evaluate(client, held_out, args.max_tokens)
     print(f"{'sync' if args.sync else 'async'}: held-out greedy accuracy at step 0: {accuracy_before:.3f}", flush=True)
+    def keep(batch: RolloutBatch) -> RolloutBatch | None:
+        """The batch's groups worth training on: all of them, or (dynamic sampling) those whose rewards differ."""
+        if not args.dynamic_sampling:
+            return batch
+        grouped = rewards(batch, problems.answers).view(-1, batch.n)
+        informative = (grouped != grouped[:, :1]).any(-1).repeat_interleave(batch.n).nonzero().view(-1)
+        return batch.select(informative) if informative.numel() else None
+
     records = []
     engine_start = client.get_stats()
     start = time.perf_counter()
@@ -181,23 +242,31 @@ def run(args: argparse.Namespace, client: RolloutClient) -> dict:
     try:
         for step in range(args.steps):
             t0 = time.perf_counter()
-            if streamer is None:
-                batch = client.rollout(problems.take(args.prompts), n=args.n, sampling_params=params)
+            if streamer is None:  # one rollout, or (dynamic sampling) rollouts of the groups still missing
+                groups, dropped = [], 0
+                while sum(g.batch_size for g in groups) < args.prompts * args.n:
+                    missing = args.prompts - sum(g.batch_size for g in groups) // args.n
+                    kept = keep(client.rollout(problems.take(missing), n=args.n, sampling_params=params))
+                    groups += [kept] if kept is not None else []
+                    dropped += missing - (kept.batch_size // args.n if kept is not None else 0)
             else:
-                batch = concat(streamer.take(args.prompts))
+                groups, dropped = streamer.take(args.prompts, keep)
+            batch = concat(groups)
             t1 = time.perf_counter()
             reward = rewards(batch, problems.answers)
-            train = train_step(policy, optimizer, batch, params, reward, version=step)
+            train = train_step(policy, optimizer, batch, params, reward, step, args.micro_batch_tokens,
+                               args.trainer_dtype == "bfloat16")
             t2 = time.perf_counter()
             sync = client.sync_weights(policy, weight_version=step + 1, in_flight="wait" if args.sync else "keep")
             t3 = time.perf_counter()
             records.append({"step": step, "reward_mean": reward.mean().item(),
-                            "tokens": int(batch.response_mask.sum()), "wait_seconds": t1 - t0,
+                            "tokens": int(batch.response_mask.sum()), "groups_dropped": dropped, "wait_seconds": t1 - t0,
                             "train_seconds": t2 - t1, "sync_seconds": t3 - t2, "sync_bytes": sync.num_bytes, **train})
             r = records[-1]
             print(f"step {step:3d}  reward {r['reward_mean']:.3f}  k3 {r['k3']:.2e}  staleness mean "
                   f"{r['staleness_mean']:.2f} max {r['staleness_max']:.0f}  wait {r['wait_seconds']:.2f}s  "
-                  f"train {r['train_seconds']:.2f}s  sync {r['sync_seconds']:.2f}s", flush=True)
+                  f"train {r['train_seconds']:.2f}s ({r['rows_trained']} rows, {r['tokens']} tokens, "
+                  f"{dropped} groups dropped)  sync {r['sync_seconds']:.2f}s", flush=True)
     finally:
         if streamer is not None:
             streamer.close()
@@ -213,7 +282,7 @@ def run(args: argparse.Namespace, client: RolloutClient) -> dict:
         "generated_tokens_per_s": (engine_end.num_generation_tokens_total
                                    - engine_start.num_generation_tokens_total) / wall,
         "held_out_accuracy_before": accuracy_before, "held_out_accuracy_after": accuracy_after,
-        "k3_mean": sum(r["k3"] for r in records) / len(records),
+        "k3_mean": statistics.fmean(k3s) if (k3s := [r["k3"] for r in records if not math.isnan(r["k3"])]) else math.nan,
         "staleness_max": max(r["staleness_max"] for r in records),
         "staleness_mean": sum(r["staleness_mean"] * r["tokens"] for r in records) / trained_tokens,
         "kv_rescale_seconds": engine_end.kv_rescale_seconds_total - engine_start.kv_rescale_seconds_total,

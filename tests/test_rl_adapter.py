@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from fp8engine import EngineConfig, SamplingParams
 from fp8engine.outputs import RequestOutput
 from fp8engine.rl import RolloutBatch, RolloutClient, RolloutEngine, response_logprobs
-from fp8engine.rl.batch import Sample, collate
+from fp8engine.rl.batch import Sample, collate, micro_batches
 from fp8engine.rl.sync import buckets, named_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,6 +165,61 @@ def test_collate_pads_exactly():
     assert batch.num_preemptions.tolist() == [1, 0, 2, 0] and batch.weight_version == 4
     assert batch.response_lengths.tolist() == [2, 1, 3, 0]
     assert batch.finish_reasons == ["length", "stop", "length", "abort"]
+
+
+def _four_samples():
+    return [Sample([5, 6, 7], [1, 2], [-0.5, -1.0], [-0.1, 0.0], "length", 1, 4, "ab"),
+            Sample([5, 6, 7], [3], [-2.0], [-0.2], "stop", 0, 4, "c"),
+            Sample([8], [4, 5, 6], [-0.1, -0.2, -0.3], [0.0, 0.0, 0.0], "length", 2, 4, "def"),
+            Sample([8], [], [], [], "abort", 0, 4, "")]
+
+
+def test_select_keeps_whole_groups_and_trims_padding():
+    batch = collate(_four_samples(), n=2, pad_token_id=0)
+    batch.group_prompts = ["p0", "p1"]
+    second = batch.select([2, 3])  # the second group alone: the first group's longer prompt padding goes
+    assert second.n == 2 and second.group_prompts == ["p1"]
+    assert second.prompt_ids.tolist() == [[8], [8]] and second.response_ids.tolist() == [[4, 5, 6], [0, 0, 0]]
+    assert second.attention_mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0]]
+    assert second.token_weight_versions.tolist() == [[4, 4, 4], [-1, -1, -1]]
+    rows = batch.select([1, 2])  # not whole groups: n=1, each row's own prompt
+    assert rows.n == 1 and rows.group_prompts == ["p0", "p1"] and rows.finish_reasons == ["stop", "length"]
+    assert rows.prompt_ids.tolist() == [[5, 6, 7], [0, 0, 8]] and rows.response_ids.tolist() == [[3, 0, 0], [4, 5, 6]]
+    assert rows.rollout_logprobs.tolist() == [[-2.0, 0.0, 0.0], pytest.approx([-0.1, -0.2, -0.3])]
+    assert rows.log_kept_mass.tolist()[0] == pytest.approx([-0.2, 0.0, 0.0])
+    assert rows.num_preemptions.tolist() == [0, 2]
+    first = batch.select([0])
+    assert first.response_ids.tolist() == [[1, 2]] and first.attention_mask.tolist() == [[1, 1, 1, 1, 1]]
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, 4\); got \[0, 4\]"):
+        batch.select([0, 4])
+
+
+def test_micro_batches_group_rows_by_length_within_the_budget():
+    batch = collate(_four_samples(), n=2, pad_token_id=0)
+    parts = [(rows.tolist(), part.input_ids.shape) for rows, part in micro_batches(batch, max_tokens=8)]
+    # longest response first; a part holds rows x (longest prompt + longest response) <= 8 positions
+    assert parts == [([2], (1, 4)), ([0], (1, 5)), ([1, 3], (2, 4))]
+    assert [rows.tolist() for rows, _ in micro_batches(batch, 100, rows=[3, 0])] == [[0, 3]]
+    assert [rows.tolist() for rows, _ in micro_batches(batch, 1)] == [[2], [0], [1], [3]]  # too long: alone
+    with pytest.raises(ValueError, match="max_tokens must be >= 1; got 0"):
+        next(micro_batches(batch, 0))
+
+
+def test_micro_batched_loss_gradient_equals_the_whole_batch(bf16_rollouts, default_dir):
+    """Summing the loss over micro-batches (gradients accumulated) gives the whole batch's gradient."""
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=3)
+    batch = bf16_rollouts.rollout(PROMPTS[:2], n=3, sampling_params=params)
+    policy = hf_policy(default_dir)
+    weight = policy.model.layers[0].mlp.down_proj.weight
+    advantages = torch.linspace(-1.0, 1.0, batch.batch_size)
+    (advantages[:, None] * response_logprobs(policy, batch, params)).sum().backward()
+    whole = weight.grad.clone()
+    policy.zero_grad()
+    for rows, part in micro_batches(batch, max_tokens=24):
+        (advantages[rows, None] * response_logprobs(policy, part, params)).sum().backward()
+    assert len(list(micro_batches(batch, max_tokens=24))) > 1
+    # the same sums over other float32 shapes: equal up to summation order
+    assert float((weight.grad - whole).norm() / whole.norm()) < 1e-5 and float(whole.norm()) > 0
 
 
 def test_rollout_batch_is_prompt_major_and_padded(bf16_rollouts):
@@ -403,7 +458,8 @@ def test_async_grpo_smoke(tmp_path):
     weights by broadcast: per-step metrics finite, versions at most the loop's bound behind."""
     out = tmp_path / "async.json"
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "async_grpo.py"), "--steps", "2", "--prompts", "2",
-                          "--n", "2", "--eval-prompts", "16", "--json", str(out)], cwd=ROOT, capture_output=True,
+                          "--n", "2", "--eval-prompts", "16", "--stop", "paragraph", "--max-tokens", "8",
+                          "--trainer-dtype", "bfloat16", "--json", str(out)], cwd=ROOT, capture_output=True,
                          text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "async: held-out greedy accuracy at step 0" in run.stdout
@@ -411,7 +467,11 @@ def test_async_grpo_smoke(tmp_path):
     assert result["config"]["label"] == "async (in_flight=keep)" and [s["step"] for s in result["steps"]] == [0, 1]
     for step in result["steps"]:
         assert step["tokens"] >= 4 and step["sync_bytes"] == 269_030_016  # the default model in BF16
-        assert step["reward_mean"] * 4 in (0, 1, 2, 3, 4) and math.isfinite(step["k3"]) and step["k3"] >= 0
+        assert step["reward_mean"] * 4 in (0, 1, 2, 3, 4)
+        # a group whose rewards are all equal has advantage 0 and is not run: k3 over the rows trained
+        correct = round(step["reward_mean"] * 4)
+        assert step["rows_trained"] in ((0,) if correct in (0, 4) else (2,) if correct in (1, 3) else (0, 4))
+        assert math.isnan(step["k3"]) if step["rows_trained"] == 0 else math.isfinite(step["k3"]) and step["k3"] >= 0
         assert 0 <= step["staleness_mean"] <= step["staleness_max"] <= step["step"] + 1
     totals = result["totals"]
     assert 0 <= totals["engine_idle_fraction"] <= 1 and 0 <= totals["trainer_idle_fraction"] <= 1

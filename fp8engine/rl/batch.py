@@ -1,6 +1,6 @@
 """RolloutBatch: rollouts as padded tensors ready for a policy-gradient loss."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +103,69 @@ class RolloutBatch:
     def response_lengths(self) -> Tensor:
         """[B] int64 number of generated tokens per sequence."""
         return self.response_mask.sum(-1)
+
+    def select(self, rows: Sequence[int] | Tensor) -> "RolloutBatch":
+        """The given rows (in that order) as a batch of their own, padding trimmed to the longest prompt and
+        response among them: whole groups a trainer keeps (n and the groups' prompts stay), or micro-batches
+        of any rows (n is then 1 and group_prompts holds each row's prompt). partial and stats are dropped;
+        the scorer is kept (it scores the rows it is given)."""
+        rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.batch_size):
+            raise ValueError(f"select: rows must lie in [0, {self.batch_size}); got {rows.tolist()}")
+        starts = rows[::self.n]
+        whole = (rows.numel() % self.n == 0 and bool((starts % self.n == 0).all())
+                 and torch.equal(rows, (starts[:, None] + torch.arange(self.n)).reshape(-1)))
+        n = self.n if whole else 1
+        prompts = ([self.group_prompts[r // self.n] for r in rows[::n].tolist()] if self.group_prompts else [])
+        width = self.prompt_ids.shape[1]
+        mask = self.attention_mask[rows]
+        keep_p = int(mask[:, :width].sum(-1).max()) if rows.numel() else 0  # prompts are left-padded
+        real_r = mask[:, width:].bool()
+        keep_r = int((real_r * torch.arange(1, real_r.shape[1] + 1)).amax()) if real_r.numel() else 0
+        columns = torch.cat([torch.arange(width - keep_p, width), torch.arange(width, width + keep_r)])
+
+        def pick(t: Tensor | None, cols: Tensor | slice) -> Tensor | None:
+            return None if t is None else t[rows][:, cols]
+
+        return RolloutBatch(
+            prompt_ids=pick(self.prompt_ids, slice(width - keep_p, width)),
+            response_ids=pick(self.response_ids, slice(0, keep_r)), attention_mask=pick(self.attention_mask, columns),
+            response_mask=pick(self.response_mask, slice(0, keep_r)),
+            rollout_logprobs=pick(self.rollout_logprobs, slice(0, keep_r)),
+            log_kept_mass=pick(self.log_kept_mass, slice(0, keep_r)), num_preemptions=self.num_preemptions[rows],
+            weight_version=self.weight_version, finish_reasons=[self.finish_reasons[r] for r in rows.tolist()],
+            response_texts=[self.response_texts[r] for r in rows.tolist()], n=n, pad_token_id=self.pad_token_id,
+            routed_experts=pick(self.routed_experts, columns),
+            token_weight_versions=pick(self.token_weight_versions, slice(0, keep_r)), group_prompts=prompts,
+            scorer=self.scorer, rewards=None if self.rewards is None else self.rewards[rows],
+            num_turns=None if self.num_turns is None else self.num_turns[rows])
+
+
+def micro_batches(batch: RolloutBatch, max_tokens: int, rows: Sequence[int] | Tensor | None = None
+                  ) -> Iterator[tuple[Tensor, RolloutBatch]]:
+    """Split `rows` of `batch` (default: all) into micro-batches of similar length, longest first, each at
+    most `max_tokens` padded prompt + response positions (a row longer than that goes alone): (rows, the
+    batch's `select` of them). A trainer sums their losses (accumulating gradients) instead of padding every
+    row to the longest response of the whole batch."""
+    if max_tokens < 1:
+        raise ValueError(f"micro_batches: max_tokens must be >= 1; got {max_tokens}")
+    rows = torch.arange(batch.batch_size) if rows is None else torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+    width = batch.prompt_ids.shape[1]
+    prompt_len = batch.attention_mask[:, :width].sum(-1)
+    real_r = batch.attention_mask[:, width:].bool()
+    response_len = (real_r * torch.arange(1, real_r.shape[1] + 1)).amax(-1) if real_r.shape[1] else prompt_len * 0
+    order = rows[torch.argsort(response_len[rows], descending=True, stable=True)]
+    chunk: list[int] = []
+    longest_p = longest_r = 0
+    for row in order.tolist():
+        p, r = max(longest_p, int(prompt_len[row])), max(longest_r, int(response_len[row]))
+        if chunk and (len(chunk) + 1) * (p + r) > max_tokens:
+            yield torch.tensor(chunk), batch.select(chunk)
+            chunk, p, r = [], int(prompt_len[row]), int(response_len[row])
+        chunk.append(row)
+        longest_p, longest_r = p, r
+    if chunk:
+        yield torch.tensor(chunk), batch.select(chunk)
 
 
 def collate(samples: Sequence[Sample], n: int, pad_token_id: int) -> RolloutBatch:

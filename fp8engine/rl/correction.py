@@ -192,7 +192,10 @@ def trainer_logprobs(logits: Tensor, token_ids: Tensor, *, temperature: float = 
     if mode != "processed":
         raise ValueError(f"mode must be 'raw' or 'processed', got {mode!r}")
     _check_sampling(temperature, top_k, top_p, min_p)
-    logp = (logits.float() / temperature).log_softmax(-1)
+    logp = (logits.float() / temperature if temperature != 1.0 else logits.float()).log_softmax(-1)
+    if top_k == -1 and top_p >= 1.0 and min_p == 0.0:  # nothing truncated: S is the vocabulary, its mass 1
+        token_logp = logp.gather(-1, index).squeeze(-1)
+        return token_logp, torch.zeros_like(token_logp.detach())
     kept = _kept_set(logp.detach().exp(), top_k, top_p, min_p)
     log_kept_mass = logp.masked_fill(~kept, -math.inf).logsumexp(-1)
     token_logp = logp.gather(-1, index).squeeze(-1) - log_kept_mass
