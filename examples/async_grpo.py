@@ -145,12 +145,11 @@ def train_step(policy, optimizer, batch: RolloutBatch, params: SamplingParams, r
                 **correction.staleness(batch.token_weight_versions, batch.response_mask, version)}
     torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
     optimizer.step()
-    train_lp = torch.zeros(mask.shape)
-    where = {int(r): i for i, r in enumerate(rows)}
+    train_lp = torch.zeros(batch.response_mask.shape)
     for part_rows, lp in parts:
-        train_lp[[where[int(r)] for r in part_rows], :lp.shape[1]] = lp
+        train_lp[part_rows, :lp.shape[1]] = lp
     return {"loss": loss_sum, "rows_trained": len(rows), **correction.mismatch_metrics(
-        train_lp, batch.rollout_logprobs[rows], mask, batch.token_weight_versions[rows], version)}
+        train_lp[rows], batch.rollout_logprobs[rows], mask, batch.token_weight_versions[rows], version)}
 
 
 def float32_head(policy) -> None:
@@ -243,12 +242,12 @@ def run(args: argparse.Namespace, client: RolloutClient) -> dict:
         for step in range(args.steps):
             t0 = time.perf_counter()
             if streamer is None:  # one rollout, or (dynamic sampling) rollouts of the groups still missing
-                groups, dropped = [], 0
-                while sum(g.batch_size for g in groups) < args.prompts * args.n:
-                    missing = args.prompts - sum(g.batch_size for g in groups) // args.n
-                    kept = keep(client.rollout(problems.take(missing), n=args.n, sampling_params=params))
+                groups, dropped, have = [], 0, 0
+                while have < args.prompts:
+                    kept = keep(client.rollout(problems.take(args.prompts - have), n=args.n, sampling_params=params))
+                    got = kept.batch_size // args.n if kept is not None else 0
                     groups += [kept] if kept is not None else []
-                    dropped += missing - (kept.batch_size // args.n if kept is not None else 0)
+                    dropped, have = dropped + args.prompts - have - got, have + got
             else:
                 groups, dropped = streamer.take(args.prompts, keep)
             batch = concat(groups)
@@ -260,7 +259,8 @@ def run(args: argparse.Namespace, client: RolloutClient) -> dict:
             sync = client.sync_weights(policy, weight_version=step + 1, in_flight="wait" if args.sync else "keep")
             t3 = time.perf_counter()
             records.append({"step": step, "reward_mean": reward.mean().item(),
-                            "tokens": int(batch.response_mask.sum()), "groups_dropped": dropped, "wait_seconds": t1 - t0,
+                            "tokens": int(batch.response_mask.sum()), "groups_dropped": dropped,
+                            "wait_seconds": t1 - t0,
                             "train_seconds": t2 - t1, "sync_seconds": t3 - t2, "sync_bytes": sync.num_bytes, **train})
             r = records[-1]
             print(f"step {step:3d}  reward {r['reward_mean']:.3f}  k3 {r['k3']:.2e}  staleness mean "
@@ -282,7 +282,8 @@ def run(args: argparse.Namespace, client: RolloutClient) -> dict:
         "generated_tokens_per_s": (engine_end.num_generation_tokens_total
                                    - engine_start.num_generation_tokens_total) / wall,
         "held_out_accuracy_before": accuracy_before, "held_out_accuracy_after": accuracy_after,
-        "k3_mean": statistics.fmean(k3s) if (k3s := [r["k3"] for r in records if not math.isnan(r["k3"])]) else math.nan,
+        "k3_mean": statistics.fmean(k3s) if (k3s := [r["k3"] for r in records if not math.isnan(r["k3"])])
+        else math.nan,
         "staleness_max": max(r["staleness_max"] for r in records),
         "staleness_mean": sum(r["staleness_mean"] * r["tokens"] for r in records) / trained_tokens,
         "kv_rescale_seconds": engine_end.kv_rescale_seconds_total - engine_start.kv_rescale_seconds_total,
