@@ -624,12 +624,30 @@ void convert_weight_tile(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, in
     for (int64_t b = 0; b < p.nkb; ++b) convert_row_block(p, cvt, n0 + r, b, wb + (b * tile_n + r) * kBlock);
 }
 
+// While a task computes, the FP8 rows of the one after it (next_n0, -1 for none) are prefetched into L2 a few
+// lines per micro-kernel call, so that its conversion finds them there instead of waiting on DRAM.
+struct TilePrefetch {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t lines_per_call = 0;
+  TilePrefetch(const Problem& p, int64_t next_n0, int64_t calls) {
+    if (next_n0 < 0 || next_n0 >= p.n) return;
+    next = reinterpret_cast<const char*>(p.w + next_n0 * p.k);
+    end = reinterpret_cast<const char*>(p.w + std::min(p.n, next_n0 + kTileN) * p.k);
+    lines_per_call = cdiv(cdiv(end - next, 64), std::max<int64_t>(calls, 1));
+  }
+  void step() {
+    for (int64_t i = 0; i < lines_per_call && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
 template <typename OutT>
-void gemm_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const GemmTask& t, uint16_t* wb,
-               float* ct, OutT* y) {
+void gemm_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const GemmTask& t, int64_t next_n0,
+               uint16_t* wb, float* ct, OutT* y) {
   const int64_t ldc = (t.mv1 - t.mv0) * 16;
   if (p.n - t.n0 < kTileN) std::memset(wb, 0, sizeof(uint16_t) * p.nkb * kTileN * kBlock);  // rows past N stay zero
   convert_weight_tile(p, cvt, t.n0, kTileN, wb);
+  TilePrefetch ahead(p, next_n0, p.nkb * cdiv(t.mv1 - t.mv0, kMaxMv));
   for (int64_t b = 0; b < p.nkb; ++b) {
     const int64_t pairs = cdiv(std::min(kBlock, p.k - b * kBlock), 64) * 32;  // whole 64-k chunks
     const uint16_t* wblock = wb + b * kTileN * kBlock;
@@ -638,6 +656,7 @@ void gemm_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const 
       const float* xp = x.at(b, mv);
       const float* sx = x.sxp.get() + b * x.mpad + mv * 16;
       const int nr = micro_nr(mvs);
+      ahead.step();
       for (int64_t j0 = 0; j0 < kTileN; j0 += nr) {
         float sw[kMaxNr];
         for (int j = 0; j < nr; ++j) sw[j] = p.sw_at(std::min(t.n0 + j0 + j, p.n - 1), b);
@@ -653,15 +672,16 @@ template <typename T>
 void linear_large_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
   const PackedX x = pack_activations(xin, p.m, p.k, p.nkb, ue8m0, false);
   const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kTileN);
-  const int64_t chunks = m_chunks(n_tiles, mvecs, at::get_num_threads());
+  const int64_t chunks = gemm_chunks(n_tiles, mvecs, at::get_num_threads(), p.k);
   at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
     const E4m3ToBf16 cvt;
     auto wb = alloc_buffer<uint16_t>(p.nkb * kTileN * kBlock);
     auto ct = alloc_buffer<float>(kTileN * cdiv(mvecs, chunks) * 16);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t c = i % chunks;
-      const GemmTask t{i / chunks * kTileN, c * mvecs / chunks, (c + 1) * mvecs / chunks};
-      gemm_task(p, x, cvt, t, wb.get(), ct.get(), y);
+    for (int64_t i = begin; i < end; ++i) {  // chunk-major: a thread's tiles share its chunk of rows in L2
+      const int64_t c = i / n_tiles;
+      const GemmTask t{i % n_tiles * kTileN, c * mvecs / chunks, (c + 1) * mvecs / chunks};
+      const int64_t next_n0 = i + 1 < end && n_tiles > 1 ? (i + 1) % n_tiles * kTileN : -1;
+      gemm_task(p, x, cvt, t, next_n0, wb.get(), ct.get(), y);
     }
   });
 }
@@ -876,15 +896,15 @@ template <typename T>
 void linear_amx(const Problem& p, const T* xin, bool ue8m0, T* y) {
   const PackedX x = pack_activations(xin, p.m, p.k, p.nkb, ue8m0, true);
   const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kAmxTileN);
-  const int64_t chunks = m_chunks(n_tiles, mvecs, at::get_num_threads());
+  const int64_t chunks = gemm_chunks(n_tiles, mvecs, at::get_num_threads(), p.k);
   at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
     const TileScope tiles;
     const E4m3ToBf16 cvt;
     auto wb = alloc_buffer<uint16_t>(p.nkb * kAmxTileN * kBlock);
     auto sw = alloc_buffer<float>(p.nkb * kAmxTileN);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t c = i % chunks;
-      amx_task(p, x, cvt, GemmTask{i / chunks * kAmxTileN, c * mvecs / chunks, (c + 1) * mvecs / chunks}, wb.get(),
+    for (int64_t i = begin; i < end; ++i) {  // chunk-major, as linear_large_m
+      const int64_t c = i / n_tiles;
+      amx_task(p, x, cvt, GemmTask{i % n_tiles * kAmxTileN, c * mvecs / chunks, (c + 1) * mvecs / chunks}, wb.get(),
                sw.get(), y);
     }
   });
