@@ -69,6 +69,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dynamic-sampling", action="store_true",
                    help="DAPO's dynamic sampling: drop groups whose rewards are all equal (no gradient) and train "
                         "on the next --prompts groups that differ")
+    p.add_argument("--max-sampling-rounds", type=int, default=10,
+                   help="dynamic sampling: a step draws at most this many --prompts' worth of groups, then trains on "
+                        "what it kept (nothing, when every group's rewards were equal) instead of drawing forever "
+                        "from a model that solves every problem or none (DAPO's max_num_gen_batches)")
     p.add_argument("--micro-batch-tokens", type=int, default=2048,
                    help="the trainer's micro-batches: at most this many padded positions, rows of similar length")
     p.add_argument("--lr", type=float, default=1e-5)
@@ -88,6 +92,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--plot", nargs="+", metavar="JSON", help="plot these runs' JSON files (no training)")
     p.add_argument("--out", default="examples/results/async_grpo.png", help="the PNG --plot writes")
     args = p.parse_args()
+    if args.max_sampling_rounds < 1:
+        p.error(f"--max-sampling-rounds must be at least 1, got {args.max_sampling_rounds}")
     if args.smoke:
         args.steps, args.prompts, args.n, args.eval_prompts = 2, 2, 2, 16
     args.groups_in_flight = args.groups_in_flight or args.prompts
@@ -197,17 +203,19 @@ class Streamer:
         finally:
             self._stream.close()  # disconnects the groups still generating: the server aborts them
 
-    def take(self, count: int, keep: Callable[[RolloutBatch], RolloutBatch | None]) -> tuple[list[RolloutBatch], int]:
-        """The next `count` finished groups that `keep` keeps, and how many it dropped."""
-        out, dropped = [], 0
-        while len(out) < count:
+    def take(self, count: int, keep: Callable[[RolloutBatch], RolloutBatch | None],
+             max_groups: int) -> tuple[list[RolloutBatch], int]:
+        """The next `count` finished groups that `keep` keeps, drawing at most `max_groups`, and how many it
+        dropped; when it kept none, the last group drawn (which trains nothing)."""
+        out, dropped, item = [], 0, None
+        while len(out) < count and dropped + len(out) < max_groups:
             item = self.groups.get()
             if isinstance(item, BaseException):
                 raise RuntimeError("the rollout stream failed") from item
             kept = keep(item)
             dropped += kept is None
             out += [kept] if kept is not None else []
-        return out, dropped
+        return out or [item], dropped
 
     def close(self) -> None:
         self.stopped.set()
@@ -243,13 +251,17 @@ def run(args: argparse.Namespace, client: RolloutClient) -> dict:
             t0 = time.perf_counter()
             if streamer is None:  # one rollout, or (dynamic sampling) rollouts of the groups still missing
                 groups, dropped, have = [], 0, 0
-                while have < args.prompts:
-                    kept = keep(client.rollout(problems.take(args.prompts - have), n=args.n, sampling_params=params))
+                for _ in range(args.max_sampling_rounds):
+                    rollout = client.rollout(problems.take(args.prompts - have), n=args.n, sampling_params=params)
+                    kept = keep(rollout)
                     got = kept.batch_size // args.n if kept is not None else 0
                     groups += [kept] if kept is not None else []
                     dropped, have = dropped + args.prompts - have - got, have + got
+                    if have == args.prompts:
+                        break
+                groups = groups or [rollout]  # nothing kept: its groups train nothing (advantage 0)
             else:
-                groups, dropped = streamer.take(args.prompts, keep)
+                groups, dropped = streamer.take(args.prompts, keep, args.max_sampling_rounds * args.prompts)
             batch = concat(groups)
             t1 = time.perf_counter()
             reward = rewards(batch, problems.answers)

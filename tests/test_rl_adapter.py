@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import queue
 import shutil
 import subprocess
 import sys
@@ -477,3 +478,22 @@ def test_async_grpo_smoke(tmp_path):
     assert 0 <= totals["engine_idle_fraction"] <= 1 and 0 <= totals["trainer_idle_fraction"] <= 1
     assert totals["generated_tokens_per_s"] >= totals["trained_tokens_per_s"] > 0
     assert totals["held_out_accuracy_after"] * 16 == round(totals["held_out_accuracy_after"] * 16)
+
+
+def test_async_grpo_dynamic_sampling_stops_at_its_cap(monkeypatch):
+    """A stream whose groups all have equal rewards does not keep the trainer waiting forever: take() draws at
+    most max_groups and hands back the last one (it trains nothing) with every group counted as dropped."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import async_grpo
+
+    streamer = object.__new__(async_grpo.Streamer)
+    streamer.groups = queue.Queue()
+    for i in range(10):
+        streamer.groups.put(f"group {i}")
+    kept, dropped = streamer.take(2, lambda group: None, max_groups=6)
+    assert (kept, dropped) == (["group 5"], 6) and streamer.groups.qsize() == 4
+    kept, dropped = streamer.take(2, lambda group: group if group.endswith(("7", "9")) else None, max_groups=6)
+    assert (kept, dropped) == (["group 7", "group 9"], 2) and streamer.groups.qsize() == 0
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "async_grpo.py"), "--max-sampling-rounds", "0"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 2 and "--max-sampling-rounds must be at least 1, got 0" in run.stderr
