@@ -242,8 +242,8 @@ inline int64_t m_chunks(int64_t n_tiles, int64_t mvecs, int64_t threads) {
 // Chunks of activation rows for a large-M GEMM: enough for the threads (m_chunks), and small enough that a
 // chunk's packed rows (16 x 2k bytes a vector, at most 1 MiB) stay in L2 while the thread's weight tiles stream
 // past them (the tasks run chunk-major); without it every tile re-read all M rows from L3. Measured on a 2-core
-// Xeon (benchmarks/fp8_linear_micro.py, 3072 x 576 at M=4096): AVX-512 GEMM 0.79x -> 0.88x torch's BF16 F.linear,
-// AMX 18.0 -> 14.1-14.5 ms; a prefill of 128 x 32 tokens 1.49 -> 1.30 s (AMX), 5.73 -> 5.37 s (AVX-512).
+// Xeon (benchmarks/fp8_linear_micro.py, 3072 x 576): AVX-512 GEMM at M=2048 0.82x -> 0.87-0.92x torch's BF16
+// F.linear, AMX at M=4096 18.0 -> 14.1-14.5 ms; a prefill of 128 x 32 tokens 1.49 -> 1.30 s (AMX), 5.73 -> 5.37 s.
 inline int64_t gemm_chunks(int64_t n_tiles, int64_t mvecs, int64_t threads, int64_t k) {
   const int64_t l2_mvecs = std::max<int64_t>(4, (1 << 20) / (32 * k));
   return std::max(m_chunks(n_tiles, mvecs, threads), cdiv(mvecs, l2_mvecs));
