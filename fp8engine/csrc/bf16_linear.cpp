@@ -377,26 +377,16 @@ void amx_task(const Problem& p, const PackedX& x, const GemmTask& t, uint16_t* p
   }
 }
 
-// Activation vectors per M chunk: about 1 MiB of packed activations, which stays in L2 while a thread's tasks go
-// over the weight tiles for that chunk (at M = 2048 streaming all of them from L3 for every tile took 1.5-2x
-// the time). A thread's tasks are consecutive: a chunk's tiles, then the next chunk's.
-int64_t amx_chunk_vecs(const PackedX& x, int64_t terms) {
-  return std::max<int64_t>(2, (int64_t(1) << 20) / (x.kchunks * 1024 * terms));
-}
-
 template <typename OutT>
 void linear_amx(const Problem& p, OutT* y) {
   const PackedX x = pack_activations(p, true);
   const int64_t mvecs = x.mpad / 16 / p.terms, n_tiles = cdiv(p.n, kAmxTileN);
-  const int64_t chunks =
-      std::max(m_chunks(n_tiles, mvecs, at::get_num_threads()), cdiv(mvecs, amx_chunk_vecs(x, p.terms)));
+  const int64_t chunks = l2_chunks(n_tiles, mvecs, at::get_num_threads(), x.kchunks * 1024 * p.terms, 2);
   at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
     const TileScope tiles;
     auto pad = alloc_buffer<uint16_t>(kAmxTileN * 32 * x.kchunks);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t c = i / n_tiles, tile = i % n_tiles;
-      amx_task(p, x, GemmTask{tile * kAmxTileN, c * mvecs / chunks, (c + 1) * mvecs / chunks}, pad.get(), y);
-    }
+    for (int64_t i = begin; i < end; ++i)
+      amx_task(p, x, chunk_major_task(i, n_tiles, kAmxTileN, mvecs, chunks), pad.get(), y);
   });
 }
 

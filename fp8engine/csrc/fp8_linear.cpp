@@ -673,16 +673,14 @@ template <typename T>
 void linear_large_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
   const PackedX x = pack_activations(xin, p.m, p.k, p.nkb, ue8m0, false);
   const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kTileN);
-  const int64_t chunks = gemm_chunks(n_tiles, mvecs, at::get_num_threads(), p.k);
+  const int64_t chunks = l2_chunks(n_tiles, mvecs, at::get_num_threads(), 32 * p.k, 4);
   at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
     const E4m3ToBf16 cvt;
     auto wb = alloc_buffer<uint16_t>(p.nkb * kTileN * kBlock);
     auto ct = alloc_buffer<float>(kTileN * cdiv(mvecs, chunks) * 16);
-    for (int64_t i = begin; i < end; ++i) {  // chunk-major: a thread's tiles share its chunk of rows in L2
-      const int64_t c = i / n_tiles;
-      const GemmTask t{i % n_tiles * kTileN, c * mvecs / chunks, (c + 1) * mvecs / chunks};
+    for (int64_t i = begin; i < end; ++i) {
       const int64_t next_n0 = i + 1 < end && n_tiles > 1 ? (i + 1) % n_tiles * kTileN : -1;
-      gemm_task(p, x, cvt, t, next_n0, wb.get(), ct.get(), y);
+      gemm_task(p, x, cvt, chunk_major_task(i, n_tiles, kTileN, mvecs, chunks), next_n0, wb.get(), ct.get(), y);
     }
   });
 }
@@ -897,17 +895,14 @@ template <typename T>
 void linear_amx(const Problem& p, const T* xin, bool ue8m0, T* y) {
   const PackedX x = pack_activations(xin, p.m, p.k, p.nkb, ue8m0, true);
   const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kAmxTileN);
-  const int64_t chunks = gemm_chunks(n_tiles, mvecs, at::get_num_threads(), p.k);
+  const int64_t chunks = l2_chunks(n_tiles, mvecs, at::get_num_threads(), 32 * p.k, 4);
   at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
     const TileScope tiles;
     const E4m3ToBf16 cvt;
     auto wb = alloc_buffer<uint16_t>(p.nkb * kAmxTileN * kBlock);
     auto sw = alloc_buffer<float>(p.nkb * kAmxTileN);
-    for (int64_t i = begin; i < end; ++i) {  // chunk-major, as linear_large_m
-      const int64_t c = i / n_tiles;
-      amx_task(p, x, cvt, GemmTask{i % n_tiles * kAmxTileN, c * mvecs / chunks, (c + 1) * mvecs / chunks}, wb.get(),
-               sw.get(), y);
-    }
+    for (int64_t i = begin; i < end; ++i)
+      amx_task(p, x, cvt, chunk_major_task(i, n_tiles, kAmxTileN, mvecs, chunks), wb.get(), sw.get(), y);
   });
 }
 

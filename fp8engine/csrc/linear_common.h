@@ -240,13 +240,20 @@ inline int64_t m_chunks(int64_t n_tiles, int64_t mvecs, int64_t threads) {
 }
 
 // Chunks of activation rows for a large-M GEMM: enough for the threads (m_chunks), and small enough that a
-// chunk's packed rows (16 x 2k bytes a vector, at most 1 MiB) stay in L2 while the thread's weight tiles stream
-// past them (the tasks run chunk-major); without it every tile re-read all M rows from L3. Measured on a 2-core
-// Xeon (benchmarks/fp8_linear_micro.py, 3072 x 576): AVX-512 GEMM at M=2048 0.82x -> 0.87-0.92x torch's BF16
-// F.linear, AMX at M=4096 18.0 -> 14.1-14.5 ms; a prefill of 128 x 32 tokens 1.49 -> 1.30 s (AMX), 5.73 -> 5.37 s.
-inline int64_t gemm_chunks(int64_t n_tiles, int64_t mvecs, int64_t threads, int64_t k) {
-  const int64_t l2_mvecs = std::max<int64_t>(4, (1 << 20) / (32 * k));
-  return std::max(m_chunks(n_tiles, mvecs, threads), cdiv(mvecs, l2_mvecs));
+// chunk's packed rows (vec_bytes a 16-row vector, at least min_vecs vectors) take about 1 MiB and stay in L2
+// while the thread's weight tiles stream past them: the tasks run chunk-major (chunk_major_task), so a thread's
+// tasks are a chunk's tiles, then the next chunk's. Without it every tile re-read all M rows from L3: BF16 AMX at
+// M = 2048 took 1.5-2x the time; FP8 (benchmarks/fp8_linear_micro.py, 3072 x 576 on a 2-core Xeon) AVX-512 at
+// M=2048 0.82x -> 0.87-0.92x torch's BF16 F.linear, AMX at M=4096 18.0 -> 14.1-14.5 ms; a prefill of 128 x 32
+// tokens 1.49 -> 1.30 s (AMX), 5.73 -> 5.37 s (AVX-512).
+inline int64_t l2_chunks(int64_t n_tiles, int64_t mvecs, int64_t threads, int64_t vec_bytes, int64_t min_vecs) {
+  return std::max(m_chunks(n_tiles, mvecs, threads), cdiv(mvecs, std::max(min_vecs, (int64_t(1) << 20) / vec_bytes)));
+}
+
+// Task i of n_tiles x chunks, chunk-major (see l2_chunks).
+inline GemmTask chunk_major_task(int64_t i, int64_t n_tiles, int64_t tile_n, int64_t mvecs, int64_t chunks) {
+  const int64_t c = i / n_tiles;
+  return GemmTask{i % n_tiles * tile_n, c * mvecs / chunks, (c + 1) * mvecs / chunks};
 }
 
 // Masked stores are slow on this class of CPU (Zen 5), so only the last, partial block uses them.
