@@ -145,7 +145,7 @@ def test_a_client_over_http_gives_the_same_episodes(rollouts):
 def test_the_agent_grpo_example_runs_two_steps(tmp_path):
     """examples/agent_grpo.py --smoke: 2 GRPO steps of 2 prompts x n=2 episodes, metrics and the plot written."""
     out, png = tmp_path / "agent.json", tmp_path / "agent.png"
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / "agent_grpo.py"), "--smoke", "--threads", "1",
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "agent_grpo.py"), "--smoke", "--threads", "2",
                           "--json", str(out), "--png", str(png)], capture_output=True, text=True, cwd=ROOT,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
