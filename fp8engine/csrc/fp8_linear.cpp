@@ -442,9 +442,12 @@ void convert_row_block(const Problem& p, const E4m3ToBf16& cvt, int64_t row, int
 }
 
 // acc[i][j] += x row i . w row j over [k0, kend) (at most one K block), in 64-k chunks. Each weight
-// load also prefetches the line `ahead` bytes on (the next tile's row at the same k): rows of a few
-// hundred bytes are too short for the hardware prefetchers to get going, and without this the loop
-// waited on DRAM (30 layers of the default model at M=1: 5.7 -> 4.1 ms).
+// load also prefetches the line `ahead` bytes on (the next tile's row at the same k) into L1, and the line
+// twice as far on (the tile after that) into L2: rows of a few hundred bytes are too short for the hardware
+// prefetchers to get going, and without the first the loop waited on DRAM (30 layers of the default model at
+// M=1: 5.7 -> 4.1 ms). The second keeps more lines in flight than L1's fill buffers hold: one weight streamed
+// from DRAM at M=1, 18.4 -> 22.1 GB/s (28 MB), 17.1 -> 20.3 (3072 x 576), and a batch-1 decode step of the
+// default model ~6% faster (docs/benchmarks.md); further on (4, 8, 16 tiles) or L2 alone (T1, T2) gained less.
 template <int MR, int NR, bool kFull>
 void gemv_block(const E4m3ToBf16& cvt, const uint8_t* const (&wr)[NR], int64_t ahead, const uint16_t* xb, int64_t kp,
                 int64_t k0, int64_t kend, __m512 (&acc)[MR][NR]) {
@@ -456,6 +459,7 @@ void gemv_block(const E4m3ToBf16& cvt, const uint8_t* const (&wr)[NR], int64_t a
     for (int j = 0; j < NR; ++j) {
       __m512i w0, w1;
       _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k + ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k + 2 * ahead), _MM_HINT_T2);
       cvt(_mm512_maskz_loadu_epi8(mask, wr[j] + k), w0, w1);
       for (int i = 0; i < MR; ++i)
         acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], xv[i][0], as_bh(w0)), xv[i][1], as_bh(w1));
