@@ -692,8 +692,10 @@ void linear_large_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
 // ---- small M: weight rows across the lanes (linear_common.h) ----------------------------------------
 
 // Converts K block b of the task's weight rows n0.. (zero past N and K) into rows_bf16 ([kNtRows][kBlock], lane
-// order) and transposes it into wt, prefetching the next block's lines (rows K bytes apart are too far apart
-// for the hardware prefetchers at this stride).
+// order) and transposes it into wt, prefetching the next block's lines into L1 (rows K bytes apart are too far
+// apart for the hardware prefetchers at this stride) and the same block of the next task's rows into L2, as the
+// gemv does (M=8 on AVX-512, a weight from DRAM 5.3-6.6 -> 5.8-7.3 GB/s; 8 sequences decoding 267-282 -> 286-291
+// tok/s).
 void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t b, uint16_t* rows_bf16, float* wt) {
   const uint16_t* rows[kNtRows];
   for (int64_t r = 0; r < kNtRows; ++r) {
@@ -708,6 +710,9 @@ void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64
       _mm_prefetch(next, _MM_HINT_T0);
       _mm_prefetch(next + 64, _MM_HINT_T0);
     }
+    const char* after = reinterpret_cast<const char*>(p.w + (n0 + kNtRows + r) * p.k + b * kBlock);
+    _mm_prefetch(after, _MM_HINT_T2);  // past the weight's end it is dropped: a prefetch never faults
+    _mm_prefetch(after + 64, _MM_HINT_T2);
     convert_row_block(p, cvt, n0 + r, b, dst);
   }
   nt_transpose(rows, kBlock / 32, wt);
