@@ -38,6 +38,9 @@ VARIABLES = (
     EnvVar("FP8ENGINE_FP32_HEAD", "tiles", ("tiles", "fma"),
            "the float32 LM head (lm_head_fp32) on CPU: the BF16 GEMM over an exact three-way bf16 split of "
            "the input (tiles), or the float32 FMA kernel (fma)"),
+    EnvVar("FP8ENGINE_HUGE_PAGES", "1", ("0", "1"),
+           "0: keep a CPU engine's weights on the allocator's pages instead of one mapping advised for "
+           "transparent huge pages (model_executor/host_memory.py)"),
     EnvVar("FP8ENGINE_FUSED_DECODER", "1", ("0", "1"),
            "0: never run the decoder layers as one C++ call (DecoderPlan); the Python layers run instead"),
 )

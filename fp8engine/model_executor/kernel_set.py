@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from fp8engine import envs
 from fp8engine.config import EngineConfig
+from fp8engine.model_executor import host_memory
 from fp8engine.model_executor.kernels import attention_ref, cpu_ops, layer_ops_ref
 from fp8engine.weights import quant
 
@@ -66,6 +67,7 @@ class KernelSet:
     gemms: tuple[str, str]  # (FP8, BF16) GEMM of the CPU kernels: "avx512" | "amx"; ("", "") elsewhere
     decoder_plan: bool  # the decoder layers may run as one C++ call (csrc/decoder.cpp)
     fp8_scale_rows: bool  # fp8_linear maps output rows to stacked scale grids (scale_rows) in one call
+    huge_pages: bool  # the weights live on transparent huge pages (model_executor/host_memory.py)
     names: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -153,6 +155,8 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
     sample_rows = ops.sample_rows if has("sample_rows") else None
     names["sampler"] = "cpp+torch" if sample_rows is not None else "torch"
     names["moe"] = "grouped"
+    huge_pages = envs.flag("FP8ENGINE_HUGE_PAGES") and host_memory.available()
+    names["host_memory"] = "huge-pages" if huge_pages else "allocator"
 
     decoder_plan = (fused and has("decoder_plan_supported")
                     and bool(ops.decoder_plan_supported()) and layer_ops and names["attention"] == "cpp")
@@ -166,7 +170,7 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
         lora_add, names["lora"] = functools.partial(layer_ops_ref.lora_add_dense, dense), "dense-linear"
     return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm, rotary, silu, lora_add,
                      write_kv, attend, None, sample_rows, quantize_into, block_scales, partition,
-                     (fp8_gemm, bf16_gemm), decoder_plan, True, names)
+                     (fp8_gemm, bf16_gemm), decoder_plan, True, huge_pages, names)
 
 
 def fp8_linear_ref(x, w_q, w_scale_inv, bias=None, scale_fmt=None, scale_rows=None) -> torch.Tensor:
@@ -210,7 +214,7 @@ def _cuda(config: EngineConfig) -> KernelSet:
                      layer_ops_ref.rotary_ref, layer_ops_ref.silu_and_mul_ref,
                      dense_triton.lora_add_triton, attention_triton.write_kv_cache_triton,
                      attend, functools.partial(moe_triton.fused_moe_triton, batch_invariant=bi), None, quantize_into,
-                     None, 0, ("", ""), False, False, names)
+                     None, 0, ("", ""), False, False, False, names)
 
 
 def _probed(library: str, probe, device: torch.device) -> bool:

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig
 
 from fp8engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
-from fp8engine.model_executor import cuda_graphs, fused_decoder, kernel_set
+from fp8engine.model_executor import cuda_graphs, fused_decoder, host_memory, kernel_set
 from fp8engine.model_executor.kernels.attention_ref import quantize_fp8
 from fp8engine.model_executor.layers.attention import AttentionMetadata
 from fp8engine.model_executor.layers.lora import LoRA
@@ -58,6 +58,8 @@ class ModelRunner:
         make_linear = LinearFactory(self.dtype, self.kernels, config.fp8_scale_fmt, config.max_lora_rank)
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
+        if self.kernels.huge_pages:  # before loading: the loader's targets are views of the tensors' final homes
+            host_memory.rehome(self.model)
         if config.load_format == "dummy":
             load_dummy(self.model, self.kernels.quantize_into, config.seed)
         else:
