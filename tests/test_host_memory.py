@@ -83,7 +83,7 @@ def test_engine_outputs_and_updates_are_those_of_the_allocators_pages(tiny_dir, 
     def outputs(huge: str):
         monkeypatch.setenv("FP8ENGINE_HUGE_PAGES", huge)
         engine = make_engine(model, quantization=quantization)
-        assert engine.runner.kernels.names["host_memory"] == ("huge-pages" if huge == "1" else "allocator")
+        assert engine.get_stats().kernels["host_memory"] == ("huge-pages" if huge == "1" else "allocator")
         weights = dict(engine.runner.model.named_parameters())
         where = {name: p.data_ptr() for name, p in weights.items()}
         first = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine.generate(prompts, params)]
