@@ -67,7 +67,7 @@ class KernelSet:
     gemms: tuple[str, str]  # (FP8, BF16) GEMM of the CPU kernels: "avx512" | "amx"; ("", "") elsewhere
     decoder_plan: bool  # the decoder layers may run as one C++ call (csrc/decoder.cpp)
     fp8_scale_rows: bool  # fp8_linear maps output rows to stacked scale grids (scale_rows) in one call
-    huge_pages: bool  # the weights live on transparent huge pages (model_executor/host_memory.py)
+    huge_pages: bool  # the weights may move onto transparent huge pages (model_executor/host_memory.py)
     names: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -156,7 +156,6 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
     names["sampler"] = "cpp+torch" if sample_rows is not None else "torch"
     names["moe"] = "grouped"
     huge_pages = envs.flag("FP8ENGINE_HUGE_PAGES") and host_memory.available()
-    names["host_memory"] = "huge-pages" if huge_pages else "allocator"
 
     decoder_plan = (fused and has("decoder_plan_supported")
                     and bool(ops.decoder_plan_supported()) and layer_ops and names["attention"] == "cpp")

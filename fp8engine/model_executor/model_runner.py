@@ -58,8 +58,8 @@ class ModelRunner:
         make_linear = LinearFactory(self.dtype, self.kernels, config.fp8_scale_fmt, config.max_lora_rank)
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
-        if self.kernels.huge_pages:  # before loading: the loader's targets are views of the tensors' final homes
-            host_memory.rehome(self.model)
+        # before loading: the loader's targets are views of the tensors' final homes
+        self.huge_page_bytes = host_memory.rehome(self.model) if self.kernels.huge_pages else 0
         if config.load_format == "dummy":
             load_dummy(self.model, self.kernels.quantize_into, config.seed)
         else:
@@ -99,10 +99,12 @@ class ModelRunner:
 
     @property
     def kernel_names(self) -> dict[str, str]:
-        """What runs: the kernel set's names, and the decoder layers' path ("cpp-plan": one C++ call)."""
+        """What runs: the kernel set's names, the decoder layers' path ("cpp-plan": one C++ call) and where the weights
+        live ("huge-pages": host_memory.rehome moved them)."""
         graphs = "decode" if self.graphs is not None else f"off: {self.graphs_off}"
         return self.kernels.names | {"decoder": "python" if self.model.fused is None else "cpp-plan",
-                                     "cuda_graphs": graphs}
+                                     "cuda_graphs": graphs,
+                                     "host_memory": "huge-pages" if self.huge_page_bytes else "allocator"}
 
     @property
     def lora_active(self) -> bool:
