@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fp8engine.weights.quant import cdiv
+
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # every tensor starts on a cache line
 # Below this much movable weight nothing moves: a model that small stays in the last-level cache between steps, and
@@ -50,7 +52,7 @@ def arena(nbytes: int) -> torch.Tensor:
 def _whole(t: torch.Tensor) -> bool:
     """A contiguous CPU tensor that is all of its storage."""
     return (t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0 and t.numel() > 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+            and t.untyped_storage().nbytes() == t.nbytes)
 
 
 def rehome(module: nn.Module, min_bytes: int | None = None) -> int:
@@ -60,12 +62,12 @@ def rehome(module: nn.Module, min_bytes: int | None = None) -> int:
     tensors = list({id(t): t for t in (*module.parameters(), *module.buffers())}.values())
     users = Counter(t.untyped_storage().data_ptr() for t in tensors)
     tensors = [t for t in tensors if _whole(t) and users[t.untyped_storage().data_ptr()] == 1]
-    sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
+    sizes = [cdiv(t.nbytes, _ALIGN) * _ALIGN for t in tensors]
     if not tensors or sum(sizes) < (MIN_BYTES if min_bytes is None else min_bytes):
         return 0
     memory, offset = arena(sum(sizes)), 0
     for t, size in zip(tensors, sizes):
-        home = memory[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        home = memory[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
         home.copy_(t)
         t.data = home
         offset += size
