@@ -48,10 +48,14 @@ def cpu_can_build(op: str) -> bool:
     op is compiled under (csrc/*.cpp register it only inside those #if blocks)."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return False
+    flags = cpu_flags()
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    if op in ("bf16_linear", "paged_attention") and avx2:  # the AVX2 kernels where AVX-512 falls short
+        return True
     needs = {"bf16_linear": {"avx512_bf16"}, "fp8_block_linear": set(), "fp8_quantize_weight_": set(),
              "fp8_block_scales_": set(), "fp8_linear_isa": set(), "amx_usable": set()}.get(
         op, {"avx512f", "avx512bw", "avx512vl"})
-    return needs <= cpu_flags()
+    return needs <= flags
 
 
 def require_cpu_op(op: str):

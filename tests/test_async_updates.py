@@ -108,7 +108,7 @@ def test_kv_scales_that_change_under_kept_samples_are_converted(model, monkeypat
     baseline.update_weights({}, kv_scales={i: (0.02, 0.03) for i in range(2)})
     want = torch.tensor([o.outputs[0].logprobs[4] for o in baseline.generate(PROMPTS, greedy)])
     converted, unconverted = torch.tensor(run(True)), torch.tensor(run(False))
-    assert (converted - want).abs().max() < 0.05
+    assert (converted - want).abs().max() < 0.1  # AVX-512: 0.03-0.05; AVX2 kernels (other sum orders): 0.06
     assert (unconverted - want).abs().max() > 4 * (converted - want).abs().max()
 
 

@@ -21,9 +21,10 @@ def test_every_op_this_machine_can_build_is_loaded(op):
 
 
 def _fp8_backend() -> str:
-    """The FP8 linear's GEMM the CPU flags call for: AMX tiles, else AVX-512 BF16 dot products, else scalar."""
+    """The FP8 linear's GEMM the CPU flags call for: AMX tiles, else AVX-512 BF16 dot products, else AVX2 + FMA,
+    else scalar."""
     if not {"avx512_bf16", "avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
-        return "cpp-scalar"
+        return "cpp-avx2" if {"avx2", "fma", "f16c"} <= cpu_flags() else "cpp-scalar"
     return "cpp-amx" if {"amx_bf16", "amx_tile"} <= cpu_flags() else "cpp-avx512bf16"
 
 
@@ -41,7 +42,8 @@ def test_engine_stats_name_the_kernels_that_run_and_count_steps_requests_tokens(
     monkeypatch.delenv("FP8ENGINE_BF16_GEMM", raising=False)
     prompts = [[1000, 1001, 1002, 1003, 1004], [2000, 2001, 2002]]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    dense = "cpp-bf16-gemv+amx+torch" if {"amx_bf16", "amx_tile"} <= cpu_flags() else "cpp-bf16-gemv+torch"
+    dense = ("cpp-bf16-gemv+amx+torch" if {"amx_bf16", "amx_tile"} <= cpu_flags() else
+             "cpp-bf16-gemv+torch" if "avx512_bf16" in cpu_flags() else "cpp-bf16-avx2")
     for options, linear in ((dict(), dense), (dict(quantization="fp8"), _fp8_backend()),
                             (dict(dtype="float32"), "torch")):
         engine = make_engine(num_kv_blocks=16, **options)

@@ -53,9 +53,9 @@ def _fp8_backend() -> str:
 
 def test_backend_name_follows_the_gemm(ops, monkeypatch):
     monkeypatch.delenv("FP8ENGINE_FP8_GEMM", raising=False)
-    assert _fp8_backend() in (("cpp-amx",) if AMX else ("cpp-avx512bf16", "cpp-scalar"))
+    assert _fp8_backend() in (("cpp-amx",) if AMX else ("cpp-avx512bf16", "cpp-avx2", "cpp-scalar"))
     monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "avx512")
-    assert _fp8_backend() in ("cpp-avx512bf16", "cpp-scalar")
+    assert _fp8_backend() in ("cpp-avx512bf16", "cpp-avx2", "cpp-scalar")
     monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "tiles")
     with pytest.raises(ValueError, match=r"FP8ENGINE_FP8_GEMM must be one of \('auto', 'avx512', 'amx'\), got 'tiles'"):
         _fp8_backend()
@@ -381,3 +381,23 @@ def test_batch_invariant_rows_are_the_same_bits_on_either_side_of_the_kernel_swi
     alone = ops.fp8_block_linear(x[:1].contiguous(), w_q, w_s, None, False, None, False, "avx512")
     assert torch.equal(alone, ops.fp8_block_linear(x[:1].contiguous(), w_q, w_s, None, False, None, False,
                                                    "avx512-gemv"))
+
+
+def test_subnormal_weight_codes_survive_flush_denormal(ops, gemm):
+    """A block whose small weights quantize to E4M3 subnormals (codes 0x01-0x07) gives the reference's result
+    with torch.set_flush_denormal(True) too (MXCSR's denormals-are-zero: the AVX2 kernels convert codes through
+    half precision, which that flag does not touch)."""
+    w = torch.full((8, 128), 1e-5)
+    w[:, 0] = 1.0  # scale 1/448: 1e-5 * 448 = 0.00448, an E4M3 subnormal (below 2^-6)
+    w_q, w_s = quant.quantize_weight_blockwise(w)
+    codes = w_q.view(torch.uint8)[:, 1:]
+    assert ((codes > 0) & (codes < 8)).all()
+    x = torch.ones(2, 128)
+    expected = quant.fp8_block_linear_ref(x, w_q, w_s)
+    assert torch.equal(ops.fp8_block_linear(x, w_q, w_s, None, False, None, True, gemm), expected)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        assert torch.equal(ops.fp8_block_linear(x, w_q, w_s, None, False, None, True, gemm), expected)
+    finally:
+        torch.set_flush_denormal(False)

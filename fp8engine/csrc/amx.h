@@ -103,6 +103,9 @@ struct GemmChoice {
 };
 
 inline GemmChoice choose_gemm(const std::string& gemm, const char* op) {
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)) && defined(__AVX2__)
+  if (gemm == "avx2") return {false, Avx512Kernel::kByM};  // the AVX2 kernels (linear_common.h): one for every M
+#endif
   if (gemm == "avx512-gemv") return {false, Avx512Kernel::kGemv};
   if (gemm == "avx512-nt") return {false, Avx512Kernel::kNt};
   if (gemm == "avx512-gemm") return {false, Avx512Kernel::kGemm};

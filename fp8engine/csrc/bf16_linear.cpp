@@ -6,8 +6,9 @@
 // RL step, so a packed copy would have to be rebuilt and would double the memory. Large M runs a GEMM:
 // on AMX tiles where the CPU has them (weight rows loaded straight into tiles), else the FP8 kernel's
 // AVX-512 GEMM (linear_common.h) with weight tiles copied to L1 instead of converted from E4M3; small M
-// streams weight rows against a few activation rows. Without AVX512-BF16 the op is not registered and
-// the Python wrapper uses torch.
+// streams weight rows against a few activation rows. Without AVX512-BF16 but with AVX2 + FMA (AMD Zen 2-3,
+// Intel before Cooper Lake) one kernel serves every M (linear_common.h: float32 sums of 128-wide K blocks,
+// added block after block); without either the op is not registered and the Python wrapper uses torch.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -484,4 +485,61 @@ TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.impl("bf16_linear_terms_f32", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_terms_f32));
 }
 
-#endif  // FP8E_BF16_KERNELS
+#elif defined(FP8E_AVX2_KERNELS)
+
+namespace {
+
+using namespace fp8e;
+
+// The AVX2 kernel for every M (batch_invariant as it stands; `gemm` is validated, there is nothing to choose).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                       bool /*batch_invariant*/, bool float32_out, const std::string& gemm) {
+  choose_gemm(gemm, "bf16_linear");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "bf16_linear: x and w must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "bf16_linear: x must be [M, K] with unit inner stride");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "bf16_linear: w must be [N, K] with unit inner stride");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(w.size(1) == k && k > 0, "bf16_linear: x has K=", k, " but w is ", w.sizes());
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bf16_linear: bias must be [N]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({m, n}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16)
+                                       .memory_format(at::MemoryFormat::Contiguous));
+  if (m == 0 || n == 0) return y;
+  const int64_t kp = cdiv(k, kAvx2Block) * kAvx2Block;
+  auto xf = alloc_buffer<float>(m * kp);  // x in float32, zero past K
+  const auto* xb = static_cast<const uint16_t*>(x.data_ptr());
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* dst = xf.get() + r * kp;
+      int64_t c = 0;
+      for (; c + 8 <= k; c += 8) _mm256_storeu_ps(dst + c, Bf16Weights::load8(xb + r * ldx + c));
+      for (; c < k; ++c) dst[c] = static_cast<float>(c10::BFloat16(xb[r * ldx + c], c10::BFloat16::from_bits()));
+      std::fill(dst + k, dst + kp, 0.f);
+    }
+  });
+  const auto* wb = static_cast<const uint16_t*>(w.data_ptr());
+  const Avx2Operands op{m, n, k, xf.get(), kp, nullptr, 0, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
+  auto no_scale = [](int64_t, int64_t) { return 1.f; };
+  if (float32_out) {
+    avx2_linear<Bf16Weights>(op, wb, w.stride(0), y.data_ptr<float>(), no_scale);
+  } else {
+    avx2_linear<Bf16Weights>(op, wb, w.stride(0), y.data_ptr<at::BFloat16>(), no_scale);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
+  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias, bool batch_invariant=False, bool float32_out=False, "
+        "str gemm='auto') -> Tensor");
+  m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
+}
+
+#endif  // FP8E_BF16_KERNELS / FP8E_AVX2_KERNELS

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -41,6 +42,44 @@ struct Bf16Tables {
   }
 };
 inline constexpr Bf16Tables kE4m3Bf16{};
+
+// An E4M3 code's value as float32 (exact; 0x7F / 0xFF are NaN).
+inline float e4m3_value(uint8_t v) {
+  const uint32_t bits = static_cast<uint32_t>(kE4m3Bf16.full[v]) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// c10's float -> float8_e4m3fn conversion (round to nearest even; >= 480 and NaN -> 0x7F), in scalar code.
+inline uint8_t e4m3_from_f32(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t r;
+  if (bits >= (1087u << 20)) {
+    r = 0x7F;
+  } else if (bits < (121u << 23)) {
+    const uint32_t magic = 141u << 23;
+    float a, m;
+    std::memcpy(&a, &bits, 4);
+    std::memcpy(&m, &magic, 4);
+    const float sum = a + m;
+    uint32_t sb;
+    std::memcpy(&sb, &sum, 4);
+    r = static_cast<uint8_t>(sb - magic);
+  } else {
+    bits += 0xC407FFFFu + ((bits >> 20) & 1u);
+    r = static_cast<uint8_t>(bits >> 20);
+  }
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
 
 #if defined(__AVX512F__)
 // c (|c| <= 448) rounded to the nearest E4M3 value, as a float (round to nearest even, subnormal step

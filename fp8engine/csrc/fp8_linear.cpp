@@ -212,23 +212,6 @@ float to_f32(T v) {
   return static_cast<float>(v);
 }
 
-// c10's float -> float8_e4m3fn conversion (round to nearest even; >= 480 and NaN -> 0x7F).
-uint8_t e4m3_from_f32(float f) {
-  uint32_t bits = f32_bits(f);
-  const uint32_t sign = bits & 0x80000000u;
-  bits ^= sign;
-  uint8_t r;
-  if (bits >= (1087u << 20)) {
-    r = 0x7F;
-  } else if (bits < (121u << 23)) {
-    r = static_cast<uint8_t>(f32_bits(f32_from_bits(bits) + f32_from_bits(141u << 23)) - (141u << 23));
-  } else {
-    bits += 0xC407FFFFu + ((bits >> 20) & 1u);
-    r = static_cast<uint8_t>(bits >> 20);
-  }
-  return static_cast<uint8_t>(r | (sign >> 24));
-}
-
 float clamp_fp8(float v) { return std::isnan(v) ? v : std::min(kFp8Max, std::max(-kFp8Max, v)); }
 
 template <typename T>
@@ -946,9 +929,39 @@ void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_inva
   linear_large_m(p, x, ue8m0, y);
 }
 
+#elif defined(FP8E_AVX2_KERNELS)
+
+// AVX2 + FMA (linear_common.h): the activations quantized to E4M3 and held as float32 values times 2^8 (the
+// weights convert to their values times 2^-8), each 128-wide K block's sum scaled by sx * sw. One kernel for
+// every M.
+
+float e4m3_to_f32(uint8_t v) { return e4m3_value(v); }
+
+template <typename T>
+void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_invariant*/, GemmChoice /*gemm*/) {
+  const int64_t kp = p.nkb * kBlock;
+  auto xf = alloc_buffer<float>(p.m * kp);  // the activations' E4M3 values x 256, zero past K
+  auto sx = alloc_buffer<float>(p.m * p.nkb);
+  at::parallel_for(0, p.m, 8, [&](int64_t begin, int64_t end) {
+    uint8_t codes[kBlock];
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t b = 0; b < p.nkb; ++b) {
+        const int64_t c0 = b * kBlock, cols = std::min(kBlock, p.k - c0);
+        const float s = block_scale(amax_rows(x + r * p.k + c0, p.k, 1, cols), ue8m0);
+        sx[r * p.nkb + b] = s;
+        quantize_span(x + r * p.k + c0, codes, cols, s);
+        float* dst = xf.get() + r * kp + c0;
+        for (int64_t c = 0; c < cols; ++c) dst[c] = e4m3_to_f32(codes[c]) * 256.f;
+        std::fill(dst + cols, dst + kBlock, 0.f);
+      }
+  });
+  const Avx2Operands op{p.m, p.n, p.k, xf.get(), kp, sx.get(), p.nkb, p.bias};
+  avx2_linear<E4m3Weights>(op, p.w, p.k, y, [&](int64_t row, int64_t b) { return p.sw_at(row, b); });
+}
+
 #else  // portable scalar path
 
-float e4m3_to_f32(uint8_t v) { return f32_from_bits(static_cast<uint32_t>(kE4m3Bf16.full[v]) << 16); }
+float e4m3_to_f32(uint8_t v) { return e4m3_value(v); }
 
 // One row at a time in a fixed order: batch invariant as it stands.
 template <typename T>
@@ -1031,6 +1044,8 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at
 std::string fp8_linear_isa() {
 #ifdef FP8E_BF16_KERNELS
   return "avx512bf16";
+#elif defined(FP8E_AVX2_KERNELS)
+  return "avx2";
 #else
   return "scalar";
 #endif

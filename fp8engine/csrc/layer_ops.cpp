@@ -1,4 +1,4 @@
-// Fused element-wise layer ops for x86 CPUs with AVX-512: RMSNorm with the residual add, rotary
+// Fused element-wise layer ops for x86 CPUs with AVX-512 (or AVX2 + FMA, 8 lanes): RMSNorm with the residual add, rotary
 // embedding in place, and SiLU-and-mul. Each one replaces a chain of torch ops (and their
 // temporaries) while rounding exactly where the torch versions do, so their references are
 // fp8engine/model_executor/kernels/layer_ops_ref.py:
@@ -13,6 +13,12 @@
 #include <torch/library.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FP8E_LAYER_OPS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FP8E_LAYER_OPS_AVX2 1  // CPUs without AVX-512: the same ops on 8 lanes (LoRA stays with torch there)
+#endif
+
+#if defined(FP8E_LAYER_OPS_AVX512) || defined(FP8E_LAYER_OPS_AVX2)
 
 #include <immintrin.h>
 
@@ -29,15 +35,31 @@
 namespace {
 
 using fp8engine_vec::dispatch_io;
+
+constexpr int64_t kGrainElems = 1 << 15;  // below this much work per thread, threads cost more than they save
+
+int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+
+#ifdef FP8E_LAYER_OPS_AVX512
+
 using fp8engine_vec::exp512;
 using fp8engine_vec::load16;
 using fp8engine_vec::store16;
 using fp8engine_vec::tail_mask;
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kGrainElems = 1 << 15;  // below this much work per thread, threads cost more than they save
 
-int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+// The LoRA kernels' vector API (lanes [0, n) of memory; none for n <= 0).
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float f) { return _mm512_set1_ps(f); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+template <typename T>
+inline Vec vload(const T* p, int64_t n) { return n > 0 ? load16(p, tail_mask(n)) : vzero(); }
+template <typename T>
+inline void vstore(T* p, Vec x, int64_t n) { store16(p, x, tail_mask(n)); }
 
 // Rounds 16 lanes to the storage type T (a no-op for fp32), as a torch op's output would be.
 template <typename T>
@@ -46,6 +68,18 @@ inline __m512 round_to(__m512 x) {
     return x;
   } else {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(fp8engine_vec::fp32_to_bf16(x)), 16));
+  }
+}
+
+// silu(gate) rounded, times up, for one row g = [gate | up] of 2n values.
+template <typename T>
+void silu_row(const T* g, T* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 a = load16(g + i, m);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
+    const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    store16(y + i, _mm512_mul_ps(round_to<T>(silu), load16(g + n + i, m)), m);
   }
 }
 
@@ -71,6 +105,158 @@ void rms_norm_row(const T* x, const T* res, T* res_out, const T* w, T* out, int6
     store16(out + i, _mm512_mul_ps(load16(w + i, m), y), m);
   }
 }
+
+// In place on one head: x[:h] <- x[:h] c - x[h:] s, x[h:] <- x[h:] c + x[:h] s (cos/sin repeat per half).
+template <typename T>
+void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const __mmask16 m = tail_mask(half - i);
+    const __m512 a = load16(x + i, m), b = load16(x + half + i, m);
+    const __m512 c0 = load16(cos + i, m), s0 = load16(sin + i, m);
+    const __m512 c1 = load16(cos + half + i, m), s1 = load16(sin + half + i, m);
+    // rotate_half negates before the multiply; -(b s) rounds like (-b) s.
+    const __m512 neg_b = _mm512_sub_ps(_mm512_setzero_ps(), b);
+    const __m512 lo = _mm512_add_ps(round_to<T>(_mm512_mul_ps(a, c0)), round_to<T>(_mm512_mul_ps(neg_b, s0)));
+    const __m512 hi = _mm512_add_ps(round_to<T>(_mm512_mul_ps(b, c1)), round_to<T>(_mm512_mul_ps(a, s1)));
+    store16(x + i, lo, m);
+    store16(x + half + i, hi, m);
+  }
+}
+
+#else  // FP8E_LAYER_OPS_AVX2: 8 lanes, tails through a zero-padded copy
+
+constexpr int64_t kLanes = 8;
+
+inline __m256 load8(const float* p, int64_t n) {
+  if (n >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float t[8] = {};
+  std::copy(p, p + n, t);
+  return _mm256_load_ps(t);
+}
+inline __m256 load8(const at::BFloat16* p, int64_t n) {
+  alignas(16) uint16_t t[8] = {};
+  const auto* u = reinterpret_cast<const uint16_t*>(p);
+  const __m128i h = n >= 8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(u))
+                           : (std::copy(u, u + n, t), _mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// fp32 -> bf16 bits in 16-bit lanes, as torch rounds (nearest even, denormals kept, NaN -> 0xFFFF).
+inline __m128i fp32_to_bf16(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i bias =
+      _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+inline void store8(float* p, __m256 x, int64_t n) {
+  if (n >= 8) return _mm256_storeu_ps(p, x);
+  alignas(32) float t[8];
+  _mm256_store_ps(t, x);
+  std::copy(t, t + n, p);
+}
+inline void store8(at::BFloat16* p, __m256 x, int64_t n) {
+  auto* u = reinterpret_cast<uint16_t*>(p);
+  const __m128i h = fp32_to_bf16(x);
+  if (n >= 8) return _mm_storeu_si128(reinterpret_cast<__m128i*>(u), h);
+  alignas(16) uint16_t t[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(t), h);
+  std::copy(t, t + n, u);
+}
+
+template <typename T>
+inline __m256 round_to(__m256 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(fp32_to_bf16(x)), 16));
+  }
+}
+
+// vec_math.h's exp512 on 8 lanes (the same polynomial), its 2^n built in the exponent bits: x is clamped to
+// [-87, 88], where 2^n stays a normal float (exp512 gives 0 and inf further out; silu's a / (1 + e) rounds
+// the same to bf16 for |a| >= 87 either way, float32 may differ in the last bits there).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(_mm256_set1_ps(-87.f), x), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float f) { return _mm256_set1_ps(f); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+template <typename T>
+inline Vec vload(const T* p, int64_t n) { return n > 0 ? load8(p, n) : vzero(); }
+template <typename T>
+inline void vstore(T* p, Vec x, int64_t n) { store8(p, x, n); }
+inline float vsum(Vec v) { return hsum8(v); }
+
+template <typename T>
+void rms_norm_row(const T* x, const T* res, T* res_out, const T* w, T* out, int64_t n, float eps) {
+  __m256 ss = _mm256_setzero_ps();
+  const T* r = res ? res_out : x;
+  for (int64_t i = 0; i < n; i += kLanes) {
+    __m256 v = load8(x + i, n - i);
+    if (res) {
+      v = round_to<T>(_mm256_add_ps(v, load8(res + i, n - i)));
+      store8(res_out + i, v, n - i);
+    }
+    ss = _mm256_fmadd_ps(v, v, ss);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(hsum8(ss) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __m256 y = round_to<T>(_mm256_mul_ps(load8(r + i, n - i), inv));
+    store8(out + i, _mm256_mul_ps(load8(w + i, n - i), y), n - i);
+  }
+}
+
+template <typename T>
+void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const int64_t m = half - i;
+    const __m256 a = load8(x + i, m), b = load8(x + half + i, m);
+    const __m256 c0 = load8(cos + i, m), s0 = load8(sin + i, m);
+    const __m256 c1 = load8(cos + half + i, m), s1 = load8(sin + half + i, m);
+    const __m256 neg_b = _mm256_sub_ps(_mm256_setzero_ps(), b);
+    const __m256 lo = _mm256_add_ps(round_to<T>(_mm256_mul_ps(a, c0)), round_to<T>(_mm256_mul_ps(neg_b, s0)));
+    const __m256 hi = _mm256_add_ps(round_to<T>(_mm256_mul_ps(b, c1)), round_to<T>(_mm256_mul_ps(a, s1)));
+    store8(x + i, lo, m);
+    store8(x + half + i, hi, m);
+  }
+}
+
+template <typename T>
+void silu_row(const T* g, T* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __m256 a = load8(g + i, n - i);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), a));
+    const __m256 silu = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+    store8(y + i, _mm256_mul_ps(round_to<T>(silu), load8(g + n + i, n - i)), n - i);
+  }
+}
+
+#endif  // FP8E_LAYER_OPS_AVX512 / AVX2
 
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                             const at::Tensor& weight, double eps) {
@@ -101,23 +287,6 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::opti
 }
 
 // ---------------------------------------------------------------- rotary embedding
-
-// In place on one head: x[:h] <- x[:h] c - x[h:] s, x[h:] <- x[h:] c + x[:h] s (cos/sin repeat per half).
-template <typename T>
-void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
-  for (int64_t i = 0; i < half; i += kLanes) {
-    const __mmask16 m = tail_mask(half - i);
-    const __m512 a = load16(x + i, m), b = load16(x + half + i, m);
-    const __m512 c0 = load16(cos + i, m), s0 = load16(sin + i, m);
-    const __m512 c1 = load16(cos + half + i, m), s1 = load16(sin + half + i, m);
-    // rotate_half negates before the multiply; -(b s) rounds like (-b) s.
-    const __m512 neg_b = _mm512_sub_ps(_mm512_setzero_ps(), b);
-    const __m512 lo = _mm512_add_ps(round_to<T>(_mm512_mul_ps(a, c0)), round_to<T>(_mm512_mul_ps(neg_b, s0)));
-    const __m512 hi = _mm512_add_ps(round_to<T>(_mm512_mul_ps(b, c1)), round_to<T>(_mm512_mul_ps(a, s1)));
-    store16(x + i, lo, m);
-    store16(x + half + i, hi, m);
-  }
-}
 
 void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
                        const at::Tensor& positions_in) {
@@ -164,15 +333,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
     using T = typename decltype(tag)::type;
     at::parallel_for(0, x.size(0), grain(2 * n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        const T* g = x.data_ptr<T>() + r * 2 * n;
-        T* y = out.data_ptr<T>() + r * n;
-        for (int64_t i = 0; i < n; i += kLanes) {
-          const __mmask16 m = tail_mask(n - i);
-          const __m512 a = load16(g + i, m);
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
-          const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-          store16(y + i, _mm512_mul_ps(round_to<T>(silu), load16(g + n + i, m)), m);
-        }
+        silu_row(x.data_ptr<T>() + r * 2 * n, out.data_ptr<T>() + r * n, n);
       }
     });
   });
@@ -198,44 +359,43 @@ template <typename T, int MB>
 void lora_shrink(const T* x, const T* a, float* t, int64_t k, int64_t r, int64_t j0, int64_t j1) {
   for (int64_t j = j0; j < j1; j += kLoraBlock) {
     const int64_t jb = std::min<int64_t>(kLoraBlock, j1 - j);
-    __m512 acc[MB][kLoraBlock];
+    Vec acc[MB][kLoraBlock];
     for (auto& row : acc)
-      for (auto& v : row) v = _mm512_setzero_ps();
+      for (auto& v : row) v = vzero();
     for (int64_t i = 0; i < k; i += kLanes) {
-      const __mmask16 m = tail_mask(k - i);
-      __m512 av[kLoraBlock];
-      for (int q = 0; q < kLoraBlock; ++q) av[q] = q < jb ? load16(a + (j + q) * k + i, m) : _mm512_setzero_ps();
+      Vec av[kLoraBlock];
+      for (int q = 0; q < kLoraBlock; ++q) av[q] = q < jb ? vload(a + (j + q) * k + i, k - i) : vzero();
       for (int b = 0; b < MB; ++b) {
-        const __m512 xv = load16(x + b * k + i, m);
-        for (int q = 0; q < kLoraBlock; ++q) acc[b][q] = _mm512_fmadd_ps(xv, av[q], acc[b][q]);
+        const Vec xv = vload(x + b * k + i, k - i);
+        for (int q = 0; q < kLoraBlock; ++q) acc[b][q] = vfma(xv, av[q], acc[b][q]);
       }
     }
     for (int b = 0; b < MB; ++b)
-      for (int q = 0; q < jb; ++q) t[b * r + j + q] = _mm512_reduce_add_ps(acc[b][q]);
+      for (int q = 0; q < jb; ++q) t[b * r + j + q] = vsum(acc[b][q]);
   }
 }
 
-// Output columns [o, min(o + 64, o1)) of MB rows from their t.
+// Output columns [o, min(o + kLoraBlock * kLanes, o1)) of MB rows from their t.
 template <typename T, int MB>
 void lora_expand(const float* t, const T* bt, T* y, int64_t r, int64_t n, const LoraSegment& s, int64_t o) {
-  __mmask16 mk[kLoraBlock];
-  for (int v = 0; v < kLoraBlock; ++v) mk[v] = o + v * kLanes < s.o1 ? tail_mask(s.o1 - o - v * kLanes) : 0;
-  __m512 acc[MB][kLoraBlock];
+  int64_t mk[kLoraBlock];  // columns of each vector inside the segment (<= 0: none)
+  for (int v = 0; v < kLoraBlock; ++v) mk[v] = s.o1 - o - v * kLanes;
+  Vec acc[MB][kLoraBlock];
   for (auto& row : acc)
-    for (auto& v : row) v = _mm512_setzero_ps();
+    for (auto& v : row) v = vzero();
   for (int64_t j = s.j0; j < s.j1; ++j) {
-    __m512 bv[kLoraBlock];
-    for (int v = 0; v < kLoraBlock; ++v) bv[v] = load16(bt + j * n + o + v * kLanes, mk[v]);
+    Vec bv[kLoraBlock];
+    for (int v = 0; v < kLoraBlock; ++v) bv[v] = vload(bt + j * n + o + v * kLanes, mk[v]);
     for (int b = 0; b < MB; ++b) {
-      const __m512 tj = _mm512_set1_ps(t[b * r + j]);
-      for (int v = 0; v < kLoraBlock; ++v) acc[b][v] = _mm512_fmadd_ps(tj, bv[v], acc[b][v]);
+      const Vec tj = vset1(t[b * r + j]);
+      for (int v = 0; v < kLoraBlock; ++v) acc[b][v] = vfma(tj, bv[v], acc[b][v]);
     }
   }
   for (int b = 0; b < MB; ++b)
     for (int v = 0; v < kLoraBlock; ++v)
-      if (mk[v]) {
+      if (mk[v] > 0) {
         T* out = y + b * n + o + v * kLanes;
-        store16(out, _mm512_add_ps(load16(out, mk[v]), acc[b][v]), mk[v]);
+        vstore(out, vadd(vload(out, mk[v]), acc[b][v]), mk[v]);
       }
 }
 

@@ -870,4 +870,295 @@ TORCH_LIBRARY_IMPL(fp8engine, CPU, m) {
   m.impl("write_kv_cache", &write_kv_cache);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+// AVX2 + FMA (CPUs without AVX-512: AMD Zen 2-3, Intel before Skylake-X). Each query row makes one pass over
+// its own keys, whatever else is in the batch and however the context could be split: batch invariant for
+// every fixed_partition (which is validated and has nothing to split). A work item is one (query token, kv
+// head): its GQA group's query heads share each K and V row converted to float32. Scores: 8 lanes along
+// head_dim reduced in one fixed tree, times the score scale; the softmax with its final max known (the scores
+// are saved, then exponentiated); P V accumulated along head_dim, then scaled once. The cache write rounds
+// element by element as the reference does.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "e4m3.h"
+#include "linear_common.h"
+
+namespace {
+
+constexpr float kFp8Max = 448.f;
+
+// dim values of a cache or query row as float32, zero up to `padded` (a multiple of 8).
+inline void row_f32(const float* src, int dim, int padded, float* dst) {
+  std::copy(src, src + dim, dst);
+  std::fill(dst + dim, dst + padded, 0.f);
+}
+inline void row_f32(const at::BFloat16* src, int dim, int padded, float* dst) {
+  const auto* u = reinterpret_cast<const uint16_t*>(src);
+  int d = 0;
+  for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(dst + d, fp8e::Bf16Weights::load8(u + d));
+  for (; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
+  std::fill(dst + dim, dst + padded, 0.f);
+}
+inline void row_f32(const at::Float8_e4m3fn* src, int dim, int padded, float* dst) {
+  const auto* u = reinterpret_cast<const uint8_t*>(src);
+  int d = 0;
+  for (; d + 8 <= dim; d += 8)
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(fp8e::E4m3Weights::load8(u + d), _mm256_set1_ps(256.f)));
+  for (; d < dim; ++d) dst[d] = fp8e::e4m3_value(u[d]);
+  std::fill(dst + dim, dst + padded, 0.f);
+}
+
+inline float dot_fixed(const float* a, const float* b, int padded) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int d = 0; d < padded; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  return fp8e::hsum_fixed(acc);
+}
+
+// E4M3(clamp(v, -448, 448)) as float32, as the reference's quantize_fp8 (a NaN stays NaN).
+inline float e4m3_round(float v) {
+  return fp8e::e4m3_value(fp8e::e4m3_from_f32(std::isnan(v) ? v : std::min(kFp8Max, std::max(-kFp8Max, v))));
+}
+
+struct Problem {
+  const void* q;
+  void* out;
+  const void* k;
+  const void* v;
+  const int32_t* block_tables;
+  int heads, group, dim, padded, block_size;
+  int64_t blk_stride, tok_stride, bt_stride;
+  float score_scale;  // multiplies q.k
+  float out_scale;    // multiplies sum(p v): v_scale, divided by 448 for FP8 probabilities
+  float q_scale;      // > 0: full-FP8 emulation, q quantised to E4M3 with this scale
+};
+
+struct Item {
+  int seq, token, pos, kv_head;  // the query token (flat index) at position pos of sequence seq
+};
+
+template <typename CT, typename IO>
+void attend(const Problem& p, const Item& it, std::vector<float>& buf) {
+  const int keys = it.pos + 1, g = p.group, pd = p.padded;
+  buf.resize(static_cast<size_t>(g) * (keys + 2 * pd) + 2 * pd);
+  float* q = buf.data();        // [g][pd]
+  float* acc = q + g * pd;      // [g][pd]
+  float* kv = acc + g * pd;     // [pd]: one converted K or V row
+  float* sc = kv + pd;          // [g][keys]: scores, then exp(s - max) or the FP8 probabilities
+  const IO* qrow = static_cast<const IO*>(p.q) + (static_cast<int64_t>(it.token) * p.heads + it.kv_head * g) * p.dim;
+  for (int r = 0; r < g; ++r) {
+    row_f32(qrow + r * p.dim, p.dim, pd, q + r * pd);
+    if (p.q_scale > 0)
+      for (int d = 0; d < p.dim; ++d) q[r * pd + d] = e4m3_round(q[r * pd + d] / p.q_scale);
+  }
+  const int32_t* ids = p.block_tables + it.seq * p.bt_stride;
+  auto row = [&](const void* cache, int j) {
+    return static_cast<const CT*>(cache) + ids[j / p.block_size] * p.blk_stride + (j % p.block_size) * p.tok_stride +
+           static_cast<int64_t>(it.kv_head) * p.dim;
+  };
+  for (int j = 0; j < keys; ++j) {
+    row_f32(row(p.k, j), p.dim, pd, kv);
+    for (int r = 0; r < g; ++r) sc[r * keys + j] = dot_fixed(q + r * pd, kv, pd) * p.score_scale;
+  }
+  std::vector<float> mul(g);
+  for (int r = 0; r < g; ++r) {
+    float* s = sc + r * keys;
+    const float mx = *std::max_element(s, s + keys);
+    float l = 0.f;
+    for (int j = 0; j < keys; ++j) {
+      s[j] = std::exp(s[j] - mx);
+      l += s[j];
+    }
+    if (p.q_scale > 0) {
+      for (int j = 0; j < keys; ++j) s[j] = e4m3_round(s[j] / l * kFp8Max);
+      mul[r] = p.out_scale;
+    } else {
+      mul[r] = p.out_scale / l;
+    }
+  }
+  std::fill(acc, acc + g * pd, 0.f);
+  for (int j = 0; j < keys; ++j) {
+    row_f32(row(p.v, j), p.dim, pd, kv);
+    for (int r = 0; r < g; ++r) {
+      const __m256 w = _mm256_set1_ps(sc[r * keys + j]);
+      for (int d = 0; d < pd; d += 8)
+        _mm256_storeu_ps(acc + r * pd + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(kv + d), _mm256_loadu_ps(acc + r * pd + d)));
+    }
+  }
+  IO* orow = static_cast<IO*>(p.out) + (static_cast<int64_t>(it.token) * p.heads + it.kv_head * g) * p.dim;
+  for (int r = 0; r < g; ++r)
+    for (int d = 0; d < p.dim; ++d) orow[r * p.dim + d] = static_cast<IO>(acc[r * pd + d] * mul[r]);
+}
+
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables_in, const at::Tensor& query_start_loc_in,
+                           const at::Tensor& seq_lens_in, double scale, double k_scale, double v_scale,
+                           double q_scale, int64_t fixed_partition) {
+  TORCH_CHECK(fixed_partition >= 0 && fixed_partition % 16 == 0,
+              "fixed_partition must be 0 (adaptive) or a positive multiple of 16, got ", fixed_partition);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] with equal strides");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kFloat8_e4m3fn,
+              "KV cache must be float32, bfloat16 or float8_e4m3fn, got ", ct);
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3),
+              "KV cache rows [num_kv_heads, head_dim] must be contiguous");
+  TORCH_CHECK(k_cache.device().is_cpu(), "KV cache must be on the CPU");
+  const int dim = static_cast<int>(k_cache.size(3)), kv_heads = static_cast<int>(k_cache.size(2));
+  TORCH_CHECK(q_in.dim() == 3 && q_in.size(2) == dim && q_in.size(1) % kv_heads == 0,
+              "q must be [num_tokens, num_heads, head_dim] with num_heads a multiple of num_kv_heads");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
+  const bool fp8 = ct == at::kFloat8_e4m3fn, full = q_scale > 0;
+  TORCH_CHECK(!full || fp8, "full-FP8 attention (q_scale > 0) needs an FP8 KV cache");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor block_tables = block_tables_in.to(at::kInt).contiguous();
+  const at::Tensor query_start_loc = query_start_loc_in.to(at::kInt).contiguous();
+  const at::Tensor seq_lens = seq_lens_in.to(at::kInt).contiguous();
+  TORCH_CHECK(seq_lens.dim() == 1 && query_start_loc.numel() == seq_lens.numel() + 1 && block_tables.dim() == 2 &&
+                  block_tables.size(0) == seq_lens.numel(),
+              "expected query_start_loc [S + 1], seq_lens [S] and block_tables [S, max_blocks]");
+  at::Tensor out = at::zeros({q.size(0), q.size(1), dim}, q.options());  // tokens outside every sequence stay 0
+  const int block_size = static_cast<int>(k_cache.size(1)), group = static_cast<int>(q.size(1)) / kv_heads;
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  std::vector<Item> items;
+  for (int s = 0; s < seq_lens.size(0); ++s) {
+    const int tok0 = starts[s], nq = starts[s + 1] - tok0, len = lens[s];
+    TORCH_CHECK(tok0 >= 0 && nq >= 0 && starts[s + 1] <= q.size(0),
+                "query_start_loc must be non-decreasing within [0, num_tokens]");
+    TORCH_CHECK(len >= nq, "seq_lens[", s, "] = ", len, " is shorter than its ", nq, " query tokens");
+    const int64_t nblocks = (len + block_size - 1) / block_size;
+    TORCH_CHECK(nblocks <= block_tables.size(1), "block_tables has too few columns for seq_lens[", s, "]");
+    const int32_t* ids = block_tables.data_ptr<int32_t>() + s * block_tables.size(1);
+    for (int64_t i = 0; i < nblocks; ++i)
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < k_cache.size(0), "block_tables[", s, ", ", i, "] is out of range");
+    for (int i = 0; i < nq; ++i)
+      for (int g = 0; g < kv_heads; ++g) items.push_back(Item{s, tok0 + i, len - nq + i, g});
+  }
+  const double ks = fp8 ? k_scale : 1.0, vs = fp8 ? v_scale : 1.0;
+  const Problem p{q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
+                  static_cast<int>(q.size(1)), group, dim, (dim + 7) / 8 * 8, block_size, k_cache.stride(0),
+                  k_cache.stride(1), block_tables.size(1), static_cast<float>(full ? q_scale * ks * scale : ks * scale),
+                  static_cast<float>(full ? vs / kFp8Max : vs), static_cast<float>(full ? q_scale : 0.0)};
+  auto run = [&](auto cache_tag, auto io_tag) {
+    using CT = typename decltype(cache_tag)::type;
+    using IO = typename decltype(io_tag)::type;
+    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      for (int64_t i = begin; i < end; ++i) attend<CT, IO>(p, items[i], buf);
+    });
+  };
+  auto with_io = [&](auto cache_tag) {
+    if (q.scalar_type() == at::kFloat) {
+      run(cache_tag, fp8e::TypeTag<float>{});
+    } else {
+      run(cache_tag, fp8e::TypeTag<at::BFloat16>{});
+    }
+  };
+  if (ct == at::kFloat) {
+    with_io(fp8e::TypeTag<float>{});
+  } else if (ct == at::kBFloat16) {
+    with_io(fp8e::TypeTag<at::BFloat16>{});
+  } else {
+    with_io(fp8e::TypeTag<at::Float8_e4m3fn>{});
+  }
+  return out;
+}
+
+// The cache write, element by element as the reference rounds: float32 copied, bf16 rounded to nearest even,
+// FP8 as E4M3(clamp(x / scale)) with the scale in float32; slot -1 skips a token.
+template <typename ST, typename CT>
+void write_rows(const at::Tensor& src, const at::Tensor& cache, const int64_t* slots, float scale) {
+  const int64_t width = src.size(1) * src.size(2), block_size = cache.size(1);
+  const ST* s = src.data_ptr<ST>();
+  CT* c = cache.data_ptr<CT>();
+  at::parallel_for(0, src.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      CT* dst = c + slots[t] / block_size * cache.stride(0) + slots[t] % block_size * cache.stride(1);
+      const ST* row = s + t * src.stride(0);
+      for (int64_t i = 0; i < width; ++i) {
+        const float x = static_cast<float>(row[i]);
+        if constexpr (std::is_same_v<CT, at::Float8_e4m3fn>) {
+          reinterpret_cast<uint8_t*>(dst)[i] =
+              fp8e::e4m3_from_f32(std::isnan(x / scale) ? x / scale : std::min(kFp8Max, std::max(-kFp8Max, x / scale)));
+        } else {
+          dst[i] = static_cast<CT>(x);
+        }
+      }
+    }
+  });
+}
+
+void write_kv_cache(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping_in, double k_scale, double v_scale) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() && k_cache.stride(3) == 1 &&
+                  k_cache.stride(2) == k_cache.size(3) && k_cache.device().is_cpu(),
+              "k_cache and v_cache must both be CPU [num_blocks, block_size, num_kv_heads, head_dim] with equal "
+              "strides and contiguous rows");
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kFloat8_e4m3fn,
+              "KV cache must be float32, bfloat16 or float8_e4m3fn, got ", ct);
+  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(slots.dim() == 1 && slots.numel() == k_in.size(0), "slot_mapping must hold one slot per token");
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(slot_data, slot_data + slots.numel(), [&](int64_t s) { return s < capacity; }),
+              "slot_mapping exceeds the cache");
+  const auto prepare = [&](const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == k_cache.size(2) && x.size(2) == k_cache.size(3) &&
+                    x.size(0) == slots.numel(),
+                "k and v must be [num_tokens, num_kv_heads, head_dim] matching the cache");
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                "k and v must be float32 or bfloat16");
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  const at::Tensor k = prepare(k_in), v = prepare(v_in);
+  const auto write = [&](const at::Tensor& src, const at::Tensor& cache, double scale) {
+    const float sc = static_cast<float>(scale);
+    auto with_cache = [&](auto st) {
+      using ST = typename decltype(st)::type;
+      if (ct == at::kFloat) {
+        write_rows<ST, float>(src, cache, slot_data, sc);
+      } else if (ct == at::kBFloat16) {
+        write_rows<ST, at::BFloat16>(src, cache, slot_data, sc);
+      } else {
+        write_rows<ST, at::Float8_e4m3fn>(src, cache, slot_data, sc);
+      }
+    };
+    if (src.scalar_type() == at::kFloat) {
+      with_cache(fp8e::TypeTag<float>{});
+    } else {
+      with_cache(fp8e::TypeTag<at::BFloat16>{});
+    }
+  };
+  write(k, k_cache, k_scale);
+  write(v, v_cache, v_scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
+      "Tensor seq_lens, float scale, float k_scale, float v_scale, float q_scale, int fixed_partition=0) -> Tensor");
+  m.def(
+      "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+      "float k_scale, float v_scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fp8engine, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+}
+
 #endif

@@ -1,4 +1,4 @@
-// Vector math shared by the AVX-512 kernels (include after <immintrin.h>, inside an AVX-512 guard).
+// Vector math shared by the AVX-512 kernels (include after <immintrin.h>); dispatch_io for every build.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,6 +24,8 @@ void dispatch_io(at::ScalarType t, F&& f) {
     f(Tag<at::BFloat16>{});
   }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 
 // Lanes [0, n) of a 16-lane vector (all of them for n >= 16).
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
@@ -65,5 +67,7 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
+
+#endif  // AVX-512
 
 }  // namespace fp8engine_vec

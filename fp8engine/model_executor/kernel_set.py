@@ -64,7 +64,7 @@ class KernelSet:
     quantize_into: Callable
     block_scales: Callable | None
     attention_partition: int  # fixed split-KV partition in keys (0: adaptive), for the decoder plan
-    gemms: tuple[str, str]  # (FP8, BF16) GEMM of the CPU kernels: "avx512" | "amx"; ("", "") elsewhere
+    gemms: tuple[str, str]  # (FP8, BF16) GEMM of the CPU kernels: "avx512" | "amx" | "avx2"; ("", "") elsewhere
     decoder_plan: bool  # the decoder layers may run as one C++ call (csrc/decoder.cpp)
     fp8_scale_rows: bool  # fp8_linear maps output rows to stacked scale grids (scale_rows) in one call
     huge_pages: bool  # the weights may move onto transparent huge pages (model_executor/host_memory.py)
@@ -91,7 +91,10 @@ def _gemm(ops, var: str) -> str:
     usable = ops is not None and hasattr(ops, "amx_usable") and bool(ops.amx_usable())
     if choice == "amx" and not usable:
         raise ValueError(f"{var}=amx, but this build, CPU or OS does not allow AMX tiles (amx_bf16, amx_tile)")
-    return "amx" if choice == "amx" or (choice == "auto" and usable) else "avx512"
+    if choice == "amx" or (choice == "auto" and usable):
+        return "amx"
+    # Without AVX512-BF16 the C++ linears are the AVX2 ones (csrc/linear_common.h): "avx512" asks for them too.
+    return "avx2" if ops is not None and hasattr(ops, "fp8_linear_isa") and ops.fp8_linear_isa() == "avx2" else "avx512"
 
 
 def _cpu(config: EngineConfig, ops) -> KernelSet:
@@ -117,7 +120,7 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
         dense, names["dense_linear"] = bf16_linear_cpu.chunked_linear, "torch-bf16-fixed-chunks"
     elif bf16 and has("bf16_linear"):
         dense = functools.partial(bf16_linear_cpu.bf16_linear, batch_invariant=bi, gemm=bf16_gemm)
-        names["dense_linear"] = (f"cpp-bf16-{bf16_gemm}" if bi else
+        names["dense_linear"] = (f"cpp-bf16-{bf16_gemm}" if bi or bf16_gemm == "avx2" else
                                  "cpp-bf16-gemv+amx+torch" if bf16_gemm == "amx" else "cpp-bf16-gemv+torch")
     else:
         dense, names["dense_linear"] = F.linear, "torch"
@@ -139,10 +142,10 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
     names["layer_ops"] = "cpp" if layer_ops else "torch"
 
     partition = 0
-    if has("paged_attention"):
+    if has("paged_attention"):  # the cache write is C++ with AVX-512, the reference on AVX2 (csrc/paged_attention.cpp)
         partition = BATCH_INVARIANT_KV_PARTITION if bi else 0
-        write_kv, attend = attention_cpu.write_kv_cache_cpu, functools.partial(
-            attention_cpu.paged_attention_cpu, fixed_partition=partition)
+        write_kv = attention_cpu.write_kv_cache_cpu if has("write_kv_cache") else attention_ref.write_kv_cache_ref
+        attend = functools.partial(attention_cpu.paged_attention_cpu, fixed_partition=partition)
         names["attention"] = "cpp"
     else:
         write_kv, attend = attention_ref.write_kv_cache_ref, attention_ref.paged_attention_ref
