@@ -28,7 +28,7 @@ AVX512_TESTS = tests/test_fp8_cpu_kernel.py tests/test_bf16_linear.py tests/test
 test-avx512:
 	@if grep -qw amx_tile /proc/cpuinfo; then \
 		FP8ENGINE_FP8_GEMM=avx512 FP8ENGINE_BF16_GEMM=avx512 FP8ENGINE_REQUIRE_CPP=1 $(PY) -m pytest -q $(AVX512_TESTS); \
-	else echo "test-avx512: no AMX tiles here, the suite above ran the AVX-512 paths"; fi
+	else echo "test-avx512: no AMX tiles here, the suite above ran the paths this CPU takes (AVX-512 or AVX2)"; fi
 
 bench-short:
 	fp8engine bench --workload rl-short --modes bf16,fp8-linear --baseline hf --json bench_results/rl-short.json

@@ -29,7 +29,8 @@ VARIABLES = (
            "1: never build or load the C++ kernels; the engine runs the torch reference on CPU"),
     EnvVar("FP8ENGINE_FP8_GEMM", "auto", ("auto", "avx512", "amx"),
            "the GEMM of the CPU FP8 linears: AMX tiles where the CPU grants them (auto), or forced; `amx` "
-           "where the tiles are missing is an error"),
+           "where the tiles are missing is an error; `avx512` is the kernels below AMX (AVX2 + FMA where the CPU "
+           "lacks AVX512-BF16)"),
     EnvVar("FP8ENGINE_BF16_GEMM", "auto", ("auto", "avx512", "amx"),
            "the same for the CPU BF16 linears and LM head"),
     EnvVar("FP8ENGINE_BI_GEMM", "cpp", ("cpp", "chunked"),
