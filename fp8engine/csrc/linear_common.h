@@ -532,6 +532,8 @@ void avx2_linear(const Avx2Operands& op, const typename W::Elem* w, int64_t ldw,
           int64_t i = 0;
           for (; i + kAvx2Mr <= mb; i += kAvx2Mr)
             avx2_tile<kAvx2Mr>(xb + i * op.ldx, op.ldx, wf, padded, sx_at(m0 + i, b), op.ldsx, sw, total + i * kAvx2Nr);
+          for (; i + 2 <= mb; i += 2)
+            avx2_tile<2>(xb + i * op.ldx, op.ldx, wf, padded, sx_at(m0 + i, b), op.ldsx, sw, total + i * kAvx2Nr);
           for (; i < mb; ++i)
             avx2_tile<1>(xb + i * op.ldx, op.ldx, wf, padded, sx_at(m0 + i, b), op.ldsx, sw, total + i * kAvx2Nr);
         }
