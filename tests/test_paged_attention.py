@@ -56,8 +56,8 @@ def assert_full_fp8_matches(out: torch.Tensor, ref: torch.Tensor, args: dict) ->
     """A probability a few fp32 ulps from an E4M3 rounding tie may round the other way in one of the two
     (different exp and summation order); allow that for a few outputs, by at most one E4M3 step of
     P * 448 (<= 32, at the top of the range) times the largest |V|."""
-    close = torch.isclose(out, ref, rtol=1e-5, atol=1e-5)
-    assert close.float().mean() >= 0.999
+    close = torch.isclose(out, ref, rtol=1e-5, atol=1e-5).all(-1)  # per (token, head) row: a flip moves a whole row
+    assert close.float().mean() >= 0.99  # mixed batch, 9 heads: 1 row of 414 flipped on AVX2 (P * 448 at a tie)
     max_v = args["v_cache"].float().abs().max() * args["v_scale"]
     torch.testing.assert_close(out, ref, rtol=0, atol=float(32 / FP8_MAX * max_v))
 

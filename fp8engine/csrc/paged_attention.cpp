@@ -907,11 +907,19 @@ inline void row_f32(const at::BFloat16* src, int dim, int padded, float* dst) {
   for (; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
   std::fill(dst + dim, dst + padded, 0.f);
 }
+// E4M3 codes through half precision as the linears convert them (linear_common.h), but the NaN codes 0x7F / 0xFF
+// (a cache may hold what a NaN wrote) made half NaNs first.
+inline __m256 e4m3x8_to_f32_nan(const uint8_t* p) {
+  const __m128i v = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i h = _mm_and_si128(_mm_slli_epi16(v, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7FFF)), _mm_set1_epi16(0x3F80));
+  h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7E00)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
 inline void row_f32(const at::Float8_e4m3fn* src, int dim, int padded, float* dst) {
   const auto* u = reinterpret_cast<const uint8_t*>(src);
   int d = 0;
-  for (; d + 8 <= dim; d += 8)
-    _mm256_storeu_ps(dst + d, _mm256_mul_ps(fp8e::E4m3Weights::load8(u + d), _mm256_set1_ps(256.f)));
+  for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(dst + d, e4m3x8_to_f32_nan(u + d));
   for (; d < dim; ++d) dst[d] = fp8e::e4m3_value(u[d]);
   std::fill(dst + dim, dst + padded, 0.f);
 }
