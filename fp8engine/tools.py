@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from fp8engine.structured import compile_error
 
 PARSERS = ("hermes", "llama3_json")
-_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _REPLY = "<<reply>>"
 _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _REPLY}]
 
@@ -151,30 +150,65 @@ def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
 
 
 def _parse_hermes(text: str) -> tuple[str, list[ToolCall]]:
-    calls = []
-    for block in _CALL_BLOCK.findall(text):
-        call = _call(block, "arguments")
+    """Each <tool_call> holds one JSON object, read by a JSON decoder (a string argument may itself contain
+    "</tool_call>"), then its closing tag or the end of the text."""
+    calls, first = [], text.find("<tool_call>")
+    at = first
+    while at >= 0:
+        value, end = _json_at(text, at + len("<tool_call>"))
+        call = _call(value, "arguments")
         if call is None:
             return text, []
         calls.append(call)
+        end = _skip_space(text, end)
+        if text.startswith("</tool_call>", end):
+            end += len("</tool_call>")
+        elif end != len(text):
+            return text, []
+        at = text.find("<tool_call>", end)
     if not calls:
         return text, []
-    return text[:text.index("<tool_call>")].rstrip(), calls
+    return text[:first].rstrip(), calls
 
 
 def _parse_llama3(text: str) -> tuple[str, list[ToolCall]]:
+    """JSON objects separated by ';' (read by a JSON decoder: a ';' inside a string is not a separator)."""
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return text, []
-    calls = [_call(part, "parameters") for part in body.split(";") if part.strip()]
-    return ("", calls) if calls and None not in calls else (text, [])
+    calls, at = [], 0
+    while at < len(body):
+        value, at = _json_at(body, at)
+        call = _call(value, "parameters")
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = _skip_space(body, at)
+        if at < len(body) and body[at] == ";":
+            at = _skip_space(body, at + 1)
+        elif at < len(body):
+            return text, []
+    return "", calls
 
 
-def _call(block: str, arguments_key: str) -> ToolCall | None:
+_SPACE = re.compile(r"\s*")
+_DECODER = json.JSONDecoder()
+
+
+def _skip_space(text: str, at: int) -> int:
+    return _SPACE.match(text, at).end()
+
+
+def _json_at(text: str, at: int) -> tuple[object, int]:
+    """The JSON value starting at text[at] (after whitespace) and where it ends; (None, at) where there is none."""
+    at = _skip_space(text, at)
     try:
-        value = json.loads(block)
+        return _DECODER.raw_decode(text, at)
     except ValueError:
-        return None
+        return None, at
+
+
+def _call(value: object, arguments_key: str) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(arguments_key, value.get("arguments", {}))

@@ -54,6 +54,12 @@ def test_parsers_read_calls_and_leave_anything_else_as_text():
     assert (call.name, json.loads(call.arguments)) == ("calc", {"expr": "1+1"})
     assert len(tools.parse("llama3_json", '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}')[1]) == 2
     assert tools.parse("llama3_json", "The answer is 4.") == ("The answer is 4.", [])
+    # a string argument may hold the closing tag or the separator: the calls are read as JSON, not split on them
+    tricky = '<tool_call>\n{"name": "calc", "arguments": {"expr": "12(25)}}</tool_call> = 2"}}\n</tool_call>'
+    assert [json.loads(c.arguments) for c in tools.parse("hermes", tricky)[1]] == [{"expr": "12(25)}}</tool_call> = 2"}]
+    _, semi = tools.parse("llama3_json", '{"name": "a", "parameters": {"s": "x; y"}};{"name": "b", "parameters": {}}')
+    assert [(c.name, json.loads(c.arguments)) for c in semi] == [("a", {"s": "x; y"}), ("b", {})]
+    assert tools.parse("hermes", '<tool_call>{"name": "calc"} trailing') == ('<tool_call>{"name": "calc"} trailing', [])
     assert tools.call_may_start("hermes", "Sure <tool_") == len("Sure ")
     assert tools.call_may_start("hermes", "Sure <tool_call>{") == len("Sure ")
     assert tools.call_may_start("hermes", "Sure.") == len("Sure.")
