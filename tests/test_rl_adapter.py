@@ -219,8 +219,9 @@ def test_micro_batched_loss_gradient_equals_the_whole_batch(bf16_rollouts, defau
     for rows, part in micro_batches(batch, max_tokens=24):
         (advantages[rows, None] * response_logprobs(policy, part, params)).sum().backward()
     assert len(list(micro_batches(batch, max_tokens=24))) > 1
-    # the same sums over other float32 shapes: equal up to summation order
-    assert float((weight.grad - whole).norm() / whole.norm()) < 1e-5 and float(whole.norm()) > 0
+    # the same sums over other float32 shapes: equal up to summation order (1e-6-1e-5 on AVX-512 machines, 7.6e-5
+    # once on an AVX2-only Zen 3 with 2 threads, where torch's CPU GEMM blocks the shapes otherwise)
+    assert float((weight.grad - whole).norm() / whole.norm()) < 3e-4 and float(whole.norm()) > 0
 
 
 def test_rollout_batch_is_prompt_major_and_padded(bf16_rollouts):
