@@ -15,9 +15,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-// Without AVX-512 the ops are not registered and the Python wrappers use the torch reference;
-// the rest of the extension (other csrc files) still builds.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The AVX-512 kernel needs AVX512-BF16 and VBMI too (its dot-product scores and FP8 P V): AVX-512 CPUs without them
+// (Skylake-X, Cascade Lake, Ice Lake) failed to compile it, and so the whole extension; they take the AVX2 kernel
+// below, as CPUs without AVX-512 do. Without AVX2 either the ops are not registered and the Python wrappers use
+// the torch reference.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VBMI__)
 
 #include <immintrin.h>
 
