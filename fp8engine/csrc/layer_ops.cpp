@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "linear_common.h"  // hsum_fixed (AVX2)
 #include "vec_math.h"
 
 namespace {
@@ -195,11 +196,7 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
+using fp8e::hsum_fixed;
 
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
@@ -210,7 +207,7 @@ template <typename T>
 inline Vec vload(const T* p, int64_t n) { return n > 0 ? load8(p, n) : vzero(); }
 template <typename T>
 inline void vstore(T* p, Vec x, int64_t n) { store8(p, x, n); }
-inline float vsum(Vec v) { return hsum8(v); }
+inline float vsum(Vec v) { return hsum_fixed(v); }
 
 template <typename T>
 void rms_norm_row(const T* x, const T* res, T* res_out, const T* w, T* out, int64_t n, float eps) {
@@ -224,7 +221,7 @@ void rms_norm_row(const T* x, const T* res, T* res_out, const T* w, T* out, int6
     }
     ss = _mm256_fmadd_ps(v, v, ss);
   }
-  const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(hsum8(ss) / static_cast<float>(n) + eps));
+  const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(hsum_fixed(ss) / static_cast<float>(n) + eps));
   for (int64_t i = 0; i < n; i += kLanes) {
     const __m256 y = round_to<T>(_mm256_mul_ps(load8(r + i, n - i), inv));
     store8(out + i, _mm256_mul_ps(load8(w + i, n - i), y), n - i);

@@ -19,6 +19,23 @@
 // (Skylake-X, Cascade Lake, Ice Lake) failed to compile it, and so the whole extension; they take the AVX2 kernel
 // below, as CPUs without AVX-512 do. Without AVX2 either the ops are not registered and the Python wrappers use
 // the torch reference.
+namespace {
+
+// The cache layout both kernels below read and write.
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] with equal strides");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
+  const auto t = k_cache.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kFloat8_e4m3fn,
+              "KV cache must be float32, bfloat16 or float8_e4m3fn, got ", t);
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3),
+              "KV cache rows [num_kv_heads, head_dim] must be contiguous");
+  TORCH_CHECK(k_cache.device().is_cpu(), "KV cache must be on the CPU");
+}
+
+}  // namespace
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && \
     defined(__AVX512VBMI__)
 
@@ -739,17 +756,6 @@ std::vector<Work> plan_works(std::vector<Tile>& tiles, const Problem& p, int64_t
   return works;
 }
 
-void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
-              "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] with equal strides");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
-  const auto t = k_cache.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kFloat8_e4m3fn,
-              "KV cache must be float32, bfloat16 or float8_e4m3fn, got ", t);
-  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3),
-              "KV cache rows [num_kv_heads, head_dim] must be contiguous");
-  TORCH_CHECK(k_cache.device().is_cpu(), "KV cache must be on the CPU");
-}
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables_in, const at::Tensor& query_start_loc_in,
@@ -1014,15 +1020,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
                            double q_scale, int64_t fixed_partition) {
   TORCH_CHECK(fixed_partition >= 0 && fixed_partition % 16 == 0,
               "fixed_partition must be 0 (adaptive) or a positive multiple of 16, got ", fixed_partition);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
-              "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim] with equal strides");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache dtypes differ");
+  check_cache(k_cache, v_cache);
   const auto ct = k_cache.scalar_type();
-  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kFloat8_e4m3fn,
-              "KV cache must be float32, bfloat16 or float8_e4m3fn, got ", ct);
-  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3),
-              "KV cache rows [num_kv_heads, head_dim] must be contiguous");
-  TORCH_CHECK(k_cache.device().is_cpu(), "KV cache must be on the CPU");
   const int dim = static_cast<int>(k_cache.size(3)), kv_heads = static_cast<int>(k_cache.size(2));
   TORCH_CHECK(q_in.dim() == 3 && q_in.size(2) == dim && q_in.size(1) % kv_heads == 0,
               "q must be [num_tokens, num_heads, head_dim] with num_heads a multiple of num_kv_heads");
@@ -1111,14 +1110,8 @@ void write_rows(const at::Tensor& src, const at::Tensor& cache, const int64_t* s
 
 void write_kv_cache(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& slot_mapping_in, double k_scale, double v_scale) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
-                  k_cache.scalar_type() == v_cache.scalar_type() && k_cache.stride(3) == 1 &&
-                  k_cache.stride(2) == k_cache.size(3) && k_cache.device().is_cpu(),
-              "k_cache and v_cache must both be CPU [num_blocks, block_size, num_kv_heads, head_dim] with equal "
-              "strides and contiguous rows");
+  check_cache(k_cache, v_cache);
   const auto ct = k_cache.scalar_type();
-  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kFloat8_e4m3fn,
-              "KV cache must be float32, bfloat16 or float8_e4m3fn, got ", ct);
   const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
   const int64_t capacity = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(slots.dim() == 1 && slots.numel() == k_in.size(0), "slot_mapping must hold one slot per token");
