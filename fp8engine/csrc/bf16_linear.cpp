@@ -19,6 +19,40 @@
 #include "amx.h"
 #include "linear_common.h"
 
+#if defined(FP8E_BF16_KERNELS) || defined(FP8E_AVX2_KERNELS)
+
+namespace {
+
+// bf16_linear's operands, checked, for either kernel set: y [M, N] allocated (float32 or bf16), the bias in
+// float32 (undefined without one).
+struct Bf16Args {
+  int64_t m, n, k;
+  at::Tensor bias_f, y;
+};
+
+Bf16Args check_bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                           bool float32_out) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "bf16_linear: x and w must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "bf16_linear: x must be [M, K] with unit inner stride");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "bf16_linear: w must be [N, K] with unit inner stride");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(w.size(1) == k && k > 0, "bf16_linear: x has K=", k, " but w is ", w.sizes());
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bf16_linear: bias must be [N]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  return Bf16Args{m, n, k, bias_f,
+                  at::empty({m, n}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16)
+                                        .memory_format(at::MemoryFormat::Contiguous))};
+}
+
+}  // namespace
+
+#endif
+
 #ifdef FP8E_BF16_KERNELS
 
 namespace {
@@ -424,24 +458,13 @@ void linear_impl(const Problem& p, OutT* out, bool batch_invariant, GemmChoice g
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                        bool batch_invariant, bool float32_out, const std::string& gemm) {
   const GemmChoice choice = choose_gemm(gemm, "bf16_linear");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "bf16_linear: x and w must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "bf16_linear: x must be [M, K] with unit inner stride");
-  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "bf16_linear: w must be [N, K] with unit inner stride");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  TORCH_CHECK(w.size(1) == k && k > 0, "bf16_linear: x has K=", k, " but w is ", w.sizes());
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bf16_linear: bias must be [N]");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  at::Tensor y = at::empty({m, n}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16)
-                                       .memory_format(at::MemoryFormat::Contiguous));
+  const Bf16Args a = check_bf16_linear(x, w, bias, float32_out);
+  const int64_t m = a.m, k = a.k, n = a.n;
+  at::Tensor y = a.y;
   if (m == 0 || n == 0) return y;
   const Problem p{m, n, k, static_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
                   static_cast<const uint16_t*>(w.data_ptr()), w.stride(0),
-                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
+                  a.bias_f.defined() ? a.bias_f.data_ptr<float>() : nullptr};
   if (float32_out) {
     linear_impl(p, y.data_ptr<float>(), batch_invariant, choice);
   } else {
@@ -478,10 +501,7 @@ at::Tensor bf16_linear_terms_f32(const at::Tensor& x, const at::Tensor& w, int64
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
-  m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias, bool batch_invariant=False, bool float32_out=False, "
-        "str gemm='auto') -> Tensor");
   m.def("bf16_linear_terms_f32(Tensor x, Tensor w, int terms) -> Tensor");
-  m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
   m.impl("bf16_linear_terms_f32", c10::DispatchKey::CPU, TORCH_FN(bf16_linear_terms_f32));
 }
 
@@ -495,20 +515,9 @@ using namespace fp8e;
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                        bool /*batch_invariant*/, bool float32_out, const std::string& gemm) {
   choose_gemm(gemm, "bf16_linear");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "bf16_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "bf16_linear: x and w must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "bf16_linear: x must be [M, K] with unit inner stride");
-  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1, "bf16_linear: w must be [N, K] with unit inner stride");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  TORCH_CHECK(w.size(1) == k && k > 0, "bf16_linear: x has K=", k, " but w is ", w.sizes());
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bf16_linear: bias must be [N]");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
-  at::Tensor y = at::empty({m, n}, x.options().dtype(float32_out ? at::kFloat : at::kBFloat16)
-                                       .memory_format(at::MemoryFormat::Contiguous));
+  const Bf16Args a = check_bf16_linear(x, w, bias, float32_out);
+  const int64_t m = a.m, k = a.k, n = a.n;
+  at::Tensor y = a.y;
   if (m == 0 || n == 0) return y;
   const int64_t kp = cdiv(k, kAvx2Block) * kAvx2Block;
   auto xf = alloc_buffer<float>(m * kp);  // x in float32, zero past K
@@ -524,7 +533,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
     }
   });
   const auto* wb = static_cast<const uint16_t*>(w.data_ptr());
-  const Avx2Operands op{m, n, k, xf.get(), kp, nullptr, 0, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr};
+  const Avx2Operands op{m, n, k, xf.get(), kp, nullptr, 0, a.bias_f.defined() ? a.bias_f.data_ptr<float>() : nullptr};
   auto no_scale = [](int64_t, int64_t) { return 1.f; };
   if (float32_out) {
     avx2_linear<Bf16Weights>(op, wb, w.stride(0), y.data_ptr<float>(), no_scale);
@@ -536,10 +545,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
 
 }  // namespace
 
+#endif  // FP8E_BF16_KERNELS / FP8E_AVX2_KERNELS
+
+#if defined(FP8E_BF16_KERNELS) || defined(FP8E_AVX2_KERNELS)
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias, bool batch_invariant=False, bool float32_out=False, "
         "str gemm='auto') -> Tensor");
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
 }
-
-#endif  // FP8E_BF16_KERNELS / FP8E_AVX2_KERNELS
+#endif

@@ -76,11 +76,6 @@ inline uint8_t e4m3_from_f32(float f) {
   return static_cast<uint8_t>(r | (sign >> 24));
 }
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
 #if defined(__AVX512F__)
 // c (|c| <= 448) rounded to the nearest E4M3 value, as a float (round to nearest even, subnormal step
 // 2^-9): adding and subtracting m = +-2^(e + 20), with 2^e the binade of c but at least 2^-6, makes the

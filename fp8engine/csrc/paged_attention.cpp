@@ -19,7 +19,19 @@
 // (Skylake-X, Cascade Lake, Ice Lake) failed to compile it, and so the whole extension; they take the AVX2 kernel
 // below, as CPUs without AVX-512 do. Without AVX2 either the ops are not registered and the Python wrappers use
 // the torch reference.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "e4m3.h"
+#include "vec_math.h"
+
 namespace {
+
+using fp8engine_vec::dispatch_io;
+using fp8engine_vec::Tag;
+
+constexpr float kFp8Max = 448.f;
 
 // The cache layout both kernels below read and write.
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
@@ -32,6 +44,89 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3),
               "KV cache rows [num_kv_heads, head_dim] must be contiguous");
   TORCH_CHECK(k_cache.device().is_cpu(), "KV cache must be on the CPU");
+}
+
+// Calls f(Tag<T>{}) for the cache's element type T (check_cache has validated it).
+template <typename F>
+void dispatch_cache(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: return f(Tag<float>{});
+    case at::kBFloat16: return f(Tag<at::BFloat16>{});
+    default: return f(Tag<at::Float8_e4m3fn>{});
+  }
+}
+
+// paged_attention's arguments, checked, with the index tensors as contiguous int32 and q with contiguous rows.
+struct AttentionArgs {
+  at::Tensor q, block_tables, query_start_loc, seq_lens;
+  int dim, kv_heads, group;
+  bool fp8, full;
+};
+
+AttentionArgs check_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                              const at::Tensor& seq_lens, double q_scale, int64_t fixed_partition) {
+  TORCH_CHECK(fixed_partition >= 0 && fixed_partition % 16 == 0,
+              "fixed_partition must be 0 (adaptive) or a positive multiple of 16, got ", fixed_partition);
+  check_cache(k_cache, v_cache);
+  const int dim = static_cast<int>(k_cache.size(3)), kv_heads = static_cast<int>(k_cache.size(2));
+  TORCH_CHECK(q_in.dim() == 3 && q_in.size(2) == dim && q_in.size(1) % kv_heads == 0,
+              "q must be [num_tokens, num_heads, head_dim] with num_heads a multiple of num_kv_heads");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn, full = q_scale > 0;
+  TORCH_CHECK(!full || fp8, "full-FP8 attention (q_scale > 0) needs an FP8 KV cache");
+  AttentionArgs a{q_in.stride(2) == 1 && q_in.stride(1) == dim ? q_in : q_in.contiguous(),
+                  block_tables.to(at::kInt).contiguous(),
+                  query_start_loc.to(at::kInt).contiguous(),
+                  seq_lens.to(at::kInt).contiguous(),
+                  dim,
+                  kv_heads,
+                  static_cast<int>(q_in.size(1)) / kv_heads,
+                  fp8,
+                  full};
+  TORCH_CHECK(a.seq_lens.dim() == 1 && a.query_start_loc.numel() == a.seq_lens.numel() + 1 &&
+                  a.block_tables.dim() == 2 && a.block_tables.size(0) == a.seq_lens.numel(),
+              "expected query_start_loc [S + 1], seq_lens [S] and block_tables [S, max_blocks]");
+  return a;
+}
+
+// Sequence s's query range and blocks: in range of q's num_tokens and the cache's num_blocks.
+void check_sequence(const AttentionArgs& a, int s, int64_t num_blocks, int block_size) {
+  const int32_t* starts = a.query_start_loc.data_ptr<int32_t>();
+  const int tok0 = starts[s], nq = starts[s + 1] - tok0, len = a.seq_lens.data_ptr<int32_t>()[s];
+  TORCH_CHECK(tok0 >= 0 && nq >= 0 && starts[s + 1] <= a.q.size(0),
+              "query_start_loc must be non-decreasing within [0, num_tokens]");
+  TORCH_CHECK(len >= nq, "seq_lens[", s, "] = ", len, " is shorter than its ", nq, " query tokens");
+  const int64_t nblocks = (len + block_size - 1) / block_size;
+  TORCH_CHECK(nblocks <= a.block_tables.size(1), "block_tables has too few columns for seq_lens[", s, "]");
+  const int32_t* ids = a.block_tables.data_ptr<int32_t>() + s * a.block_tables.size(1);
+  for (int64_t i = 0; i < nblocks; ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_blocks, "block_tables[", s, ", ", i, "] is out of range");
+}
+
+// write_kv_cache's arguments, checked: k and v with contiguous rows, the slots as int64 (-1 skips a token).
+struct KvWrite {
+  at::Tensor k, v, slots;
+};
+
+KvWrite check_kv_write(const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  check_cache(k_cache, v_cache);
+  at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(slots.dim() == 1 && slots.numel() == k_in.size(0), "slot_mapping must hold one slot per token");
+  const int64_t* slot_data = slots.data_ptr<int64_t>();  // a plain loop: a tensor reduction costs more per call
+  TORCH_CHECK(std::all_of(slot_data, slot_data + slots.numel(), [&](int64_t s) { return s < capacity; }),
+              "slot_mapping exceeds the cache");
+  const auto prepare = [&](const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 3 && x.size(1) == k_cache.size(2) && x.size(2) == k_cache.size(3) &&
+                    x.size(0) == slots.numel(),
+                "k and v must be [num_tokens, num_kv_heads, head_dim] matching the cache");
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                "k and v must be float32 or bfloat16");
+    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
+  };
+  return KvWrite{prepare(k_in), prepare(v_in), slots};
 }
 
 }  // namespace
@@ -49,14 +144,9 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 #include <type_traits>
 #include <vector>
 
-#include "e4m3.h"
-#include "vec_math.h"
-
 namespace {
 
-using fp8engine_vec::dispatch_io;
 using fp8engine_vec::exp512;
-using fp8engine_vec::Tag;
 using fp8engine_vec::load16;
 using fp8engine_vec::store16;
 using fp8engine_vec::tail_mask;
@@ -65,7 +155,6 @@ constexpr int kLanes = 16;          // fp32 lanes per vector; also the keys per 
 constexpr int kTargetRows = 16;     // query rows per tile: amortises the K/V conversion
 constexpr int kMinPartition = 512;  // split-KV partitions hold at least this many keys
 constexpr int kTargetWorks = 256;   // split long contexts until about this many work items exist
-constexpr float kFp8Max = 448.f;
 
 inline __m512 splat(float x) { return _mm512_set1_ps(x); }
 inline __m512i splat_i(int32_t x) { return _mm512_set1_epi32(x); }
@@ -570,15 +659,6 @@ void exp_scores(int rows, Buffers& b) {
   for (int r = 0; r < rows; ++r) b.l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(sums + r * kLanes));
 }
 
-template <typename F>
-void dispatch_cache(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat: return f(Tag<float>{});
-    case at::kBFloat16: return f(Tag<at::BFloat16>{});
-    default: return f(Tag<at::Float8_e4m3fn>{});
-  }
-}
-
 // The real head dims get fully unrolled loops; anything else runs the padded generic path (0).
 template <typename F>
 void dispatch_dim(int dim, F&& f) {
@@ -696,24 +776,15 @@ void parallel_dynamic(size_t n, int rows, int padded, F&& f) {
   });
 }
 
-std::vector<Tile> plan_tiles(const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                             const at::Tensor& block_tables, int64_t num_tokens, int64_t num_blocks,
-                             int kv_heads, int group, int block_size) {
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int per_tile = std::max(1, kTargetRows / group);
+std::vector<Tile> plan_tiles(const AttentionArgs& a, int64_t num_blocks, int block_size) {
+  const int32_t* starts = a.query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = a.seq_lens.data_ptr<int32_t>();
+  const int per_tile = std::max(1, kTargetRows / a.group);
   std::vector<Tile> tiles;
-  for (int s = 0; s < seq_lens.size(0); ++s) {
+  for (int s = 0; s < a.seq_lens.size(0); ++s) {
+    check_sequence(a, s, num_blocks, block_size);
     const int tok0 = starts[s], nq = starts[s + 1] - tok0, len = lens[s];
-    TORCH_CHECK(tok0 >= 0 && nq >= 0 && starts[s + 1] <= num_tokens,
-                "query_start_loc must be non-decreasing within [0, num_tokens]");
-    TORCH_CHECK(len >= nq, "seq_lens[", s, "] = ", len, " is shorter than its ", nq, " query tokens");
-    const int64_t nblocks = (len + block_size - 1) / block_size;
-    TORCH_CHECK(nblocks <= block_tables.size(1), "block_tables has too few columns for seq_lens[", s, "]");
-    const int32_t* ids = block_tables.data_ptr<int32_t>() + s * block_tables.size(1);
-    for (int64_t i = 0; i < nblocks; ++i)
-      TORCH_CHECK(ids[i] >= 0 && ids[i] < num_blocks, "block_tables[", s, ", ", i, "] is out of range");
-    for (int g = 0; g < kv_heads; ++g)
+    for (int g = 0; g < a.kv_heads; ++g)
       for (int i = 0; i < nq; i += per_tile)
         tiles.push_back(Tile{s, g, tok0 + i, std::min(per_tile, nq - i), len - nq + i, 1, -1});
   }
@@ -761,37 +832,23 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
                            const at::Tensor& block_tables_in, const at::Tensor& query_start_loc_in,
                            const at::Tensor& seq_lens_in, double scale, double k_scale, double v_scale,
                            double q_scale, int64_t fixed_partition) {
-  TORCH_CHECK(fixed_partition >= 0 && fixed_partition % kLanes == 0,
-              "fixed_partition must be 0 (adaptive) or a positive multiple of ", kLanes, ", got ", fixed_partition);
-  check_cache(k_cache, v_cache);
-  const int dim = static_cast<int>(k_cache.size(3)), kv_heads = static_cast<int>(k_cache.size(2));
-  TORCH_CHECK(q_in.dim() == 3 && q_in.size(2) == dim && q_in.size(1) % kv_heads == 0,
-              "q must be [num_tokens, num_heads, head_dim] with num_heads a multiple of num_kv_heads");
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
-  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(q_scale <= 0 || fp8, "full-FP8 attention (q_scale > 0) needs an FP8 KV cache");
-  const at::Tensor q = q_in.stride(2) == 1 && q_in.stride(1) == dim ? q_in : q_in.contiguous();
-  const at::Tensor block_tables = block_tables_in.to(at::kInt).contiguous();
-  const at::Tensor query_start_loc = query_start_loc_in.to(at::kInt).contiguous();
-  const at::Tensor seq_lens = seq_lens_in.to(at::kInt).contiguous();
-  TORCH_CHECK(seq_lens.dim() == 1 && query_start_loc.numel() == seq_lens.numel() + 1 && block_tables.dim() == 2 &&
-                  block_tables.size(0) == seq_lens.numel(),
-              "expected query_start_loc [S + 1], seq_lens [S] and block_tables [S, max_blocks]");
+  const AttentionArgs a = check_attention(q_in, k_cache, v_cache, block_tables_in, query_start_loc_in, seq_lens_in,
+                                          q_scale, fixed_partition);
+  const at::Tensor& q = a.q;
+  const int dim = a.dim, group = a.group;
   // Tokens outside every sequence's query range stay zero.
   at::Tensor out = at::zeros({q.size(0), q.size(1), dim}, q.options());
 
-  const int group = static_cast<int>(q.size(1)) / kv_heads;
-  const bool full = q_scale > 0;
-  const double ks = fp8 ? k_scale : 1.0, vs = fp8 ? v_scale : 1.0;
+  const bool full = a.full;
+  const double ks = a.fp8 ? k_scale : 1.0, vs = a.fp8 ? v_scale : 1.0;
   const Problem p{q.data_ptr(), out.data_ptr(), q.scalar_type(), k_cache.data_ptr(), v_cache.data_ptr(),
-                  block_tables.data_ptr<int32_t>(), static_cast<int>(q.size(1)), group, dim, round_up(dim, kLanes),
+                  a.block_tables.data_ptr<int32_t>(), static_cast<int>(q.size(1)), group, dim, round_up(dim, kLanes),
                   static_cast<int>(k_cache.size(1)), q.stride(0), k_cache.stride(0), k_cache.stride(1),
-                  block_tables.size(1), static_cast<float>(full ? q_scale * ks * scale : ks * scale),
+                  a.block_tables.size(1), static_cast<float>(full ? q_scale * ks * scale : ks * scale),
                   static_cast<float>(full ? vs / kFp8Max : vs), static_cast<float>(full ? q_scale : 0.0),
                   full || q.scalar_type() == at::kBFloat16};
 
-  std::vector<Tile> tiles = plan_tiles(query_start_loc, seq_lens, block_tables, q.size(0), k_cache.size(0),
-                                       kv_heads, group, p.block_size);
+  std::vector<Tile> tiles = plan_tiles(a, k_cache.size(0), p.block_size);
   int64_t scratch_size = 0;
   const std::vector<Work> works = plan_works(tiles, p, fixed_partition, scratch_size);
   std::vector<float> scratch(scratch_size);
@@ -833,51 +890,9 @@ void write_rows(const at::Tensor& src, const at::Tensor& cache, const int64_t* s
   });
 }
 
-void write_kv_cache(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
-                    const at::Tensor& slot_mapping_in, double k_scale, double v_scale) {
-  check_cache(k_cache, v_cache);
-  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
-  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
-  TORCH_CHECK(slots.dim() == 1 && slots.numel() == k_in.size(0), "slot_mapping must hold one slot per token");
-  const int64_t* slot_data = slots.data_ptr<int64_t>();  // a plain loop: a tensor reduction costs more per call
-  TORCH_CHECK(std::all_of(slot_data, slot_data + slots.numel(), [&](int64_t s) { return s < capacity; }),
-              "slot_mapping exceeds the cache");
-  const auto prepare = [&](const at::Tensor& x) {
-    TORCH_CHECK(x.dim() == 3 && x.size(1) == k_cache.size(2) && x.size(2) == k_cache.size(3) &&
-                    x.size(0) == slots.numel(),
-                "k and v must be [num_tokens, num_kv_heads, head_dim] matching the cache");
-    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-                "k and v must be float32 or bfloat16");
-    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
-  };
-  const at::Tensor k = prepare(k_in), v = prepare(v_in);
-  const auto write = [&](const at::Tensor& src, const at::Tensor& cache, double scale) {
-    dispatch_io(src.scalar_type(), [&](auto st) {
-      dispatch_cache(cache.scalar_type(), [&](auto ct) {
-        write_rows<typename decltype(st)::type, typename decltype(ct)::type>(src, cache, slot_data,
-                                                                             static_cast<float>(scale));
-      });
-    });
-  };
-  write(k, k_cache, k_scale);
-  write(v, v_cache, v_scale);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
-  m.def(
-      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor query_start_loc, "
-      "Tensor seq_lens, float scale, float k_scale, float v_scale, float q_scale, int fixed_partition=0) -> Tensor");
-  m.def(
-      "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-      "float k_scale, float v_scale) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(fp8engine, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
-  m.impl("write_kv_cache", &write_kv_cache);
-}
+#define FP8E_ATTENTION_KERNELS
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
@@ -897,12 +912,9 @@ TORCH_LIBRARY_IMPL(fp8engine, CPU, m) {
 #include <type_traits>
 #include <vector>
 
-#include "e4m3.h"
 #include "linear_common.h"
 
 namespace {
-
-constexpr float kFp8Max = 448.f;
 
 // dim values of a cache or query row as float32, zero up to `padded` (a multiple of 8).
 inline void row_f32(const float* src, int dim, int padded, float* dst) {
@@ -1018,68 +1030,36 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
                            const at::Tensor& block_tables_in, const at::Tensor& query_start_loc_in,
                            const at::Tensor& seq_lens_in, double scale, double k_scale, double v_scale,
                            double q_scale, int64_t fixed_partition) {
-  TORCH_CHECK(fixed_partition >= 0 && fixed_partition % 16 == 0,
-              "fixed_partition must be 0 (adaptive) or a positive multiple of 16, got ", fixed_partition);
-  check_cache(k_cache, v_cache);
-  const auto ct = k_cache.scalar_type();
-  const int dim = static_cast<int>(k_cache.size(3)), kv_heads = static_cast<int>(k_cache.size(2));
-  TORCH_CHECK(q_in.dim() == 3 && q_in.size(2) == dim && q_in.size(1) % kv_heads == 0,
-              "q must be [num_tokens, num_heads, head_dim] with num_heads a multiple of num_kv_heads");
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
-  const bool fp8 = ct == at::kFloat8_e4m3fn, full = q_scale > 0;
-  TORCH_CHECK(!full || fp8, "full-FP8 attention (q_scale > 0) needs an FP8 KV cache");
-  const at::Tensor q = q_in.contiguous();
-  const at::Tensor block_tables = block_tables_in.to(at::kInt).contiguous();
-  const at::Tensor query_start_loc = query_start_loc_in.to(at::kInt).contiguous();
-  const at::Tensor seq_lens = seq_lens_in.to(at::kInt).contiguous();
-  TORCH_CHECK(seq_lens.dim() == 1 && query_start_loc.numel() == seq_lens.numel() + 1 && block_tables.dim() == 2 &&
-                  block_tables.size(0) == seq_lens.numel(),
-              "expected query_start_loc [S + 1], seq_lens [S] and block_tables [S, max_blocks]");
+  const AttentionArgs a = check_attention(q_in, k_cache, v_cache, block_tables_in, query_start_loc_in, seq_lens_in,
+                                          q_scale, fixed_partition);
+  const at::Tensor q = a.q.contiguous();
+  const int dim = a.dim, block_size = static_cast<int>(k_cache.size(1));
+  const bool fp8 = a.fp8, full = a.full;
   at::Tensor out = at::zeros({q.size(0), q.size(1), dim}, q.options());  // tokens outside every sequence stay 0
-  const int block_size = static_cast<int>(k_cache.size(1)), group = static_cast<int>(q.size(1)) / kv_heads;
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = a.query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = a.seq_lens.data_ptr<int32_t>();
   std::vector<Item> items;
-  for (int s = 0; s < seq_lens.size(0); ++s) {
+  for (int s = 0; s < a.seq_lens.size(0); ++s) {
+    check_sequence(a, s, k_cache.size(0), block_size);
     const int tok0 = starts[s], nq = starts[s + 1] - tok0, len = lens[s];
-    TORCH_CHECK(tok0 >= 0 && nq >= 0 && starts[s + 1] <= q.size(0),
-                "query_start_loc must be non-decreasing within [0, num_tokens]");
-    TORCH_CHECK(len >= nq, "seq_lens[", s, "] = ", len, " is shorter than its ", nq, " query tokens");
-    const int64_t nblocks = (len + block_size - 1) / block_size;
-    TORCH_CHECK(nblocks <= block_tables.size(1), "block_tables has too few columns for seq_lens[", s, "]");
-    const int32_t* ids = block_tables.data_ptr<int32_t>() + s * block_tables.size(1);
-    for (int64_t i = 0; i < nblocks; ++i)
-      TORCH_CHECK(ids[i] >= 0 && ids[i] < k_cache.size(0), "block_tables[", s, ", ", i, "] is out of range");
     for (int i = 0; i < nq; ++i)
-      for (int g = 0; g < kv_heads; ++g) items.push_back(Item{s, tok0 + i, len - nq + i, g});
+      for (int g = 0; g < a.kv_heads; ++g) items.push_back(Item{s, tok0 + i, len - nq + i, g});
   }
   const double ks = fp8 ? k_scale : 1.0, vs = fp8 ? v_scale : 1.0;
-  const Problem p{q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
-                  static_cast<int>(q.size(1)), group, dim, (dim + 7) / 8 * 8, block_size, k_cache.stride(0),
-                  k_cache.stride(1), block_tables.size(1), static_cast<float>(full ? q_scale * ks * scale : ks * scale),
+  const Problem p{q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                  a.block_tables.data_ptr<int32_t>(), static_cast<int>(q.size(1)), a.group, dim, (dim + 7) / 8 * 8,
+                  block_size, k_cache.stride(0), k_cache.stride(1), a.block_tables.size(1),
+                  static_cast<float>(full ? q_scale * ks * scale : ks * scale),
                   static_cast<float>(full ? vs / kFp8Max : vs), static_cast<float>(full ? q_scale : 0.0)};
-  auto run = [&](auto cache_tag, auto io_tag) {
-    using CT = typename decltype(cache_tag)::type;
-    using IO = typename decltype(io_tag)::type;
-    at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf;
-      for (int64_t i = begin; i < end; ++i) attend<CT, IO>(p, items[i], buf);
+  dispatch_cache(k_cache.scalar_type(), [&](auto ct) {
+    dispatch_io(q.scalar_type(), [&](auto io) {
+      at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf;
+        for (int64_t i = begin; i < end; ++i)
+          attend<typename decltype(ct)::type, typename decltype(io)::type>(p, items[i], buf);
+      });
     });
-  };
-  auto with_io = [&](auto cache_tag) {
-    if (q.scalar_type() == at::kFloat) {
-      run(cache_tag, fp8e::TypeTag<float>{});
-    } else {
-      run(cache_tag, fp8e::TypeTag<at::BFloat16>{});
-    }
-  };
-  if (ct == at::kFloat) {
-    with_io(fp8e::TypeTag<float>{});
-  } else if (ct == at::kBFloat16) {
-    with_io(fp8e::TypeTag<at::BFloat16>{});
-  } else {
-    with_io(fp8e::TypeTag<at::Float8_e4m3fn>{});
-  }
+  });
   return out;
 }
 
@@ -1108,45 +1088,31 @@ void write_rows(const at::Tensor& src, const at::Tensor& cache, const int64_t* s
   });
 }
 
+}  // namespace
+
+#define FP8E_ATTENTION_KERNELS
+
+#endif
+
+#if defined(FP8E_ATTENTION_KERNELS)
+
+namespace {
+
+// The cache write of either kernel set: its write_rows per source and cache dtype, k then v.
 void write_kv_cache(const at::Tensor& k_in, const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
-                    const at::Tensor& slot_mapping_in, double k_scale, double v_scale) {
-  check_cache(k_cache, v_cache);
-  const auto ct = k_cache.scalar_type();
-  const at::Tensor slots = slot_mapping_in.to(at::kLong).contiguous();
-  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
-  TORCH_CHECK(slots.dim() == 1 && slots.numel() == k_in.size(0), "slot_mapping must hold one slot per token");
-  const int64_t* slot_data = slots.data_ptr<int64_t>();
-  TORCH_CHECK(std::all_of(slot_data, slot_data + slots.numel(), [&](int64_t s) { return s < capacity; }),
-              "slot_mapping exceeds the cache");
-  const auto prepare = [&](const at::Tensor& x) {
-    TORCH_CHECK(x.dim() == 3 && x.size(1) == k_cache.size(2) && x.size(2) == k_cache.size(3) &&
-                    x.size(0) == slots.numel(),
-                "k and v must be [num_tokens, num_kv_heads, head_dim] matching the cache");
-    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-                "k and v must be float32 or bfloat16");
-    return x.stride(2) == 1 && x.stride(1) == x.size(2) ? x : x.contiguous();
-  };
-  const at::Tensor k = prepare(k_in), v = prepare(v_in);
+                    const at::Tensor& slot_mapping, double k_scale, double v_scale) {
+  const KvWrite w = check_kv_write(k_in, v_in, k_cache, v_cache, slot_mapping);
+  const int64_t* slot_data = w.slots.data_ptr<int64_t>();
   const auto write = [&](const at::Tensor& src, const at::Tensor& cache, double scale) {
-    const float sc = static_cast<float>(scale);
-    auto with_cache = [&](auto st) {
-      using ST = typename decltype(st)::type;
-      if (ct == at::kFloat) {
-        write_rows<ST, float>(src, cache, slot_data, sc);
-      } else if (ct == at::kBFloat16) {
-        write_rows<ST, at::BFloat16>(src, cache, slot_data, sc);
-      } else {
-        write_rows<ST, at::Float8_e4m3fn>(src, cache, slot_data, sc);
-      }
-    };
-    if (src.scalar_type() == at::kFloat) {
-      with_cache(fp8e::TypeTag<float>{});
-    } else {
-      with_cache(fp8e::TypeTag<at::BFloat16>{});
-    }
+    dispatch_io(src.scalar_type(), [&](auto st) {
+      dispatch_cache(cache.scalar_type(), [&](auto ct) {
+        write_rows<typename decltype(st)::type, typename decltype(ct)::type>(src, cache, slot_data,
+                                                                             static_cast<float>(scale));
+      });
+    });
   };
-  write(k, k_cache, k_scale);
-  write(v, v_cache, v_scale);
+  write(w.k, k_cache, k_scale);
+  write(w.v, v_cache, v_scale);
 }
 
 }  // namespace

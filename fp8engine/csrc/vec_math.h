@@ -1,9 +1,8 @@
-// Vector math shared by the AVX-512 kernels (include after <immintrin.h>); dispatch_io for every build.
+// Vector math shared by the AVX-512 kernels; Tag and dispatch_io for every build.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 
 #include <cstdint>
 
@@ -26,6 +25,8 @@ void dispatch_io(at::ScalarType t, F&& f) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+#include <immintrin.h>
 
 // Lanes [0, n) of a 16-lane vector (all of them for n >= 16).
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
