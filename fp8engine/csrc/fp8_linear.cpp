@@ -937,21 +937,60 @@ void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_inva
 
 float e4m3_to_f32(uint8_t v) { return e4m3_value(v); }
 
+inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_f32(const at::BFloat16* p) { return Bf16Weights::load8(reinterpret_cast<const uint16_t*>(p)); }
+
+// The largest |v| of n values: |v| bit patterns order like the values and a NaN's exceed them all, so an
+// integer max is an amax that propagates NaN (as amax_rows does, to a NaN).
+template <typename T>
+float amax_avx2(const T* p, int64_t n) {
+  __m256i mx = _mm256_setzero_si256();
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    mx = _mm256_max_epu32(mx, _mm256_and_si256(_mm256_castps_si256(load8_f32(p + c)), _mm256_set1_epi32(0x7FFFFFFF)));
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), mx);
+  uint32_t m = *std::max_element(lanes, lanes + 8);
+  for (; c < n; ++c) m = std::max(m, f32_bits(static_cast<float>(p[c])) & 0x7FFFFFFFu);
+  return f32_from_bits(m);
+}
+
+// dst[c] = E4M3(clamp(src[c] / scale, +-448)) as float32, times 2^8: the division as the scalar path's, then
+// the value rounded onto the E4M3 grid of its binade (at least 2^-6) by adding and subtracting m = 2^(e + 20),
+// which makes the FPU round to 3 mantissa bits, nearest even; the same values as e4m3_value(e4m3_from_f32(...))
+// (a NaN stays NaN).
+template <typename T>
+void quantize_values_avx2(const T* src, float* dst, int64_t n, float scale) {
+  const __m256 s = _mm256_set1_ps(scale), top = _mm256_set1_ps(kFp8Max), sign_bit = _mm256_set1_ps(-0.f);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const __m256 v = load8_f32(src + c);
+    const __m256 q = _mm256_min_ps(top, _mm256_div_ps(_mm256_andnot_ps(sign_bit, v), s));  // a NaN q stays
+    const __m256i binade = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0x7F800000)),
+                                            _mm256_set1_epi32(121 << 23));
+    const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(binade, _mm256_set1_epi32(20 << 23)));
+    const __m256 r = _mm256_sub_ps(_mm256_add_ps(q, m), m);
+    _mm256_storeu_ps(dst + c, _mm256_or_ps(_mm256_mul_ps(r, _mm256_set1_ps(256.f)), _mm256_and_ps(sign_bit, v)));
+  }
+  for (; c < n; ++c) {
+    const float v = static_cast<float>(src[c]) / scale;
+    dst[c] = e4m3_to_f32(e4m3_from_f32(std::isnan(v) ? v : std::min(kFp8Max, std::max(-kFp8Max, v)))) * 256.f;
+  }
+}
+
 template <typename T>
 void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_invariant*/, GemmChoice /*gemm*/) {
   const int64_t kp = p.nkb * kBlock;
   auto xf = alloc_buffer<float>(p.m * kp);  // the activations' E4M3 values x 256, zero past K
   auto sx = alloc_buffer<float>(p.m * p.nkb);
   at::parallel_for(0, p.m, 8, [&](int64_t begin, int64_t end) {
-    uint8_t codes[kBlock];
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < p.nkb; ++b) {
         const int64_t c0 = b * kBlock, cols = std::min(kBlock, p.k - c0);
-        const float s = block_scale(amax_rows(x + r * p.k + c0, p.k, 1, cols), ue8m0);
+        const float s = block_scale(amax_avx2(x + r * p.k + c0, cols), ue8m0);
         sx[r * p.nkb + b] = s;
-        quantize_span(x + r * p.k + c0, codes, cols, s);
         float* dst = xf.get() + r * kp + c0;
-        for (int64_t c = 0; c < cols; ++c) dst[c] = e4m3_to_f32(codes[c]) * 256.f;
+        quantize_values_avx2(x + r * p.k + c0, dst, cols, s);
         std::fill(dst + cols, dst + kBlock, 0.f);
       }
   });
