@@ -899,10 +899,10 @@ void write_rows(const at::Tensor& src, const at::Tensor& cache, const int64_t* s
 // AVX2 + FMA (CPUs without AVX-512: AMD Zen 2-3, Intel before Skylake-X). Each query row makes one pass over
 // its own keys, whatever else is in the batch and however the context could be split: batch invariant for
 // every fixed_partition (which is validated and has nothing to split). A work item is one (query token, kv
-// head): its GQA group's query heads share each K and V row converted to float32. Scores: 8 lanes along
-// head_dim reduced in one fixed tree, times the score scale; the softmax with its final max known (the scores
-// are saved, then exponentiated); P V accumulated along head_dim, then scaled once. The cache write rounds
-// element by element as the reference does.
+// head): its GQA group's query heads share each K and V row, converted to float32 kChunkKeys rows at a time.
+// Scores: 8 lanes along head_dim reduced in one fixed tree, times the score scale; the softmax with its final
+// max known (the scores are saved, then exponentiated on 8 lanes); P V accumulated key after key in registers,
+// then scaled once. The cache write rounds element by element as the reference does.
 
 #include <immintrin.h>
 
@@ -951,6 +951,23 @@ inline float dot_fixed(const float* a, const float* b, int padded) {
   return fp8e::hsum_fixed(acc);
 }
 
+// s[j] = exp(s[j] - mx) for j < n, 8 at a time (vec_math.h's exp256; a NaN stays NaN, which exp256's clamp
+// alone would not keep).
+inline void exp_shifted(float* s, int n, float mx) {
+  const __m256 m = _mm256_set1_ps(mx);
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + j), m);
+    _mm256_storeu_ps(s + j, _mm256_blendv_ps(fp8engine_vec::exp256(x), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  }
+  if (j < n) {
+    alignas(32) float t[8] = {};
+    std::copy(s + j, s + n, t);
+    exp_shifted(t, 8, mx);
+    std::copy(t, t + (n - j), s + j);
+  }
+}
+
 // E4M3(clamp(v, -448, 448)) as float32, as the reference's quantize_fp8 (a NaN stays NaN).
 inline float e4m3_round(float v) {
   return fp8e::e4m3_value(fp8e::e4m3_from_f32(std::isnan(v) ? v : std::min(kFp8Max, std::max(-kFp8Max, v))));
@@ -973,14 +990,58 @@ struct Item {
   int seq, token, pos, kv_head;  // the query token (flat index) at position pos of sequence seq
 };
 
+constexpr int kChunkKeys = 64;  // K or V rows converted to float32 at a time: 16 KB at head_dim 64, in L1
+
+// Scores of query row qr against n converted key rows kb (pd apart): each a dot_fixed (one accumulator along
+// head_dim, the same order), four keys at a time so that four chains overlap.
+inline void chunk_scores(const float* qr, const float* kb, int n, int pd, float scale, float* out) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* k0 = kb + j * pd;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int d = 0; d < pd; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(qr + d);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + pd + d), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * pd + d), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * pd + d), a3);
+    }
+    out[j] = fp8e::hsum_fixed(a0) * scale;
+    out[j + 1] = fp8e::hsum_fixed(a1) * scale;
+    out[j + 2] = fp8e::hsum_fixed(a2) * scale;
+    out[j + 3] = fp8e::hsum_fixed(a3) * scale;
+  }
+  for (; j < n; ++j) out[j] = dot_fixed(qr, kb + j * pd, pd) * scale;
+}
+
+// acc[0, 8 NV) += w[j] * vb[j] for j < n in key order, the NV vectors held in registers.
+template <int NV>
+inline void pv_columns(const float* w, const float* vb, int n, int pd, float* acc) {
+  __m256 a[NV];
+  for (int v = 0; v < NV; ++v) a[v] = _mm256_loadu_ps(acc + 8 * v);
+  for (int j = 0; j < n; ++j) {
+    const __m256 wj = _mm256_set1_ps(w[j]);
+    for (int v = 0; v < NV; ++v) a[v] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vb + j * pd + 8 * v), a[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + 8 * v, a[v]);
+}
+
+// acc[0, pd) += w[j] * vb[j] for j < n in key order (per element the same FMAs as one key at a time): 64 columns
+// at a time, then 8.
+inline void chunk_pv(const float* w, const float* vb, int n, int pd, float* acc) {
+  int d = 0;
+  for (; d + 64 <= pd; d += 64) pv_columns<8>(w, vb + d, n, pd, acc + d);
+  for (; d < pd; d += 8) pv_columns<1>(w, vb + d, n, pd, acc + d);
+}
+
 template <typename CT, typename IO>
 void attend(const Problem& p, const Item& it, std::vector<float>& buf) {
   const int keys = it.pos + 1, g = p.group, pd = p.padded;
-  buf.resize(static_cast<size_t>(g) * (keys + 2 * pd) + 2 * pd);
+  buf.resize(static_cast<size_t>(g) * (keys + 2 * pd) + static_cast<size_t>(kChunkKeys) * pd);
   float* q = buf.data();        // [g][pd]
   float* acc = q + g * pd;      // [g][pd]
-  float* kv = acc + g * pd;     // [pd]: one converted K or V row
-  float* sc = kv + pd;          // [g][keys]: scores, then exp(s - max) or the FP8 probabilities
+  float* kv = acc + g * pd;     // [kChunkKeys][pd]: converted K or V rows
+  float* sc = kv + kChunkKeys * pd;  // [g][keys]: scores, then exp(s - max) or the FP8 probabilities
   const IO* qrow = static_cast<const IO*>(p.q) + (static_cast<int64_t>(it.token) * p.heads + it.kv_head * g) * p.dim;
   for (int r = 0; r < g; ++r) {
     row_f32(qrow + r * p.dim, p.dim, pd, q + r * pd);
@@ -992,19 +1053,25 @@ void attend(const Problem& p, const Item& it, std::vector<float>& buf) {
     return static_cast<const CT*>(cache) + ids[j / p.block_size] * p.blk_stride + (j % p.block_size) * p.tok_stride +
            static_cast<int64_t>(it.kv_head) * p.dim;
   };
-  for (int j = 0; j < keys; ++j) {
-    row_f32(row(p.k, j), p.dim, pd, kv);
-    for (int r = 0; r < g; ++r) sc[r * keys + j] = dot_fixed(q + r * pd, kv, pd) * p.score_scale;
+  const int row_bytes = p.dim * static_cast<int>(sizeof(CT));
+  auto convert = [&](const void* cache, int j0, int n) {
+    for (int j = 0; j < n; ++j)  // every row's lines in flight at once: the rows are scattered over blocks
+      for (int b = 0; b < row_bytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row(cache, j0 + j)) + b, _MM_HINT_T0);
+    for (int j = 0; j < n; ++j) row_f32(row(cache, j0 + j), p.dim, pd, kv + j * pd);
+  };
+  for (int j0 = 0; j0 < keys; j0 += kChunkKeys) {
+    const int n = std::min(kChunkKeys, keys - j0);
+    convert(p.k, j0, n);
+    for (int r = 0; r < g; ++r) chunk_scores(q + r * pd, kv, n, pd, p.score_scale, sc + r * keys + j0);
   }
   std::vector<float> mul(g);
   for (int r = 0; r < g; ++r) {
     float* s = sc + r * keys;
     const float mx = *std::max_element(s, s + keys);
+    exp_shifted(s, keys, mx);
     float l = 0.f;
-    for (int j = 0; j < keys; ++j) {
-      s[j] = std::exp(s[j] - mx);
-      l += s[j];
-    }
+    for (int j = 0; j < keys; ++j) l += s[j];
     if (p.q_scale > 0) {
       for (int j = 0; j < keys; ++j) s[j] = e4m3_round(s[j] / l * kFp8Max);
       mul[r] = p.out_scale;
@@ -1013,13 +1080,10 @@ void attend(const Problem& p, const Item& it, std::vector<float>& buf) {
     }
   }
   std::fill(acc, acc + g * pd, 0.f);
-  for (int j = 0; j < keys; ++j) {
-    row_f32(row(p.v, j), p.dim, pd, kv);
-    for (int r = 0; r < g; ++r) {
-      const __m256 w = _mm256_set1_ps(sc[r * keys + j]);
-      for (int d = 0; d < pd; d += 8)
-        _mm256_storeu_ps(acc + r * pd + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(kv + d), _mm256_loadu_ps(acc + r * pd + d)));
-    }
+  for (int j0 = 0; j0 < keys; j0 += kChunkKeys) {
+    const int n = std::min(kChunkKeys, keys - j0);
+    convert(p.v, j0, n);
+    for (int r = 0; r < g; ++r) chunk_pv(sc + r * keys + j0, kv, n, pd, acc + r * pd);
   }
   IO* orow = static_cast<IO*>(p.out) + (static_cast<int64_t>(it.token) * p.heads + it.kv_head * g) * p.dim;
   for (int r = 0; r < g; ++r)

@@ -1,10 +1,14 @@
-// Vector math shared by the AVX-512 kernels; Tag and dispatch_io for every build.
+// Vector math shared by the kernels: Tag and dispatch_io for every build, then AVX-512 and AVX2 helpers.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace fp8engine_vec {
 
@@ -25,8 +29,6 @@ void dispatch_io(at::ScalarType t, F&& f) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-
-#include <immintrin.h>
 
 // Lanes [0, n) of a 16-lane vector (all of them for n >= 16).
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
@@ -70,5 +72,29 @@ inline __m512 exp512(__m512 x) {
 }
 
 #endif  // AVX-512
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+// exp512 on 8 lanes (the same polynomial), its 2^n built in the exponent bits: x is clamped to
+// [-87, 88], where 2^n stays a normal float (exp512 gives 0 and inf further out; silu's a / (1 + e) rounds
+// the same to bf16 for |a| >= 87 either way, float32 may differ in the last bits there).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(_mm256_set1_ps(-87.f), x), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+#endif  // AVX2
 
 }  // namespace fp8engine_vec
