@@ -4,11 +4,13 @@
 
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -76,6 +78,11 @@ inline uint8_t e4m3_from_f32(float f) {
   return static_cast<uint8_t>(r | (sign >> 24));
 }
 
+// E4M3(clamp(v, -448, 448)) as float32, as the reference's quantize_fp8 (a NaN stays NaN).
+inline float e4m3_round(float v) {
+  return e4m3_value(e4m3_from_f32(std::isnan(v) ? v : std::min(448.f, std::max(-448.f, v))));
+}
+
 #if defined(__AVX512F__)
 // c (|c| <= 448) rounded to the nearest E4M3 value, as a float (round to nearest even, subnormal step
 // 2^-9): adding and subtracting m = +-2^(e + 20), with 2^e the binade of c but at least 2^-6, makes the
@@ -87,6 +94,17 @@ inline __m512 e4m3_round_ps(__m512 c) {
   const __m512i e = _mm512_add_epi32(binade, _mm512_set1_epi32(20 << 23));
   const __m512 m = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(e, bits, _mm512_set1_epi32(int(0x80000000u)), 0xF8));
   return _mm512_sub_ps(_mm512_add_ps(c, m), m);
+}
+#endif
+
+#if defined(__AVX2__)
+// e4m3_round_ps on 8 lanes, for c >= 0 (|c| <= 448; a NaN passes through): the AVX2 kernels round magnitudes and
+// put the sign back themselves.
+inline __m256 e4m3_round_ps(__m256 c) {
+  const __m256i binade = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(c), _mm256_set1_epi32(0x7F800000)),
+                                          _mm256_set1_epi32(121 << 23));
+  const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(binade, _mm256_set1_epi32(20 << 23)));
+  return _mm256_sub_ps(_mm256_add_ps(c, m), m);
 }
 #endif
 

@@ -955,10 +955,8 @@ float amax_avx2(const T* p, int64_t n) {
   return f32_from_bits(m);
 }
 
-// dst[c] = E4M3(clamp(src[c] / scale, +-448)) as float32, times 2^8: the division as the scalar path's, then
-// the value rounded onto the E4M3 grid of its binade (at least 2^-6) by adding and subtracting m = 2^(e + 20),
-// which makes the FPU round to 3 mantissa bits, nearest even; the same values as e4m3_value(e4m3_from_f32(...))
-// (a NaN stays NaN).
+// dst[c] = e4m3_round(src[c] / scale) times 2^8, 8 at a time: the division as the scalar path's, the magnitude
+// rounded by e4m3_round_ps (the same values as e4m3_value(e4m3_from_f32(...)); a NaN stays NaN), the sign put back.
 template <typename T>
 void quantize_values_avx2(const T* src, float* dst, int64_t n, float scale) {
   const __m256 s = _mm256_set1_ps(scale), top = _mm256_set1_ps(kFp8Max), sign_bit = _mm256_set1_ps(-0.f);
@@ -966,16 +964,10 @@ void quantize_values_avx2(const T* src, float* dst, int64_t n, float scale) {
   for (; c + 8 <= n; c += 8) {
     const __m256 v = load8_f32(src + c);
     const __m256 q = _mm256_min_ps(top, _mm256_div_ps(_mm256_andnot_ps(sign_bit, v), s));  // a NaN q stays
-    const __m256i binade = _mm256_max_epu32(_mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0x7F800000)),
-                                            _mm256_set1_epi32(121 << 23));
-    const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(binade, _mm256_set1_epi32(20 << 23)));
-    const __m256 r = _mm256_sub_ps(_mm256_add_ps(q, m), m);
+    const __m256 r = e4m3_round_ps(q);
     _mm256_storeu_ps(dst + c, _mm256_or_ps(_mm256_mul_ps(r, _mm256_set1_ps(256.f)), _mm256_and_ps(sign_bit, v)));
   }
-  for (; c < n; ++c) {
-    const float v = static_cast<float>(src[c]) / scale;
-    dst[c] = e4m3_to_f32(e4m3_from_f32(std::isnan(v) ? v : std::min(kFp8Max, std::max(-kFp8Max, v)))) * 256.f;
-  }
+  for (; c < n; ++c) dst[c] = e4m3_round(static_cast<float>(src[c]) / scale) * 256.f;
 }
 
 template <typename T>

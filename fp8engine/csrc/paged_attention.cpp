@@ -968,10 +968,7 @@ inline void exp_shifted(float* s, int n, float mx) {
   }
 }
 
-// E4M3(clamp(v, -448, 448)) as float32, as the reference's quantize_fp8 (a NaN stays NaN).
-inline float e4m3_round(float v) {
-  return fp8e::e4m3_value(fp8e::e4m3_from_f32(std::isnan(v) ? v : std::min(kFp8Max, std::max(-kFp8Max, v))));
-}
+using fp8e::e4m3_round;
 
 struct Problem {
   const void* q;
