@@ -184,8 +184,8 @@ def test_counters_reach_prometheus_and_the_cli_flags_reach_the_config():
     config = options.engine_config(args)
     assert (config.speculative, config.num_speculative_tokens, config.speculative_forget_on_update) == ("suffix", 3,
                                                                                                         True)
-    engine = make_engine(speculative="ngram", num_kv_blocks=32)  # 48 tokens: drafts accepted on every CPU's sums
-    engine.generate([COUNT], SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+    engine = make_engine(speculative="ngram", num_kv_blocks=32)
+    engine.generate([COUNT], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     stats = engine.get_stats()
     assert stats.speculative == "ngram" and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
     collector = _EngineStatsCollector()

@@ -511,10 +511,9 @@ namespace {
 
 using namespace fp8e;
 
-// The AVX2 kernels (linear_common.h): the direct one at one or two rows unless batch_invariant, the nt one
-// otherwise (`gemm` is validated, there is nothing to choose).
+// The AVX2 kernel for every M (batch_invariant as it stands; `gemm` is validated, there is nothing to choose).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                       bool batch_invariant, bool float32_out, const std::string& gemm) {
+                       bool /*batch_invariant*/, bool float32_out, const std::string& gemm) {
   choose_gemm(gemm, "bf16_linear");
   const Bf16Args a = check_bf16_linear(x, w, bias, float32_out);
   const int64_t m = a.m, k = a.k, n = a.n;
@@ -537,9 +536,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   const Avx2Operands op{m, n, k, xf.get(), kp, nullptr, 0, a.bias_f.defined() ? a.bias_f.data_ptr<float>() : nullptr};
   auto no_scale = [](int64_t, int64_t) { return 1.f; };
   if (float32_out) {
-    avx2_linear<Bf16Weights>(op, wb, w.stride(0), y.data_ptr<float>(), no_scale, batch_invariant);
+    avx2_linear<Bf16Weights>(op, wb, w.stride(0), y.data_ptr<float>(), no_scale);
   } else {
-    avx2_linear<Bf16Weights>(op, wb, w.stride(0), y.data_ptr<at::BFloat16>(), no_scale, batch_invariant);
+    avx2_linear<Bf16Weights>(op, wb, w.stride(0), y.data_ptr<at::BFloat16>(), no_scale);
   }
   return y;
 }

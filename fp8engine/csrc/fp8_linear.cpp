@@ -932,8 +932,8 @@ void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_inva
 #elif defined(FP8E_AVX2_KERNELS)
 
 // AVX2 + FMA (linear_common.h): the activations quantized to E4M3 and held as float32 values times 2^8 (the
-// weights convert to their values times 2^-8), each 128-wide K block's sum scaled by sx * sw; the direct kernel
-// at one or two rows, the nt kernel otherwise and for every M when batch invariant.
+// weights convert to their values times 2^-8), each 128-wide K block's sum scaled by sx * sw. One kernel for
+// every M.
 
 float e4m3_to_f32(uint8_t v) { return e4m3_value(v); }
 
@@ -971,7 +971,7 @@ void quantize_values_avx2(const T* src, float* dst, int64_t n, float scale) {
 }
 
 template <typename T>
-void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant, GemmChoice /*gemm*/) {
+void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_invariant*/, GemmChoice /*gemm*/) {
   const int64_t kp = p.nkb * kBlock;
   auto xf = alloc_buffer<float>(p.m * kp);  // the activations' E4M3 values x 256, zero past K
   auto sx = alloc_buffer<float>(p.m * p.nkb);
@@ -987,7 +987,7 @@ void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_inva
       }
   });
   const Avx2Operands op{p.m, p.n, p.k, xf.get(), kp, sx.get(), p.nkb, p.bias};
-  avx2_linear<E4m3Weights>(op, p.w, p.k, y, [&](int64_t row, int64_t b) { return p.sw_at(row, b); }, batch_invariant);
+  avx2_linear<E4m3Weights>(op, p.w, p.k, y, [&](int64_t row, int64_t b) { return p.sw_at(row, b); });
 }
 
 #else  // portable scalar path

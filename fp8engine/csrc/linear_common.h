@@ -331,45 +331,20 @@ void nt_write(int64_t rows_m, int64_t cols_n, int64_t n0, const float* bias, con
 
 #ifdef FP8E_AVX2_KERNELS
 
-// ---- AVX2 + FMA ---------------------------------------------------------------------------------
+// ---- AVX2 + FMA: one kernel for every M (batch invariant as it stands) --------------------------
 //
-// Two kernels. The direct one (up to kAvx2DirectM rows, unless batch invariance is asked for) puts K in the
-// lanes: per output and 128-wide K block, 8 lanes add up the products chunk after chunk and reduce in one fixed
-// tree; each group of kAvx2Nr weight rows converts in registers as it streams, the fewest instructions per
-// weight when one or two rows use it. The nt one (every other M, and every M when batch_invariant) puts weight
-// rows in the lanes: a group of kAvx2NtRows rows is converted once per K block (and per panel of kAvx2Mb
-// activation rows) into a transposed float32 buffer in L1, and each activation row's value at column c,
-// broadcast, multiplies the rows' column c: one FMA chain per output along the block, no horizontal sums, no
-// lane padding whatever M is. Either way the block sums (times sx[m][b] * sw(n, b) when scaled) add up block
-// after block, so each kernel's outputs for a row are the same bits whatever M is and wherever the row sits;
-// the two kernels' orders differ.
+// For each output (m, n) and 128-wide K block, 8 lanes along K add up the products chunk after chunk, the
+// lanes reduce in one fixed tree, and the block sums (times sx[m][b] * sw(n, b) when scaled) add up block after
+// block: the same arithmetic for a row whatever M is and wherever the row sits. Up to kAvx2DirectM rows, each
+// group of kAvx2Nr weight rows is converted in registers as it streams; above, once per K block and per panel
+// of kAvx2Mb activation rows into a float32 buffer in L1 (the same values, so the same bits).
 
 constexpr int64_t kAvx2Block = 128;
-constexpr int kAvx2Nr = 4;          // weight rows per group of the direct kernel
-constexpr int64_t kAvx2DirectM = 2; // up to this many rows the direct kernel runs (when not batch invariant)
-constexpr int64_t kAvx2Prefetch = 2; // groups ahead whose weights the direct kernel prefetches
-constexpr int kAvx2NtRows = 16;     // weight rows per group of the nt kernel: two vectors
-constexpr int kAvx2NtMr = 6;        // activation rows per nt register tile: 6 x 2 accumulator chains
-constexpr int64_t kAvx2Mb = 48;     // activation rows per nt panel: their K block stays in L1 across the groups
-
-inline void transpose8x8(__m256 (&r)[8]) {
-  __m256 t[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
-    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
-  }
-  for (int i = 0; i < 8; ++i) r[i] = t[i];
-}
+constexpr int kAvx2Nr = 4;          // weight rows per group (a task's unit)
+constexpr int kAvx2Mr = 3;          // activation rows per register tile from the buffer: kAvx2Mr x kAvx2Nr sums
+constexpr int64_t kAvx2Mb = 48;     // activation rows per panel: their K block stays in L1 across the groups
+constexpr int64_t kAvx2DirectM = 2; // up to this many rows the weights convert in registers
+constexpr int64_t kAvx2Prefetch = 2; // groups ahead whose weights the direct path prefetches
 
 // 8 E4M3 codes -> float32 times 2^-8, exactly, through half precision: the sign-extended byte shifted left by 7
 // puts the sign at bit 15 and the 7 magnitude bits at 7..13, which reads as the value times 2^-8 in IEEE half
@@ -382,35 +357,6 @@ struct E4m3Weights {
     const __m128i v = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(v, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80))));
   }
-  // wt[c][i] = row src[i]'s code c, converted, for 16 rows x 8 codes: the bytes transposed first (32 shuffles of
-  // 16 bytes), then each column of 16 codes converted at once: a third fewer shuffle-port instructions than
-  // converting rows and transposing floats.
-  static void cols16x8(const uint8_t* const (&src)[16], float (*wt)[16]) {
-    __m128i a[8], b[8], d[8];
-    for (int j = 0; j < 8; ++j)  // 16-bit unit k: column k of rows 2j, 2j + 1
-      a[j] = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[2 * j])),
-                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[2 * j + 1])));
-    for (int j = 0; j < 4; ++j) {  // 32-bit unit k: column k (b[2j]) or 4 + k (b[2j + 1]) of rows 4j .. 4j + 3
-      b[2 * j] = _mm_unpacklo_epi16(a[2 * j], a[2 * j + 1]);
-      b[2 * j + 1] = _mm_unpackhi_epi16(a[2 * j], a[2 * j + 1]);
-    }
-    for (int h = 0; h < 2; ++h) {  // 64-bit unit: one column of rows 8h .. 8h + 7, columns 0-1, 2-3, 4-5, 6-7
-      d[4 * h] = _mm_unpacklo_epi32(b[4 * h], b[4 * h + 2]);
-      d[4 * h + 1] = _mm_unpackhi_epi32(b[4 * h], b[4 * h + 2]);
-      d[4 * h + 2] = _mm_unpacklo_epi32(b[4 * h + 1], b[4 * h + 3]);
-      d[4 * h + 3] = _mm_unpackhi_epi32(b[4 * h + 1], b[4 * h + 3]);
-    }
-    for (int q = 0; q < 4; ++q) {
-      column16(_mm_unpacklo_epi64(d[q], d[q + 4]), wt[2 * q]);
-      column16(_mm_unpackhi_epi64(d[q], d[q + 4]), wt[2 * q + 1]);
-    }
-  }
-  static void column16(__m128i codes, float* dst) {  // load8's conversion, 16 codes at once
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7),
-                                       _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
-    _mm256_store_ps(dst, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
-    _mm256_store_ps(dst + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
-  }
 };
 
 // bf16 -> float32 (exact).
@@ -419,15 +365,6 @@ struct Bf16Weights {
   static __m256 load8(const uint16_t* p) {
     const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  }
-  // wt[c][i] = row src[i]'s value c, for 16 rows x 8 values: rows converted, then transposed as floats.
-  static void cols16x8(const uint16_t* const (&src)[16], float (*wt)[16]) {
-    for (int v = 0; v < 2; ++v) {
-      __m256 r[8];
-      for (int i = 0; i < 8; ++i) r[i] = load8(src[8 * v + i]);
-      transpose8x8(r);
-      for (int i = 0; i < 8; ++i) _mm256_store_ps(wt[i] + 8 * v, r[i]);
-    }
   }
 };
 
@@ -448,6 +385,22 @@ __attribute__((always_inline)) inline void avx2_add_block(const __m256 (&acc)[MR
       const float s = hsum_fixed(acc[i][j]);
       t = sx != nullptr ? std::fma(s, sx[i * ldsx] * sw[j], t) : t + s;
     }
+}
+
+// One K block of MR rows of x (ldx apart) against a group's weights converted in wf, `padded` columns (a
+// multiple of 8, zeros past the block's end on both sides).
+template <int MR>
+__attribute__((always_inline)) inline void avx2_tile(const float* x, int64_t ldx, const float (*wf)[kAvx2Block], int64_t padded, const float* sx,
+                      int64_t ldsx, const float* sw, float* total) {
+  __m256 acc[MR][kAvx2Nr];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kAvx2Nr; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < padded; c += 8)
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + c);
+      for (int j = 0; j < kAvx2Nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, _mm256_load_ps(wf[j] + c), acc[i][j]);
+    }
+  avx2_add_block<MR>(acc, sx, ldsx, sw, total);
 }
 
 // The same block with the weights converted in registers: w[j] points at row j's block (rows past N repeat the
@@ -491,13 +444,14 @@ struct Avx2Operands {
   const float* bias;  // [N] or nullptr
 };
 
-// Weight rows [n0, n0 + NR) of K block b: pointers to the block (rows past N repeat the last), each row's last
+// Weight rows [n0, n0 + kAvx2Nr) of K block b: pointers to the block (rows past N repeat the last), each row's last
 // cols % 8 columns copied zero-padded into tail, and the scales.
-template <int NR, typename E, typename Scale>
+template <typename E, typename Scale>
 inline void avx2_group_block(const E* w, int64_t ldw, int64_t n, int64_t n0, int64_t c0, int64_t cols, int64_t b,
-                             bool scaled, Scale& scale, const E* (&rows)[NR], E (&tail)[NR][8], float (&sw)[NR]) {
+                             bool scaled, Scale& scale, const E* (&rows)[kAvx2Nr], E (&tail)[kAvx2Nr][8],
+                             float (&sw)[kAvx2Nr]) {
   const int64_t full = cols / 8 * 8;
-  for (int j = 0; j < NR; ++j) {
+  for (int j = 0; j < kAvx2Nr; ++j) {
     const int64_t row = std::min(n0 + j, n - 1);
     rows[j] = w + row * ldw + c0;
     sw[j] = scaled ? scale(row, b) : 0.f;
@@ -506,91 +460,36 @@ inline void avx2_group_block(const E* w, int64_t ldw, int64_t n, int64_t n0, int
   }
 }
 
-// The same K block of the rows `ahead` rows further on, into L1: weight rows are too short (a few hundred bytes
+// The same K block of the group kAvx2Prefetch ahead, into L1: weight rows are too short (a few hundred bytes
 // to a few KB) for the hardware prefetchers to reach DRAM speed (default model at 1 row, 2 threads of a Zen 3:
 // 20.7 -> 8.2 ms for the FP8 layers).
-template <int NR, typename E>
-inline void avx2_prefetch_ahead(const E* const (&rows)[NR], int64_t ahead, int64_t cols) {
-  for (int j = 0; j < NR; ++j)
+template <typename E>
+inline void avx2_prefetch_ahead(const E* const (&rows)[kAvx2Nr], int64_t ldw, int64_t cols) {
+  for (int j = 0; j < kAvx2Nr; ++j)
     for (int64_t c = 0; c < cols * static_cast<int64_t>(sizeof(E)); c += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(rows[j] + ahead) + c, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(rows[j] + kAvx2Prefetch * kAvx2Nr * ldw) + c, _MM_HINT_T0);
 }
 
-// y[m0 + i, n0 + j] = total[i * NR + j] + bias for the mb rows and the group's rows below N.
-template <int NR, typename T>
+template <typename T>
 inline void avx2_store(const Avx2Operands& op, const float* total, int64_t m0, int64_t mb, int64_t n0, T* y) {
-  const int64_t nr = std::min<int64_t>(NR, op.n - n0);
+  const int64_t nr = std::min<int64_t>(kAvx2Nr, op.n - n0);
   for (int64_t i = 0; i < mb; ++i)
     for (int64_t j = 0; j < nr; ++j) {
-      const float v = total[i * NR + j] + (op.bias != nullptr ? op.bias[n0 + j] : 0.f);
+      const float v = total[i * kAvx2Nr + j] + (op.bias != nullptr ? op.bias[n0 + j] : 0.f);
       y[(m0 + i) * op.n + n0 + j] = static_cast<T>(v);  // c10::BFloat16 rounds to nearest even
     }
 }
 
-// wt[c][j] = weight row j's column c of the block, converted, for c below cols rounded up to 8 (the tail from the
-// zero-padded copies).
-template <typename W>
-inline void avx2_nt_convert(const typename W::Elem* const (&rows)[kAvx2NtRows],
-                            const typename W::Elem (*tail)[8], int64_t cols, float (*wt)[kAvx2NtRows]) {
-  static_assert(kAvx2NtRows == 16, "cols16x8 converts 16 rows");
-  const int64_t full = cols / 8 * 8;
-  const typename W::Elem* src[kAvx2NtRows];
-  for (int64_t c = 0; c < cols; c += 8) {
-    for (int i = 0; i < kAvx2NtRows; ++i) src[i] = c < full ? rows[i] + c : tail[i];
-    W::cols16x8(src, wt + c);
-  }
-}
-
-// total[i][j] (+)= the block's chain for activation row i (x, ldx apart) and weight row j: products added in
-// column order from zero, then scaled by sx[i] * sw[j] when sx is given.
-template <int MR>
-__attribute__((always_inline)) inline void avx2_nt_tile(const float* x, int64_t ldx, const float (*wt)[kAvx2NtRows],
-                                                        int64_t cols, const float* sx, int64_t ldsx,
-                                                        const float* sw, float* total) {
-  __m256 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  int64_t c = 0;
-  do {  // cols >= 1; a do-while lets the compiler keep acc in registers
-    const __m256 w0 = _mm256_load_ps(wt[c]), w1 = _mm256_load_ps(wt[c] + 8);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_broadcast_ss(x + i * ldx + c);
-      acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
-    }
-  } while (++c < cols);
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < 2; ++v) {
-      float* t = total + i * kAvx2NtRows + 8 * v;
-      const __m256 prev = _mm256_loadu_ps(t);
-      _mm256_storeu_ps(t, sx != nullptr ? _mm256_fmadd_ps(acc[i][v], _mm256_mul_ps(_mm256_set1_ps(sx[i * ldsx]),
-                                                                                   _mm256_loadu_ps(sw + 8 * v)),
-                                                          prev)
-                                        : _mm256_add_ps(acc[i][v], prev));
-    }
-}
-
-template <int MR>
-inline void avx2_nt_rows(const float* x, int64_t ldx, const float (*wt)[kAvx2NtRows], int64_t cols, const float* sx,
-                         int64_t ldsx, const float* sw, float* total) {
-  avx2_nt_tile<MR>(x, ldx, wt, cols, sx, ldsx, sw, total);
-}
-using Avx2NtFn = void (*)(const float*, int64_t, const float (*)[kAvx2NtRows], int64_t, const float*, int64_t,
-                          const float*, float*);
-inline constexpr Avx2NtFn kAvx2NtTile[kAvx2NtMr + 1] = {nullptr,         avx2_nt_rows<1>, avx2_nt_rows<2>,
-                                                        avx2_nt_rows<3>, avx2_nt_rows<4>, avx2_nt_rows<5>,
-                                                        avx2_nt_rows<6>};
-
 // y[m, n] (N apart) = the blocked sums plus bias, weights W::Elem [N, ldw]; scale(row, b) is weight row `row`'s
 // scale for K block b (unused without sx).
 template <typename W, typename T, typename Scale>
-void avx2_linear(const Avx2Operands& op, const typename W::Elem* w, int64_t ldw, T* y, Scale&& scale,
-                 bool batch_invariant) {
+void avx2_linear(const Avx2Operands& op, const typename W::Elem* w, int64_t ldw, T* y, Scale&& scale) {
   using E = typename W::Elem;
-  const int64_t nkb = cdiv(op.k, kAvx2Block);
+  const int64_t nkb = cdiv(op.k, kAvx2Block), groups = cdiv(op.n, kAvx2Nr);
   const bool scaled = op.sx != nullptr;
   auto sx_at = [&](int64_t m, int64_t b) { return scaled ? op.sx + m * op.ldsx + b : nullptr; };
-  if (!batch_invariant && op.m <= kAvx2DirectM) {  // K in the lanes, converted in registers
-    at::parallel_for(0, cdiv(op.n, kAvx2Nr), 4, [&](int64_t g0, int64_t g1) {
+  if (op.m <= kAvx2DirectM) {  // converted in registers
+    at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
       E tail[kAvx2Nr][8];
       const E* rows[kAvx2Nr];
       float total[kAvx2DirectM * kAvx2Nr], sw[kAvx2Nr];
@@ -598,42 +497,47 @@ void avx2_linear(const Avx2Operands& op, const typename W::Elem* w, int64_t ldw,
         std::fill_n(total, op.m * kAvx2Nr, 0.f);
         for (int64_t b = 0; b < nkb; ++b) {
           const int64_t c0 = b * kAvx2Block, cols = std::min(kAvx2Block, op.k - c0), full = cols / 8 * 8;
-          avx2_group_block<kAvx2Nr>(w, ldw, op.n, g * kAvx2Nr, c0, cols, b, scaled, scale, rows, tail, sw);
-          if (g + kAvx2Prefetch < g1) avx2_prefetch_ahead<kAvx2Nr>(rows, kAvx2Prefetch * kAvx2Nr * ldw, cols);
+          avx2_group_block(w, ldw, op.n, g * kAvx2Nr, c0, cols, b, scaled, scale, rows, tail, sw);
+          if (g + kAvx2Prefetch < g1) avx2_prefetch_ahead(rows, ldw, cols);
           if (op.m == 2) {
             avx2_tile_direct<W, 2>(op.x + c0, op.ldx, rows, full, tail, full < cols, sx_at(0, b), op.ldsx, sw, total);
           } else {
             avx2_tile_direct<W, 1>(op.x + c0, op.ldx, rows, full, tail, full < cols, sx_at(0, b), op.ldsx, sw, total);
           }
         }
-        avx2_store<kAvx2Nr>(op, total, 0, op.m, g * kAvx2Nr, y);
+        avx2_store(op, total, 0, op.m, g * kAvx2Nr, y);
       }
     });
     return;
   }
-  // Weight rows in the lanes: rows per register tile as even as the tiles allow (8 rows: 4 + 4, not 6 + 2).
-  at::parallel_for(0, cdiv(op.n, kAvx2NtRows), 1, [&](int64_t g0, int64_t g1) {
-    alignas(32) float wt[kAvx2Block][kAvx2NtRows];
-    alignas(32) float total[kAvx2Mb * kAvx2NtRows];
-    E tail[kAvx2NtRows][8];
-    const E* rows[kAvx2NtRows];
-    float sw[kAvx2NtRows];
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {  // converted once per block into wf
+    alignas(32) float wf[kAvx2Nr][kAvx2Block];
+    E tail[kAvx2Nr][8];
+    const E* rows[kAvx2Nr];
+    float total[kAvx2Mb * kAvx2Nr], sw[kAvx2Nr];
     for (int64_t m0 = 0; m0 < op.m; m0 += kAvx2Mb) {
-      const int64_t mb = std::min(kAvx2Mb, op.m - m0), per_tile = cdiv(mb, cdiv(mb, kAvx2NtMr));
+      const int64_t mb = std::min(kAvx2Mb, op.m - m0);
       for (int64_t g = g0; g < g1; ++g) {
-        std::fill_n(total, mb * kAvx2NtRows, 0.f);
+        std::fill_n(total, mb * kAvx2Nr, 0.f);
         for (int64_t b = 0; b < nkb; ++b) {
           const int64_t c0 = b * kAvx2Block, cols = std::min(kAvx2Block, op.k - c0);
-          avx2_group_block<kAvx2NtRows>(w, ldw, op.n, g * kAvx2NtRows, c0, cols, b, scaled, scale, rows, tail, sw);
-          if (g + 2 < g1) avx2_prefetch_ahead<kAvx2NtRows>(rows, 2 * kAvx2NtRows * ldw, cols);
-          avx2_nt_convert<W>(rows, tail, cols, wt);
-          for (int64_t i = 0; i < mb; i += per_tile) {
-            const int64_t r = std::min(per_tile, mb - i);
-            kAvx2NtTile[r](op.x + (m0 + i) * op.ldx + c0, op.ldx, wt, cols, sx_at(m0 + i, b), op.ldsx, sw,
-                           total + i * kAvx2NtRows);
+          const int64_t full = cols / 8 * 8, padded = cdiv(cols, 8) * 8;
+          avx2_group_block(w, ldw, op.n, g * kAvx2Nr, c0, cols, b, scaled, scale, rows, tail, sw);
+          if (g + kAvx2Prefetch < g1) avx2_prefetch_ahead(rows, ldw, cols);
+          for (int j = 0; j < kAvx2Nr; ++j) {
+            for (int64_t c = 0; c < full; c += 8) _mm256_store_ps(wf[j] + c, W::load8(rows[j] + c));
+            if (padded > full) _mm256_store_ps(wf[j] + full, W::load8(tail[j]));
           }
+          const float* xb = op.x + m0 * op.ldx + c0;
+          int64_t i = 0;
+          for (; i + kAvx2Mr <= mb; i += kAvx2Mr)
+            avx2_tile<kAvx2Mr>(xb + i * op.ldx, op.ldx, wf, padded, sx_at(m0 + i, b), op.ldsx, sw, total + i * kAvx2Nr);
+          for (; i + 2 <= mb; i += 2)
+            avx2_tile<2>(xb + i * op.ldx, op.ldx, wf, padded, sx_at(m0 + i, b), op.ldsx, sw, total + i * kAvx2Nr);
+          for (; i < mb; ++i)
+            avx2_tile<1>(xb + i * op.ldx, op.ldx, wf, padded, sx_at(m0 + i, b), op.ldsx, sw, total + i * kAvx2Nr);
         }
-        avx2_store<kAvx2NtRows>(op, total, m0, mb, g * kAvx2NtRows, y);
+        avx2_store(op, total, m0, mb, g * kAvx2Nr, y);
       }
     }
   });
