@@ -16,6 +16,8 @@
 
 namespace fp8e {
 
+constexpr float kFp8Max = 448.f;  // the largest finite E4M3 value
+
 // bf16 bit pattern of an E4M3 value (exact); the E4M3 NaN 0x7F maps to a bf16 NaN.
 constexpr uint16_t e4m3_bf16_bits(int v) {
   const int sign = (v & 0x80) << 8;
@@ -80,7 +82,7 @@ inline uint8_t e4m3_from_f32(float f) {
 
 // E4M3(clamp(v, -448, 448)) as float32, as the reference's quantize_fp8 (a NaN stays NaN).
 inline float e4m3_round(float v) {
-  return e4m3_value(e4m3_from_f32(std::isnan(v) ? v : std::min(448.f, std::max(-448.f, v))));
+  return e4m3_value(e4m3_from_f32(std::isnan(v) ? v : std::min(kFp8Max, std::max(-kFp8Max, v))));
 }
 
 #if defined(__AVX512F__)

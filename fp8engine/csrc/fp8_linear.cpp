@@ -25,7 +25,6 @@ namespace {
 using namespace fp8e;
 
 constexpr int64_t kBlock = 128;
-constexpr float kFp8Max = 448.f;
 constexpr float kMinAmax = 1e-12f;
 
 uint32_t f32_bits(float f) {

@@ -30,8 +30,7 @@ namespace {
 
 using fp8engine_vec::dispatch_io;
 using fp8engine_vec::Tag;
-
-constexpr float kFp8Max = 448.f;
+using fp8e::kFp8Max;
 
 // The cache layout both kernels below read and write.
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
