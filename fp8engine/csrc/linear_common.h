@@ -341,7 +341,7 @@ void nt_write(int64_t rows_m, int64_t cols_n, int64_t n0, const float* bias, con
 
 constexpr int64_t kAvx2Block = 128;
 constexpr int kAvx2Nr = 4;          // weight rows per group (a task's unit)
-constexpr int kAvx2Mr = 3;          // activation rows per register tile from the buffer: kAvx2Mr x kAvx2Nr sums
+constexpr int kAvx2Mr = 2;          // activation rows per register tile from the buffer: kAvx2Mr x kAvx2Nr sums
 constexpr int64_t kAvx2Mb = 48;     // activation rows per panel: their K block stays in L1 across the groups
 constexpr int64_t kAvx2DirectM = 2; // up to this many rows the weights convert in registers
 constexpr int64_t kAvx2Prefetch = 2; // groups ahead whose weights the direct path prefetches
@@ -375,31 +375,55 @@ __attribute__((always_inline)) inline float hsum_fixed(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-// total[i][j] += hsum(acc[i][j]), times sx[i] * sw[j] when sx is given.
+// hsum_fixed of four vectors at once, bit for bit: lane j of the result is hsum_fixed of the j-th argument
+// (the same pairs added in the same order, four outputs per instruction instead of one).
+__attribute__((always_inline)) inline __m128 hsum4_fixed(__m256 a, __m256 b, __m256 c, __m256 d) {
+  // s = low half + high half: ab = [s(a) | s(b)], cd = [s(c) | s(d)]
+  const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+  // t = (s0 + s2, s1 + s3) for each: [t(a), t(c) | t(b), t(d)]
+  const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 u = _mm256_hadd_ps(t, t);  // t0 + t1: [a, c, a, c | b, d, b, d]
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// total[i][j] += hsum(acc[i][j]), times sx[i] * sw[j] when sx is given (std::fma's rounding, four at a time).
 template <int MR>
 __attribute__((always_inline)) inline void avx2_add_block(const __m256 (&acc)[MR][kAvx2Nr], const float* sx, int64_t ldsx, const float* sw,
                            float* total) {
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < kAvx2Nr; ++j) {
-      float& t = total[i * kAvx2Nr + j];
-      const float s = hsum_fixed(acc[i][j]);
-      t = sx != nullptr ? std::fma(s, sx[i * ldsx] * sw[j], t) : t + s;
-    }
+  static_assert(kAvx2Nr == 4, "one hsum4_fixed per row");
+  for (int i = 0; i < MR; ++i) {
+    const __m128 s = hsum4_fixed(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+    float* t = total + i * kAvx2Nr;
+    const __m128 tv = _mm_loadu_ps(t);
+    _mm_storeu_ps(t, sx != nullptr ? _mm_fmadd_ps(s, _mm_mul_ps(_mm_set1_ps(sx[i * ldsx]), _mm_loadu_ps(sw)), tv)
+                                   : _mm_add_ps(tv, s));
+  }
 }
 
 // One K block of MR rows of x (ldx apart) against a group's weights converted in wf, `padded` columns (a
-// multiple of 8, zeros past the block's end on both sides).
+// multiple of 8, zeros past the block's end on both sides). The group's four weight vectors load once a chunk
+// and serve every row (a do-while, the loop form in which GCC kept the nt kernels' accumulators in registers).
 template <int MR>
 __attribute__((always_inline)) inline void avx2_tile(const float* x, int64_t ldx, const float (*wf)[kAvx2Block], int64_t padded, const float* sx,
                       int64_t ldsx, const float* sw, float* total) {
   __m256 acc[MR][kAvx2Nr];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < kAvx2Nr; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < padded; c += 8)
+  int64_t c = 0;
+  do {
+    const __m256 v0 = _mm256_load_ps(wf[0] + c), v1 = _mm256_load_ps(wf[1] + c);
+    const __m256 v2 = _mm256_load_ps(wf[2] + c), v3 = _mm256_load_ps(wf[3] + c);
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * ldx + c);
-      for (int j = 0; j < kAvx2Nr; ++j) acc[i][j] = _mm256_fmadd_ps(xv, _mm256_load_ps(wf[j] + c), acc[i][j]);
+      acc[i][0] = _mm256_fmadd_ps(xv, v0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xv, v1, acc[i][1]);
+      acc[i][2] = _mm256_fmadd_ps(xv, v2, acc[i][2]);
+      acc[i][3] = _mm256_fmadd_ps(xv, v3, acc[i][3]);
     }
+    c += 8;
+  } while (c < padded);
   avx2_add_block<MR>(acc, sx, ldsx, sw, total);
 }
 
@@ -417,7 +441,8 @@ __attribute__((always_inline)) inline void avx2_tile_direct(const float* x, int6
     for (int j = 0; j < kAvx2Nr; ++j) acc[i][j] = _mm256_setzero_ps();
   const typename W::Elem *w0 = w[0], *w1 = w[1], *w2 = w[2], *w3 = w[3];
   static_assert(kAvx2Nr == 4, "the direct tile names its four weight rows");
-  for (int64_t c = 0; c < full; c += 8) {
+  int64_t c = 0;
+  if (full > 0) do {  // a do-while, as in avx2_tile
     const __m256 v0 = W::load8(w0 + c), v1 = W::load8(w1 + c), v2 = W::load8(w2 + c), v3 = W::load8(w3 + c);
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * ldx + c);
@@ -426,7 +451,8 @@ __attribute__((always_inline)) inline void avx2_tile_direct(const float* x, int6
       acc[i][2] = _mm256_fmadd_ps(xv, v2, acc[i][2]);
       acc[i][3] = _mm256_fmadd_ps(xv, v3, acc[i][3]);
     }
-  }
+    c += 8;
+  } while (c < full);
   if (has_tail)
     for (int i = 0; i < MR; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * ldx + full);

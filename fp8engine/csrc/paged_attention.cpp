@@ -1002,10 +1002,7 @@ inline void chunk_scores(const float* qr, const float* kb, int n, int pd, float 
       a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * pd + d), a2);
       a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * pd + d), a3);
     }
-    out[j] = fp8e::hsum_fixed(a0) * scale;
-    out[j + 1] = fp8e::hsum_fixed(a1) * scale;
-    out[j + 2] = fp8e::hsum_fixed(a2) * scale;
-    out[j + 3] = fp8e::hsum_fixed(a3) * scale;
+    _mm_storeu_ps(out + j, _mm_mul_ps(fp8e::hsum4_fixed(a0, a1, a2, a3), _mm_set1_ps(scale)));
   }
   for (; j < n; ++j) out[j] = dot_fixed(qr, kb + j * pd, pd) * scale;
 }
