@@ -402,6 +402,15 @@ __attribute__((always_inline)) inline void avx2_add_block(const __m256 (&acc)[MR
   }
 }
 
+// acc[j] += xv * v[j] for a group's four converted weight vectors.
+__attribute__((always_inline)) inline void fma4(__m256 xv, __m256 v0, __m256 v1, __m256 v2, __m256 v3,
+                                                __m256 (&acc)[kAvx2Nr]) {
+  acc[0] = _mm256_fmadd_ps(xv, v0, acc[0]);
+  acc[1] = _mm256_fmadd_ps(xv, v1, acc[1]);
+  acc[2] = _mm256_fmadd_ps(xv, v2, acc[2]);
+  acc[3] = _mm256_fmadd_ps(xv, v3, acc[3]);
+}
+
 // One K block of MR rows of x (ldx apart) against a group's weights converted in wf, `padded` columns (a
 // multiple of 8, zeros past the block's end on both sides). The group's four weight vectors load once a chunk
 // and serve every row (a do-while, the loop form in which GCC kept the nt kernels' accumulators in registers).
@@ -415,13 +424,7 @@ __attribute__((always_inline)) inline void avx2_tile(const float* x, int64_t ldx
   do {
     const __m256 v0 = _mm256_load_ps(wf[0] + c), v1 = _mm256_load_ps(wf[1] + c);
     const __m256 v2 = _mm256_load_ps(wf[2] + c), v3 = _mm256_load_ps(wf[3] + c);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * ldx + c);
-      acc[i][0] = _mm256_fmadd_ps(xv, v0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(xv, v1, acc[i][1]);
-      acc[i][2] = _mm256_fmadd_ps(xv, v2, acc[i][2]);
-      acc[i][3] = _mm256_fmadd_ps(xv, v3, acc[i][3]);
-    }
+    for (int i = 0; i < MR; ++i) fma4(_mm256_loadu_ps(x + i * ldx + c), v0, v1, v2, v3, acc[i]);
     c += 8;
   } while (c < padded);
   avx2_add_block<MR>(acc, sx, ldsx, sw, total);
@@ -444,13 +447,7 @@ __attribute__((always_inline)) inline void avx2_tile_direct(const float* x, int6
   int64_t c = 0;
   if (full > 0) do {  // a do-while, as in avx2_tile
     const __m256 v0 = W::load8(w0 + c), v1 = W::load8(w1 + c), v2 = W::load8(w2 + c), v3 = W::load8(w3 + c);
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * ldx + c);
-      acc[i][0] = _mm256_fmadd_ps(xv, v0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(xv, v1, acc[i][1]);
-      acc[i][2] = _mm256_fmadd_ps(xv, v2, acc[i][2]);
-      acc[i][3] = _mm256_fmadd_ps(xv, v3, acc[i][3]);
-    }
+    for (int i = 0; i < MR; ++i) fma4(_mm256_loadu_ps(x + i * ldx + c), v0, v1, v2, v3, acc[i]);
     c += 8;
   } while (c < full);
   if (has_tail)
