@@ -385,19 +385,21 @@ def test_batch_invariant_rows_are_the_same_bits_on_either_side_of_the_kernel_swi
 
 def test_subnormal_weight_codes_survive_flush_denormal(ops, gemm):
     """A block whose small weights quantize to E4M3 subnormals (codes 0x01-0x07) gives the reference's result
-    with torch.set_flush_denormal(True) too (MXCSR's denormals-are-zero: the AVX2 kernels convert codes through
-    half precision, which that flag does not touch)."""
-    w = torch.full((8, 128), 1e-5)
-    w[:, 0] = 1.0  # scale 1/448: 1e-5 * 448 = 0.00448, an E4M3 subnormal (below 2^-6)
+    with torch.set_flush_denormal(True) too (MXCSR's denormals-are-zero: the AVX2 kernels read subnormal codes as
+    float32 subnormals, so they turn that flag off for their threads while they run)."""
+    w = torch.full((64, 256), 1e-5)
+    w[:, 0] = w[:, 128] = 1.0  # scale 1/448: 1e-5 * 448 = 0.00448, an E4M3 subnormal (below 2^-6)
     w_q, w_s = quant.quantize_weight_blockwise(w)
-    codes = w_q.view(torch.uint8)[:, 1:]
+    codes = w_q.view(torch.uint8)[:, 1:128]
     assert ((codes > 0) & (codes < 8)).all()
-    x = torch.ones(2, 128)
-    expected = quant.fp8_block_linear_ref(x, w_q, w_s)
-    assert torch.equal(ops.fp8_block_linear(x, w_q, w_s, None, False, None, True, gemm), expected)
+    xs = [torch.ones(m, 256) for m in (1, 2, 5)]  # the in-register path at 1 and 2 rows, the panel path at 5
+    expected = [quant.fp8_block_linear_ref(x, w_q, w_s) for x in xs]
+    assert [torch.equal(ops.fp8_block_linear(x, w_q, w_s, None, False, None, True, gemm), e)
+            for x, e in zip(xs, expected)] == [True] * 3
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")
     try:
-        assert torch.equal(ops.fp8_block_linear(x, w_q, w_s, None, False, None, True, gemm), expected)
+        assert [torch.equal(ops.fp8_block_linear(x, w_q, w_s, None, False, None, True, gemm), e)
+                for x, e in zip(xs, expected)] == [True] * 3
     finally:
         torch.set_flush_denormal(False)

@@ -930,8 +930,8 @@ void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_inva
 
 #elif defined(FP8E_AVX2_KERNELS)
 
-// AVX2 + FMA (linear_common.h): the activations quantized to E4M3 and held as float32 values times 2^8 (the
-// weights convert to their values times 2^-8), each 128-wide K block's sum scaled by sx * sw. One kernel for
+// AVX2 + FMA (linear_common.h): the activations quantized to E4M3 and held as float32 values times 2^112 (the
+// weights convert to their values times 2^-120), each 128-wide K block's sum scaled by sx * 2^8 * sw. One kernel for
 // every M.
 
 float e4m3_to_f32(uint8_t v) { return e4m3_value(v); }
@@ -954,7 +954,7 @@ float amax_avx2(const T* p, int64_t n) {
   return f32_from_bits(m);
 }
 
-// dst[c] = e4m3_round(src[c] / scale) times 2^8, 8 at a time: the division as the scalar path's, the magnitude
+// dst[c] = e4m3_round(src[c] / scale) times 2^112, 8 at a time: the division as the scalar path's, the magnitude
 // rounded by e4m3_round_ps (the same values as e4m3_value(e4m3_from_f32(...)); a NaN stays NaN), the sign put back.
 template <typename T>
 void quantize_values_avx2(const T* src, float* dst, int64_t n, float scale) {
@@ -964,22 +964,23 @@ void quantize_values_avx2(const T* src, float* dst, int64_t n, float scale) {
     const __m256 v = load8_f32(src + c);
     const __m256 q = _mm256_min_ps(top, _mm256_div_ps(_mm256_andnot_ps(sign_bit, v), s));  // a NaN q stays
     const __m256 r = e4m3_round_ps(q);
-    _mm256_storeu_ps(dst + c, _mm256_or_ps(_mm256_mul_ps(r, _mm256_set1_ps(256.f)), _mm256_and_ps(sign_bit, v)));
+    _mm256_storeu_ps(dst + c, _mm256_or_ps(_mm256_mul_ps(r, _mm256_set1_ps(kE4m3ActivationFactor)),
+                                           _mm256_and_ps(sign_bit, v)));
   }
-  for (; c < n; ++c) dst[c] = e4m3_round(static_cast<float>(src[c]) / scale) * 256.f;
+  for (; c < n; ++c) dst[c] = e4m3_round(static_cast<float>(src[c]) / scale) * kE4m3ActivationFactor;
 }
 
 template <typename T>
 void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_invariant*/, GemmChoice /*gemm*/) {
   const int64_t kp = p.nkb * kBlock;
-  auto xf = alloc_buffer<float>(p.m * kp);  // the activations' E4M3 values x 256, zero past K
+  auto xf = alloc_buffer<float>(p.m * kp);  // the activations' E4M3 values x 2^112, zero past K
   auto sx = alloc_buffer<float>(p.m * p.nkb);
   at::parallel_for(0, p.m, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < p.nkb; ++b) {
         const int64_t c0 = b * kBlock, cols = std::min(kBlock, p.k - c0);
         const float s = block_scale(amax_avx2(x + r * p.k + c0, cols), ue8m0);
-        sx[r * p.nkb + b] = s;
+        sx[r * p.nkb + b] = s * kE4m3ScaleFactor;
         float* dst = xf.get() + r * kp + c0;
         quantize_values_avx2(x + r * p.k + c0, dst, cols, s);
         std::fill(dst + cols, dst + kBlock, 0.f);

@@ -346,22 +346,48 @@ constexpr int64_t kAvx2Mb = 48;     // activation rows per panel: their K block 
 constexpr int64_t kAvx2DirectM = 2; // up to this many rows the weights convert in registers
 constexpr int64_t kAvx2Prefetch = 2; // groups ahead whose weights the direct path prefetches
 
-// 8 E4M3 codes -> float32 times 2^-8, exactly, through half precision: the sign-extended byte shifted left by 7
-// puts the sign at bit 15 and the 7 magnitude bits at 7..13, which reads as the value times 2^-8 in IEEE half
-// (subnormals included: vcvtph2ps makes them normal float32, whatever MXCSR's denormals-are-zero says). The
-// activations carry the 2^8 instead (E4M3 x 256 <= 114688, exact). The NaN code 0x7F reads as 480 x 2^-8;
-// quantized weights never hold it.
+// 8 E4M3 codes -> float32 times 2^-120, exactly, by moving bits (3 instructions, against 5 through half
+// precision: 1.4-1.5x the GEMV's speed on a Zen 3 core, from L2 and from DRAM): the sign-extended byte shifted left
+// by 20 puts the sign at bit 31, the 4 exponent bits at 23..26 and the 3 mantissa bits at 20..22, and the mask
+// clears the sign's copies at 27..30. Read as float32, exponent e >= 1 is 2^(e-127) x 1.mmm and e = 0 the
+// subnormal 2^-126 x 0.mmm: the E4M3 value (2^(e-7) x 1.mmm, 2^-6 x 0.mmm) times 2^-120 either way. The
+// activations carry 2^112 (E4M3 x 2^112 <= 1.75 x 2^120) and their block scales 2^8, so a product is w x x x 2^-8,
+// exact, and every partial sum is a multiple of 2^-26 (never subnormal): the block sums are 2^-8 times those of
+// the unscaled values, bit for bit, and the scale's 2^8 restores them with the same rounding. Subnormal weights
+// need MXCSR's denormals-are-zero off: SubnormalsOn clears it for a kernel's thread where a library set it. The
+// NaN code 0x7F reads as 480 x 2^-120; quantized weights never hold it.
 struct E4m3Weights {
   using Elem = uint8_t;
+  static constexpr bool kSubnormal = true;
   static __m256 load8(const uint8_t* p) {
-    const __m128i v = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(v, 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80))));
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int32_t>(0x87F00000u))));
   }
+};
+constexpr float kE4m3ActivationFactor = 0x1p112f;  // what the activations carry for E4m3Weights
+constexpr float kE4m3ScaleFactor = 0x1p8f;         // and their block scales
+
+// MXCSR's denormals-are-zero (bit 6) off for this scope on this thread, restored after (only where it was on).
+class SubnormalsOn {
+ public:
+  explicit SubnormalsOn(bool needed) : csr_(needed ? _mm_getcsr() : 0u) {
+    if (csr_ & kDaz) _mm_setcsr(csr_ & ~kDaz);
+  }
+  ~SubnormalsOn() {
+    if (csr_ & kDaz) _mm_setcsr(csr_);
+  }
+  SubnormalsOn(const SubnormalsOn&) = delete;
+  SubnormalsOn& operator=(const SubnormalsOn&) = delete;
+
+ private:
+  static constexpr unsigned kDaz = 0x40u;
+  unsigned csr_;
 };
 
 // bf16 -> float32 (exact).
 struct Bf16Weights {
   using Elem = uint16_t;
+  static constexpr bool kSubnormal = false;
   static __m256 load8(const uint16_t* p) {
     const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -513,6 +539,7 @@ void avx2_linear(const Avx2Operands& op, const typename W::Elem* w, int64_t ldw,
   auto sx_at = [&](int64_t m, int64_t b) { return scaled ? op.sx + m * op.ldsx + b : nullptr; };
   if (op.m <= kAvx2DirectM) {  // converted in registers
     at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+      const SubnormalsOn subnormals(W::kSubnormal);
       E tail[kAvx2Nr][8];
       const E* rows[kAvx2Nr];
       float total[kAvx2DirectM * kAvx2Nr], sw[kAvx2Nr];
@@ -534,6 +561,7 @@ void avx2_linear(const Avx2Operands& op, const typename W::Elem* w, int64_t ldw,
     return;
   }
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {  // converted once per block into wf
+    const SubnormalsOn subnormals(W::kSubnormal);
     alignas(32) float wf[kAvx2Nr][kAvx2Block];
     E tail[kAvx2Nr][8];
     const E* rows[kAvx2Nr];
