@@ -50,7 +50,7 @@ def cpu_can_build(op: str) -> bool:
         return False
     flags = cpu_flags()
     avx2 = {"avx2", "fma", "f16c"} <= flags
-    if op in ("bf16_linear", "paged_attention", "write_kv_cache") and avx2:  # AVX2 kernels where AVX-512 falls short
+    if op in ("bf16_linear", "paged_attention", "write_kv_cache", "sample_rows") and avx2:  # AVX2 kernels where AVX-512 falls short
         return True
     needs = {"bf16_linear": {"avx512_bf16"}, "fp8_block_linear": set(), "fp8_quantize_weight_": set(),
              "fp8_block_scales_": set(), "fp8_linear_isa": set(), "amx_usable": set()}.get(
