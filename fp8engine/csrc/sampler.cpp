@@ -39,6 +39,8 @@ constexpr int64_t kChunk = 512;  // elements per kept partial sum
 inline float value(const float* p, int64_t i) { return p[i]; }
 inline float value(const at::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
 
+// The vector steps of a row scan, per instruction set: `exp_at` gives exp(x * inv_t - shift) of the lanes
+// [i, min(i + kLanes, end)) and 0 in lanes past end; `max_at` folds the same lanes into a running max.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 
 using fp8engine_vec::exp512;
@@ -46,37 +48,24 @@ using fp8engine_vec::load16;
 using fp8engine_vec::tail_mask;
 
 constexpr int64_t kLanes = 16;
+using Vec = __m512;
+
+inline Vec vfill(float f) { return _mm512_set1_ps(f); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float vmax(Vec v) { return _mm512_reduce_max_ps(v); }
 
 template <typename T>
-int64_t argmax_row(const T* x, int64_t v, float& max) {
-  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < v; i += kLanes) {
-    const __mmask16 k = tail_mask(v - i);
-    m = _mm512_mask_max_ps(m, k, m, load16(x + i, k));
-  }
-  max = _mm512_reduce_max_ps(m);
-  for (int64_t i = 0; i < v; ++i)
-    if (value(x, i) == max) return i;
-  return 0;  // all NaN
+Vec max_at(Vec m, const T* x, int64_t i, int64_t end) {
+  const __mmask16 k = tail_mask(end - i);
+  return _mm512_mask_max_ps(m, k, m, load16(x + i, k));
 }
 
-// Sum of exp(x * inv_t - shift), with the sum of every kChunk elements stored in `chunks` if given.
 template <typename T>
-float sum_exp(const T* x, int64_t v, float inv_t, float shift, float* chunks) {
-  float total = 0.f;
-  for (int64_t c0 = 0; c0 < v; c0 += kChunk) {
-    __m512 acc = _mm512_setzero_ps();
-    const int64_t c1 = std::min(v, c0 + kChunk);
-    for (int64_t i = c0; i < c1; i += kLanes) {
-      const __mmask16 k = tail_mask(c1 - i);
-      const __m512 e = exp512(_mm512_fmsub_ps(load16(x + i, k), _mm512_set1_ps(inv_t), _mm512_set1_ps(shift)));
-      acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
-    }
-    const float s = _mm512_reduce_add_ps(acc);
-    if (chunks) chunks[c0 / kChunk] = s;
-    total += s;
-  }
-  return total;
+Vec exp_at(const T* x, int64_t i, int64_t end, float inv_t, float shift) {
+  const __mmask16 k = tail_mask(end - i);
+  return _mm512_maskz_mov_ps(k, exp512(_mm512_fmsub_ps(load16(x + i, k), _mm512_set1_ps(inv_t),
+                                                       _mm512_set1_ps(shift))));
 }
 
 #else  // AVX2 + FMA: 8 lanes, the row's last partial vector read through a copy padded with -inf
@@ -84,45 +73,56 @@ float sum_exp(const T* x, int64_t v, float inv_t, float shift, float* chunks) {
 using fp8engine_vec::exp256;
 
 constexpr int64_t kLanes = 8;
+using Vec = __m256;
 
-// Lanes [0, n) of x from p (n <= 8), the rest -inf: neither a max nor an exp sum sees them.
-template <typename T>
-__m256 load8_padded(const T* p, int64_t n) {
-  alignas(32) float buf[kLanes];
-  for (int64_t i = 0; i < kLanes; ++i) buf[i] = i < n ? value(p, i) : -std::numeric_limits<float>::infinity();
-  return _mm256_load_ps(buf);
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-
-template <typename T>
-__m256 load8_at(const T* x, int64_t i, int64_t end) {
-  return end - i >= kLanes ? load8(x + i) : load8_padded(x + i, end - i);
-}
-
-// exp256 with exp(x) = 0 below -87.5 (exp256 clamps there, to about 2^-126) and NaN kept, as exp512 does.
-inline __m256 exp8(__m256 x) {
-  const __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.5f), _CMP_GE_OQ), exp256(x));
-  return _mm256_or_ps(e, _mm256_and_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q), x));
-}
-
-inline float reduce_add8(__m256 v) {
+inline Vec vfill(float f) { return _mm256_set1_ps(f); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float vsum(Vec v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
+inline float vmax(Vec v) {
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, v);
+  return *std::max_element(lanes, lanes + kLanes);
+}
+
+inline Vec load8(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load8(const at::BFloat16* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
+// Lanes [i, end) of x (all 8 when they exist), the rest -inf: neither a max nor an exp sum sees them.
+template <typename T>
+Vec load8_at(const T* x, int64_t i, int64_t end) {
+  if (end - i >= kLanes) return load8(x + i);
+  alignas(32) float buf[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) buf[j] = i + j < end ? value(x, i + j) : -std::numeric_limits<float>::infinity();
+  return _mm256_load_ps(buf);
+}
+
+template <typename T>
+Vec max_at(Vec m, const T* x, int64_t i, int64_t end) {
+  return _mm256_max_ps(m, load8_at(x, i, end));
+}
+
+// exp256 with exp(y) = 0 below -87.5 (exp256 clamps there, to about 2^-126) and NaN kept, as exp512 does.
+template <typename T>
+Vec exp_at(const T* x, int64_t i, int64_t end, float inv_t, float shift) {
+  const Vec y = _mm256_fmsub_ps(load8_at(x, i, end), _mm256_set1_ps(inv_t), _mm256_set1_ps(shift));
+  const Vec e = _mm256_and_ps(_mm256_cmp_ps(y, _mm256_set1_ps(-87.5f), _CMP_GE_OQ), exp256(y));
+  return _mm256_or_ps(e, _mm256_and_ps(_mm256_cmp_ps(y, y, _CMP_UNORD_Q), y));
+}
+
+#endif
 
 template <typename T>
 int64_t argmax_row(const T* x, int64_t v, float& max) {
-  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < v; i += kLanes) m = _mm256_max_ps(m, load8_at(x, i, v));
-  alignas(32) float lanes[kLanes];
-  _mm256_store_ps(lanes, m);
-  max = *std::max_element(lanes, lanes + kLanes);
+  Vec m = vfill(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < v; i += kLanes) m = max_at(m, x, i, v);
+  max = vmax(m);
   for (int64_t i = 0; i < v; ++i)
     if (value(x, i) == max) return i;
   return 0;  // all NaN
@@ -133,19 +133,15 @@ template <typename T>
 float sum_exp(const T* x, int64_t v, float inv_t, float shift, float* chunks) {
   float total = 0.f;
   for (int64_t c0 = 0; c0 < v; c0 += kChunk) {
-    __m256 acc = _mm256_setzero_ps();
+    Vec acc = vfill(0.f);
     const int64_t c1 = std::min(v, c0 + kChunk);
-    for (int64_t i = c0; i < c1; i += kLanes)
-      acc = _mm256_add_ps(acc, exp8(_mm256_fmsub_ps(load8_at(x, i, c1), _mm256_set1_ps(inv_t),
-                                                    _mm256_set1_ps(shift))));
-    const float s = reduce_add8(acc);
+    for (int64_t i = c0; i < c1; i += kLanes) acc = vadd(acc, exp_at(x, i, c1, inv_t, shift));
+    const float s = vsum(acc);
     if (chunks) chunks[c0 / kChunk] = s;
     total += s;
   }
   return total;
 }
-
-#endif
 
 // First index whose running sum of exp(x * inv_t - shift) reaches target; target <= the chunk total.
 template <typename T>
