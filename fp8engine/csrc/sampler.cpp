@@ -17,7 +17,7 @@
 #include <torch/library.h>
 
 #if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) || \
-    (defined(__AVX2__) && defined(__FMA__))
+    (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 
 #include <immintrin.h>
 
@@ -28,6 +28,7 @@
 #include <tuple>
 #include <vector>
 
+#include "linear_common.h"  // hsum_fixed and Bf16Weights (AVX2)
 #include "vec_math.h"
 
 namespace {
@@ -77,11 +78,7 @@ using Vec = __m256;
 
 inline Vec vfill(float f) { return _mm256_set1_ps(f); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline float vsum(Vec v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
+inline float vsum(Vec v) { return fp8e::hsum_fixed(v); }
 inline float vmax(Vec v) {
   alignas(32) float lanes[kLanes];
   _mm256_store_ps(lanes, v);
@@ -89,10 +86,7 @@ inline float vmax(Vec v) {
 }
 
 inline Vec load8(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec load8(const at::BFloat16* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
+inline Vec load8(const at::BFloat16* p) { return fp8e::Bf16Weights::load8(reinterpret_cast<const uint16_t*>(p)); }
 
 // Lanes [i, end) of x (all 8 when they exist), the rest -inf: neither a max nor an exp sum sees them.
 template <typename T>
