@@ -18,10 +18,12 @@ a step must read / 4.8 TB/s), from graphs, and at batch 1 eagerly too (enforce_e
 """
 
 import contextlib
+import gc
 import json
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -266,13 +268,13 @@ def _replaced(owner, name: str, value):
 
 
 def decode_speed(model: str, device: str, batch: int, quantization, steps: int, prompt_len: int,
-                 enforce_eager: bool = False) -> dict:
+                 enforce_eager: bool = False, batch_invariant: bool = False) -> dict:
     """ms per decode step (median over `steps`, after a warm-up step) of `batch` sequences of `prompt_len`."""
     kv_tokens = batch * (prompt_len + steps + 8)
     engine = LLMEngine(EngineConfig(model=model, device=device, quantization=quantization, load_format="dummy",
                                     num_kv_blocks=-(-kv_tokens // 16) + batch, max_num_seqs=max(batch, 1),
                                     max_num_batched_tokens=max(8192, prompt_len * min(batch, 64)),
-                                    enforce_eager=enforce_eager))
+                                    enforce_eager=enforce_eager, batch_invariant=batch_invariant))
     params = SamplingParams(temperature=1.0, max_tokens=steps + 2, ignore_eos=True, seed=0, logprobs=0)
     for prompt in _prompts(batch, prompt_len, engine.vocab_size, 8):
         engine.add_request(prompt, params)
@@ -291,7 +293,7 @@ def decode_speed(model: str, device: str, batch: int, quantization, steps: int, 
     kv = batch * (prompt_len + steps) * engine.runner.kv_bytes_per_block() / engine.config.block_size
     floor_ms = (weights + kv) / HBM_BYTES_PER_S * 1e3
     graphs = engine.get_stats().kernels["cuda_graphs"]
-    row = {"batch": batch, "mode": quantization or "bf16", "graphs": graphs, "ms_per_step": float(f"{ms:.4g}"),
+    row = {"batch": batch, "mode": (quantization or "bf16") + ("-bi" if batch_invariant else ""), "graphs": graphs, "ms_per_step": float(f"{ms:.4g}"),
            "tok_per_s": float(f"{batch / ms * 1e3:.4g}"), "hbm_floor_ms": float(f"{floor_ms:.3g}"),
            "weight_gb": float(f"{weights / 1e9:.3g}")}
     print(f"    speed {row['mode']:5s} batch {batch:4d}: {ms:8.2f} ms/step {row['tok_per_s']:9.1f} tok/s "
@@ -300,13 +302,37 @@ def decode_speed(model: str, device: str, batch: int, quantization, steps: int, 
     return row
 
 
+_ONLY: list[str] = []  # run(only=...): the checks whose names hold one of these; empty: all
+
+
+def _guarded(name: str, check, *args, **kwargs) -> dict:
+    """check(*args, **kwargs), timed; an exception is a failed check with its traceback printed, and the checks
+    after it still run (a device run is short and rare: one crash must not hide the rest)."""
+    if _ONLY and not any(part in name for part in _ONLY):
+        return {"check": name, "ok": True, "skipped": True}
+    started = time.perf_counter()
+    try:
+        row = check(*args, **kwargs)
+    except Exception as exc:
+        traceback.print_exc()
+        row = _check(name, False, error=f"{type(exc).__name__}: {exc}"[:400])
+    finally:
+        gc.collect()  # the engines of a check, and their device memory, go before the next one's
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    row["wall_s"] = round(time.perf_counter() - started, 2)
+    return row
+
+
 def _sync(device: str) -> None:
     if device == "cuda" and torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def run(dry: bool, workdir: str | None = None) -> dict:
-    """The checks and the speed table; dry: on the CPU under FakeCuda, tiny shapes."""
+def run(dry: bool, workdir: str | None = None, only: list[str] | None = None) -> dict:
+    """The checks and the speed table; dry: on the CPU under FakeCuda, tiny shapes; only: the checks (speed rows
+    included) whose names hold one of these strings."""
+    _ONLY[:] = only or []
     with contextlib.ExitStack() as stack:
         root = Path(workdir or stack.enter_context(tempfile.TemporaryDirectory()))
         cpu_device = contextlib.nullcontext
@@ -326,23 +352,30 @@ def run(dry: bool, workdir: str | None = None) -> dict:
                     with mode.in_this_thread():
                         run(self)
                 return tracked
-        checks = [check_logprobs_vs_cpu(small, "cuda", cpu_device, vocab, blocks),
-                  check_seeded(small, "cuda", vocab, blocks, size),
-                  check_update_in_place(small, "cuda", vocab, blocks, size),
-                  check_batch_invariance(small, "cuda", vocab, blocks, None, batch, tokens),
-                  check_batch_invariance(small, "cuda", vocab, blocks, "fp8", batch, tokens),
-                  check_lora(small, "cuda", cpu_device, shape, blocks, batch, tokens),
-                  check_cuda_graphs(small, "cuda", vocab, blocks, batch, tokens, stand_in),
-                  check_server(small, "cuda", vocab, blocks, engine_thread)]
+        checks = [_guarded("logprobs_vs_cpu_float32", check_logprobs_vs_cpu, small, "cuda", cpu_device, vocab, blocks),
+                  _guarded("seeded_sampling_repeats", check_seeded, small, "cuda", vocab, blocks, size),
+                  _guarded("update_weights_in_place", check_update_in_place, small, "cuda", vocab, blocks, size),
+                  _guarded("batch_invariance_bf16", check_batch_invariance, small, "cuda", vocab, blocks, None, batch,
+                           tokens),
+                  _guarded("batch_invariance_fp8", check_batch_invariance, small, "cuda", vocab, blocks, "fp8", batch,
+                           tokens),
+                  _guarded("lora_adapter", check_lora, small, "cuda", cpu_device, shape, blocks, batch, tokens),
+                  _guarded("cuda_graph_replay", check_cuda_graphs, small, "cuda", vocab, blocks, batch, tokens,
+                           stand_in),
+                  _guarded("server_openai_client", check_server, small, "cuda", vocab, blocks, engine_thread)]
         big = model_dir(root / "8b", TINY if dry else EIGHT_B, weights=False)
         steps, prompt_len = (2, 16) if dry else (16, 128)
-        speed = [decode_speed(big, "cuda", batch, quantization, steps, prompt_len)
-                 for quantization in (None, "fp8") for batch in ((1, 4) if dry else (1, 64, 256))]
-        # the host's share at batch 1: the same steps without graphs
-        speed += [decode_speed(big, "cuda", 1, quantization, steps, prompt_len, enforce_eager=True)
-                  for quantization in (None, "fp8")]
-    return {"engine_checks": checks, "speed": speed, "speed_shape": "tiny" if dry else "llama-8b",
-            "failures": [c["check"] for c in checks if not c["ok"]]}
+        sizes = (1, 4) if dry else (1, 64, 256)
+        runs = [(batch, quantization, False, False) for quantization in (None, "fp8") for batch in sizes]
+        runs += [(1, quantization, True, False) for quantization in (None, "fp8")]  # the host's share: no graphs
+        runs += [(batch, quantization, False, True) for quantization in (None, "fp8") for batch in sizes[:2]]
+        speed = [_guarded(f"speed_{quantization or 'bf16'}{'_bi' if bi else ''}_batch{batch}{'_eager' if eager else ''}",
+                          decode_speed, big, "cuda", batch, quantization, steps, prompt_len, enforce_eager=eager,
+                          batch_invariant=bi)
+                 for batch, quantization, eager, bi in runs]
+    speed = [row for row in speed if not row.get("skipped")]
+    return {"engine_checks": [c for c in checks if not c.get("skipped")], "speed": speed, "speed_shape": "tiny" if dry else "llama-8b",
+            "failures": [c["check"] for c in checks + speed if not c.get("ok", True)]}
 
 
 if __name__ == "__main__":

@@ -18,10 +18,31 @@ def test_the_dry_run_passes_every_engine_check_and_fills_the_speed_table(tmp_pat
         "logprobs_vs_cpu_float32", "seeded_sampling_repeats", "update_weights_in_place", "batch_invariance_bf16",
         "batch_invariance_fp8", "lora_adapter", "cuda_graph_replay", "server_openai_client"]
     assert all(c["ok"] for c in report["engine_checks"]) and report["failures"] == []
-    assert [(r["mode"], r["batch"]) for r in report["speed"]] == [("bf16", 1), ("bf16", 4), ("fp8", 1), ("fp8", 4),
-                                                                   ("bf16", 1), ("fp8", 1)]
-    assert [r["graphs"] for r in report["speed"][-2:]] == ["off: enforce_eager=True"] * 2
+    assert [(r["mode"], r["batch"]) for r in report["speed"]] == [
+        ("bf16", 1), ("bf16", 4), ("fp8", 1), ("fp8", 4), ("bf16", 1), ("fp8", 1),
+        ("bf16-bi", 1), ("bf16-bi", 4), ("fp8-bi", 1), ("fp8-bi", 4)]
+    assert [r["graphs"] for r in report["speed"][4:6]] == ["off: enforce_eager=True"] * 2
     graphs = next(c for c in report["engine_checks"] if c["check"] == "cuda_graph_replay")
     assert graphs["graphs"] == "decode" and graphs["replays"] >= 6, graphs  # buckets 4, 2 and 1
     assert all(r["ms_per_step"] > 0 and r["hbm_floor_ms"] > 0 for r in report["speed"])
     assert "8/8 engine checks ok" in capsys.readouterr().out
+
+
+def test_a_check_that_raises_fails_alone_and_only_selects(capsys):
+    """A device run is short and rare: a check that raises is a failed row with its error, the others still run,
+    and --engine-only reruns the named ones."""
+    from benchmarks import gpu_engine
+
+    def broken():
+        raise RuntimeError("expected self and mask to be on the same device")
+    try:
+        row = gpu_engine._guarded("logprobs_vs_cpu_float32", broken)
+        assert row["check"] == "logprobs_vs_cpu_float32" and row["ok"] is False
+        assert row["error"] == "RuntimeError: expected self and mask to be on the same device"
+        assert "Traceback" in capsys.readouterr().err
+        gpu_engine._ONLY[:] = ["speed_fp8"]
+        assert gpu_engine._guarded("cuda_graph_replay", broken) == {"check": "cuda_graph_replay", "ok": True,
+                                                                     "skipped": True}
+        assert gpu_engine._guarded("speed_fp8_batch1", lambda: {"batch": 1})["batch"] == 1
+    finally:
+        gpu_engine._ONLY[:] = []

@@ -24,7 +24,10 @@ def cdiv(a: int, b: int) -> int:
 
 def compute_scale(amax: torch.Tensor, scale_fmt: str | None = None) -> torch.Tensor:
     """float32 scales from float32 block amax values."""
-    scale = amax.float().clamp(min=_MIN_AMAX) / FP8_MAX
+    # Divided by a tensor, not a Python number: on CUDA torch turns "/ number" into "* (1 / number)", which is an
+    # ulp off the IEEE quotient that the CPU and the Triton kernels compute for a third of the scales.
+    amax = amax.float().clamp(min=_MIN_AMAX)
+    scale = amax / torch.full((), FP8_MAX, device=amax.device)
     if scale_fmt == "ue8m0":
         mantissa, exponent = torch.frexp(scale)  # exact, unlike ceil(log2(.)) in float32
         scale = torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).int())

@@ -53,8 +53,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, k_s
         scores = q @ (k * k_scale).mT * scale
     else:
         scores = quantize_fp8(q, q_scale).float() @ k.mT * (q_scale * k_scale * scale)
-    positions = torch.arange(seq_len - n, seq_len)
-    scores.masked_fill_(torch.arange(seq_len) > positions[:, None], float("-inf"))
+    positions = torch.arange(seq_len - n, seq_len, device=scores.device)
+    scores.masked_fill_(torch.arange(seq_len, device=scores.device) > positions[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if q_scale is None:
         out = probs @ (v * v_scale)
