@@ -153,6 +153,34 @@ def test_matmul_applies_each_scale_per_block():
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("config", [(16, 64, 1, 4, 2), (16, 32, 3, 4, 2), (16, 128, 8, 4, 3), (64, 64, 2, 4, 2)])
+def test_matmul_launches_agree(config):
+    """Every launch the GPU sweep may pick gives the default's result: a narrower tile bit for bit (each output
+    sums its K blocks in the same order), a K split within float32 reassociation, bias included."""
+    m, n, k = 5, 192, 840  # 7 K blocks, the last partial: splits of 3 and 8 leave short and empty runs
+    w_q, w_s = _weight(n, k)
+    torch.manual_seed(1)
+    x_q, x_s = quant.quantize_activation_groups(torch.randn(m, k))
+    bias = torch.randn(n)
+    config = ft.GemmConfig(*config)
+    want = ft.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, bias)
+    got = ft.w8a8_matmul_with(config, x_q, x_s, w_q, w_s, torch.float32, bias)
+    if config.split_k == 1:
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    else:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+        assert not torch.equal(got, want) or config.split_k >= 7  # the split really ran (partials in another order)
+
+
+def test_matmul_rejects_bad_launches():
+    x_q, x_s = quant.quantize_activation_groups(torch.randn(2, 256))
+    w_q, w_s = _weight(64, 256)
+    with pytest.raises(ValueError, match="block_n must divide 128"):
+        ft.w8a8_matmul_with(ft.GemmConfig(16, 96, 1, 4, 2), x_q, x_s, w_q, w_s, torch.float32)
+    with pytest.raises(ValueError, match="no K split when batch invariant"):
+        ft.w8a8_matmul_with(ft.GemmConfig(64, 128, 2, 4, 2), x_q, x_s, w_q, w_s, torch.float32, batch_invariant=True)
+
+
 def test_matmul_rejects_mismatched_scales():
     x_q = torch.zeros(2, 256, dtype=quant.FP8_DTYPE)
     w_q = torch.zeros(64, 256, dtype=quant.FP8_DTYPE)

@@ -12,6 +12,8 @@ so there the kernels encode E4M3 with integer ops instead (_E4M3_BY_BITS).
 """
 
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -88,24 +90,33 @@ def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, stride
 
 @triton.jit
 def _w8a8_block_matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
-                              stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                              stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
                               stride_asm, stride_ask, stride_bsn, stride_bsk,
                               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """SPLIT_K > 1: program (m, n, s) sums the s-th run of K blocks into float32 partials c[s] (no bias); the
+    caller adds them up in a fixed order. SPLIT_K == 1 is the plain kernel (one program per output tile)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    num_kb = tl.cdiv(K, BLOCK_K)
+    kb_begin = 0
+    kb_end = num_kb
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(num_kb, SPLIT_K)
+        kb_begin = tl.program_id(2) * per_split
+        kb_end = tl.minimum(kb_begin + per_split, num_kb)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (offs_k[None, :] + kb_begin * BLOCK_K) * stride_ak
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + (offs_k[:, None] + kb_begin * BLOCK_K) * stride_bk
     as_ptrs = as_ptr + offs_m * stride_asm
     # Weight scales are per 128 rows of W, and BLOCK_K == 128 is that block size.
     bs_ptrs = bs_ptr + (offs_n // BLOCK_K) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(kb_begin, kb_end):
         mask_k = offs_k < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
@@ -119,6 +130,8 @@ def _w8a8_block_matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    if SPLIT_K > 1:
+        c_ptrs += tl.program_id(2) * stride_cs
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -190,16 +203,58 @@ def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.T
     if k_w != k or x_scale.shape != (m, nkb) or w_scale_inv.shape != (cdiv(n, BLOCK), nkb):
         raise ValueError(f"shape mismatch: x_q {tuple(x_q.shape)}, x_scale {tuple(x_scale.shape)}, "
                          f"w_q {tuple(w_q.shape)}, w_scale_inv {tuple(w_scale_inv.shape)}")
-    out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
-    block_m = BATCH_INVARIANT_BLOCK_M if batch_invariant else 16 if m <= 16 else 64
+    return w8a8_matmul_with(gemm_config(m, n, batch_invariant), x_q, x_scale, w_q, w_scale_inv, out_dtype, bias,
+                            batch_invariant)
+
+
+def gemm_config(m: int, n: int, batch_invariant: bool) -> "GemmConfig":
+    """The launch for M rows and N outputs, from benchmarks/gpu_gemm_sweep.py on an H200 (docs/gpu.md: 8B-shaped
+    layers at 1, 16, 64 and 256 rows). Four pipeline stages everywhere (the weights stream from HBM); decode-sized M
+    takes 16-row tiles of 32 columns, so that a 4096-wide layer still spreads over 128 programs, and 64 columns for
+    wide layers; no K split (it lost at every shape: its partials cost more than the parallelism gained).
+    Batch invariant: the launch depends on N alone, never on M (64-row tiles; 64 columns, 128 for wide layers)."""
+    if batch_invariant:
+        return GemmConfig(BATCH_INVARIANT_BLOCK_M, 128 if n >= 16384 else 64, 1, 4, 4)
+    if m <= 16:
+        return GemmConfig(16, 64 if n >= 16384 else 32, 1, 4, 4)
+    return GemmConfig(64, 64 if m <= 64 else 128, 1, 4, 4)
+
+
+class GemmConfig(NamedTuple):
+    """A launch of the FP8 GEMM: tile rows and columns, K split (float32 partials added in a fixed order after),
+    warps and pipeline stages."""
+    block_m: int
+    block_n: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
+                     w_scale_inv: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                     batch_invariant: bool = False) -> torch.Tensor:
+    """w8a8_block_fp8_matmul with an explicit launch (benchmarks/gpu_gemm_sweep.py times them)."""
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    if BLOCK % config.block_n or (batch_invariant and config.split_k != 1):
+        raise ValueError(f"bad FP8 GEMM launch {config}: block_n must divide {BLOCK}; no K split when batch invariant")
     kernel = _w8a8_block_matmul_kernel_bi if batch_invariant else _w8a8_block_matmul_kernel
-    grid = (cdiv(m, block_m), cdiv(n, 128))
+    split = max(1, min(config.split_k, cdiv(k, BLOCK)))
+    out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+    dest = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x_q.device)
+    grid = (cdiv(m, config.block_m), cdiv(n, config.block_n), split)
     if m and n:
         kernel[grid](
-            x_q, w_q, out, x_scale, w_scale_inv, bias, m, n, k,
-            *x_q.stride(), *w_q.stride(), *out.stride(), *x_scale.stride(), *w_scale_inv.stride(),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=BLOCK,
-            num_warps=4, num_stages=2)
+            x_q, w_q, dest, x_scale, w_scale_inv, bias, m, n, k,
+            *x_q.stride(), *w_q.stride(), dest.stride(-2), dest.stride(-1), dest.stride(0) if split > 1 else 0,
+            *x_scale.stride(), *w_scale_inv.stride(),
+            HAS_BIAS=bias is not None and split == 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK,
+            SPLIT_K=split, num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1:
+        total = dest.sum(0)  # one reduction kernel, in the same order every call
+        if bias is not None:
+            total += bias.float()
+        out.copy_(total)
     return out
 
 
