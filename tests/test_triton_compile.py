@@ -158,6 +158,8 @@ def expected_cvt(compiled, case_name: str) -> list[str]:
     name = _base(compiled.name)
     if "/lora/" in case_name:  # x A^T on the linear GEMM in float32, then y + t B rounded to the model dtype
         return ["f32->bf16"] if name == LORA_EXPAND else []
+    if name == GEMM and compiled.constexprs.get("SPLIT_K", 1) > 1:  # float32 partials; torch adds and rounds them
+        return []
     if name in (GEMM, DENSE, RMS_NORM):
         return ["f32->bf16"] if out_bf16 else []
     if name == ATTENTION:

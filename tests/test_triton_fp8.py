@@ -172,6 +172,15 @@ def test_matmul_launches_agree(config):
         assert not torch.equal(got, want) or config.split_k >= 7  # the split really ran (partials in another order)
 
 
+def test_launch_rules():
+    """docs/gpu.md: decode splits K only for deep layers; the batch-invariant launch depends on N alone."""
+    assert ft.gemm_config(1, 4096, 14336, False) == ft.GemmConfig(16, 32, 4, 4, 4)
+    assert ft.gemm_config(16, 28672, 4096, False) == ft.GemmConfig(16, 64, 1, 4, 4)
+    assert ft.gemm_config(17, 4096, 14336, False).split_k == 1
+    assert {ft.gemm_config(m, 4096, 14336, True) for m in (1, 7, 64, 300)} == {ft.GemmConfig(64, 64, 1, 4, 4)}
+    assert ft.gemm_config(5, 28672, 4096, True) == ft.GemmConfig(64, 128, 1, 4, 4)
+
+
 def test_matmul_rejects_bad_launches():
     x_q, x_s = quant.quantize_activation_groups(torch.randn(2, 256))
     w_q, w_s = _weight(64, 256)

@@ -203,20 +203,21 @@ def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.T
     if k_w != k or x_scale.shape != (m, nkb) or w_scale_inv.shape != (cdiv(n, BLOCK), nkb):
         raise ValueError(f"shape mismatch: x_q {tuple(x_q.shape)}, x_scale {tuple(x_scale.shape)}, "
                          f"w_q {tuple(w_q.shape)}, w_scale_inv {tuple(w_scale_inv.shape)}")
-    return w8a8_matmul_with(gemm_config(m, n, batch_invariant), x_q, x_scale, w_q, w_scale_inv, out_dtype, bias,
+    return w8a8_matmul_with(gemm_config(m, n, k, batch_invariant), x_q, x_scale, w_q, w_scale_inv, out_dtype, bias,
                             batch_invariant)
 
 
-def gemm_config(m: int, n: int, batch_invariant: bool) -> "GemmConfig":
-    """The launch for M rows and N outputs, from benchmarks/gpu_gemm_sweep.py on an H200 (docs/gpu.md: 8B-shaped
+def gemm_config(m: int, n: int, k: int, batch_invariant: bool) -> "GemmConfig":
+    """The launch for M rows, N outputs and K inputs, from benchmarks/gpu_gemm_sweep.py on an H200 (docs/gpu.md: 8B-shaped
     layers at 1, 16, 64 and 256 rows). Four pipeline stages everywhere (the weights stream from HBM); decode-sized M
     takes 16-row tiles of 32 columns, so that a 4096-wide layer still spreads over 128 programs, and 64 columns for
-    wide layers; no K split (it lost at every shape: its partials cost more than the parallelism gained).
-    Batch invariant: the launch depends on N alone, never on M (64-row tiles; 64 columns, 128 for wide layers)."""
+    wide layers, and a deep layer (K >= 8192: an 8B's down_proj, 112 K blocks) splits K in 4 (under CUDA graphs
+    38 -> 23 us at 1-16 rows; at K = 4096 a split gained nothing). Batch invariant: the launch depends on N alone,
+    never on M (64-row tiles; 64 columns, 128 for wide layers), and never splits K."""
     if batch_invariant:
         return GemmConfig(BATCH_INVARIANT_BLOCK_M, 128 if n >= 16384 else 64, 1, 4, 4)
     if m <= 16:
-        return GemmConfig(16, 64 if n >= 16384 else 32, 1, 4, 4)
+        return GemmConfig(16, 64 if n >= 16384 else 32, 4 if k >= 8192 else 1, 4, 4)
     return GemmConfig(64, 64 if m <= 64 else 128, 1, 4, 4)
 
 
