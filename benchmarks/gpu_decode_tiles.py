@@ -2,7 +2,7 @@
 host overhead, which benchmarks/gpu_gemm_sweep.py's timings include), plain and batch-invariant kernels, at 1, 8 and
 16 rows; what gemm_config's decode rule (K split for deep layers) comes from. Run from the checkout on a GPU:
 
-    PYTHONPATH=. python benchmarks/gpu_decode_tiles.py
+    python -m benchmarks.gpu_decode_tiles
 """
 import torch
 
@@ -13,9 +13,9 @@ def main() -> None:
         return
     import triton.testing
 
+    from benchmarks.gpu_gemm_sweep import LAYERS as layers
     from fp8engine.model_executor.kernels import fp8_triton as ft
     from fp8engine.model_executor.kernels.fp8_triton import GemmConfig as G
-    layers = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
     cfgs = [G(16, 32, 1, 4, 4), G(16, 64, 1, 4, 4), G(64, 32, 1, 4, 4), G(64, 64, 1, 4, 4), G(64, 128, 1, 4, 4),
             G(16, 32, 2, 4, 4), G(16, 32, 4, 4, 4)]
     tot = {}
@@ -35,7 +35,7 @@ def main() -> None:
                     tot[(rows, key)] = tot.get((rows, key), 0) + us
                     line.append(f"{'bi' if bi else ''}{c.block_m}x{c.block_n}s{c.split_k}:{us:.1f}")
             gb = n * k / 1e3
-            print(f"rows {rows:3d} {name:8s} ({gb/1e3:.0f} MB) " + " ".join(line), flush=True)
+            print(f"rows {rows:3d} {name:12s} ({gb/1e3:.0f} MB) " + " ".join(line), flush=True)
     for rows in (1, 8, 16):
         best = sorted((v, k) for (r, k), v in tot.items() if r == rows)
         print("rows", rows, "sum us by launch:", [(round(v, 1), k) for v, k in best])

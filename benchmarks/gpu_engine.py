@@ -267,6 +267,16 @@ def _replaced(owner, name: str, value):
         setattr(owner, name, saved)
 
 
+def start_decoding(engine: LLMEngine, batch: int, prompt_len: int, params: SamplingParams) -> None:
+    """`batch` random prompts of `prompt_len` added and prefilled (in as many chunks as the token budget takes), then
+    one warm-up decode step: the next step is a pure decode step of `batch` sequences."""
+    for prompt in _prompts(batch, prompt_len, engine.vocab_size, 8):
+        engine.add_request(prompt, params)
+    while engine.get_stats().num_waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+        engine.step()
+    engine.step()
+
+
 def decode_speed(model: str, device: str, batch: int, quantization, steps: int, prompt_len: int,
                  enforce_eager: bool = False, batch_invariant: bool = False) -> dict:
     """ms per decode step (median over `steps`, after a warm-up step) of `batch` sequences of `prompt_len`."""
@@ -275,12 +285,8 @@ def decode_speed(model: str, device: str, batch: int, quantization, steps: int, 
                                     num_kv_blocks=-(-kv_tokens // 16) + batch, max_num_seqs=max(batch, 1),
                                     max_num_batched_tokens=max(8192, prompt_len * min(batch, 64)),
                                     enforce_eager=enforce_eager, batch_invariant=batch_invariant))
-    params = SamplingParams(temperature=1.0, max_tokens=steps + 2, ignore_eos=True, seed=0, logprobs=0)
-    for prompt in _prompts(batch, prompt_len, engine.vocab_size, 8):
-        engine.add_request(prompt, params)
-    while engine.get_stats().num_waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
-        engine.step()  # the prefill, in as many chunks as the token budget takes
-    engine.step()  # warm-up decode step
+    start_decoding(engine, batch, prompt_len, SamplingParams(temperature=1.0, max_tokens=steps + 2, ignore_eos=True,
+                                                             seed=0, logprobs=0))
     times = []
     for _ in range(steps):
         _sync(device)
@@ -293,7 +299,8 @@ def decode_speed(model: str, device: str, batch: int, quantization, steps: int, 
     kv = batch * (prompt_len + steps) * engine.runner.kv_bytes_per_block() / engine.config.block_size
     floor_ms = (weights + kv) / HBM_BYTES_PER_S * 1e3
     graphs = engine.get_stats().kernels["cuda_graphs"]
-    row = {"batch": batch, "mode": (quantization or "bf16") + ("-bi" if batch_invariant else ""), "graphs": graphs, "ms_per_step": float(f"{ms:.4g}"),
+    mode = (quantization or "bf16") + ("-bi" if batch_invariant else "")
+    row = {"batch": batch, "mode": mode, "graphs": graphs, "ms_per_step": float(f"{ms:.4g}"),
            "tok_per_s": float(f"{batch / ms * 1e3:.4g}"), "hbm_floor_ms": float(f"{floor_ms:.3g}"),
            "weight_gb": float(f"{weights / 1e9:.3g}")}
     print(f"    speed {row['mode']:5s} batch {batch:4d}: {ms:8.2f} ms/step {row['tok_per_s']:9.1f} tok/s "
@@ -369,12 +376,15 @@ def run(dry: bool, workdir: str | None = None, only: list[str] | None = None) ->
         runs = [(batch, quantization, False, False) for quantization in (None, "fp8") for batch in sizes]
         runs += [(1, quantization, True, False) for quantization in (None, "fp8")]  # the host's share: no graphs
         runs += [(batch, quantization, False, True) for quantization in (None, "fp8") for batch in sizes[:2]]
-        speed = [_guarded(f"speed_{quantization or 'bf16'}{'_bi' if bi else ''}_batch{batch}{'_eager' if eager else ''}",
+        names = [f"speed_{q or 'bf16'}{'_bi' if bi else ''}_batch{batch}{'_eager' if eager else ''}"
+                 for batch, q, eager, bi in runs]
+        speed = [_guarded(name,
                           decode_speed, big, "cuda", batch, quantization, steps, prompt_len, enforce_eager=eager,
                           batch_invariant=bi)
-                 for batch, quantization, eager, bi in runs]
+                 for name, (batch, quantization, eager, bi) in zip(names, runs)]
     speed = [row for row in speed if not row.get("skipped")]
-    return {"engine_checks": [c for c in checks if not c.get("skipped")], "speed": speed, "speed_shape": "tiny" if dry else "llama-8b",
+    return {"engine_checks": [c for c in checks if not c.get("skipped")], "speed": speed,
+            "speed_shape": "tiny" if dry else "llama-8b",
             "failures": [c["check"] for c in checks + speed if not c.get("ok", True)]}
 
 

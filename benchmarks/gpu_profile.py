@@ -21,16 +21,11 @@ def profile(model: str, batch: int, quantization: str | None, top: int) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from benchmarks.gpu_engine import _prompts
+    from benchmarks.gpu_engine import start_decoding
     from fp8engine import EngineConfig, LLMEngine, SamplingParams
     engine = LLMEngine(EngineConfig(model=model, device="cuda", quantization=quantization, load_format="dummy",
                                     num_kv_blocks=batch * 16 + 16, max_num_seqs=batch, enforce_eager=True))
-    params = SamplingParams(temperature=1.0, max_tokens=STEPS + 4, ignore_eos=True, seed=0)
-    for prompt in _prompts(batch, 128, engine.vocab_size, 8):
-        engine.add_request(prompt, params)
-    while engine.get_stats().num_waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
-        engine.step()
-    engine.step()
+    start_decoding(engine, batch, 128, SamplingParams(temperature=1.0, max_tokens=STEPS + 4, ignore_eos=True, seed=0))
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(STEPS):
@@ -45,8 +40,8 @@ def profile(model: str, batch: int, quantization: str | None, top: int) -> dict:
     rows = sorted(({"kernel": name[:90], "us_per_step": round(us, 1), "calls_per_step": calls // STEPS}
                    for name, (us, calls) in kernels.items()), key=lambda r: -r["us_per_step"])
     mode = quantization or "bf16"
-    print(f"\n{mode} batch {batch}: {total / 1e3:.2f} ms of kernels a step ({sum(c for _, c in kernels.values()) // STEPS}"
-          " launches)", flush=True)
+    launches = sum(calls for _, calls in kernels.values()) // STEPS
+    print(f"\n{mode} batch {batch}: {total / 1e3:.2f} ms of kernels a step ({launches} launches)", flush=True)
     for row in rows[:top]:
         print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:4d}  {row['kernel']}", flush=True)
     del engine

@@ -208,12 +208,12 @@ def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.T
 
 
 def gemm_config(m: int, n: int, k: int, batch_invariant: bool) -> "GemmConfig":
-    """The launch for M rows, N outputs and K inputs, from benchmarks/gpu_gemm_sweep.py on an H200 (docs/gpu.md: 8B-shaped
-    layers at 1, 16, 64 and 256 rows). Four pipeline stages everywhere (the weights stream from HBM); decode-sized M
-    takes 16-row tiles of 32 columns, so that a 4096-wide layer still spreads over 128 programs, and 64 columns for
-    wide layers, and a deep layer (K >= 8192: an 8B's down_proj, 112 K blocks) splits K in 4 (under CUDA graphs
-    38 -> 23 us at 1-16 rows; at K = 4096 a split gained nothing). Batch invariant: the launch depends on N alone,
-    never on M (64-row tiles; 64 columns, 128 for wide layers), and never splits K."""
+    """The launch for M rows, N outputs and K inputs, from benchmarks/gpu_gemm_sweep.py and gpu_decode_tiles.py on an
+    H200 (docs/gpu.md: 8B-shaped layers at 1-256 rows). Four pipeline stages everywhere (the weights stream from
+    HBM). Decode-sized M takes 16-row tiles of 32 columns, so that a 4096-wide layer still spreads over 128
+    programs, and 64 columns for wide layers; a deep layer (K >= 8192: an 8B's down_proj, 112 K blocks) splits K
+    in 4 (under CUDA graphs 38 -> 23 us at 1-16 rows; at K = 4096 a split gained nothing). Batch invariant: the
+    launch depends on N alone, never on M (64-row tiles; 64 columns, 128 for wide layers), and never splits K."""
     if batch_invariant:
         return GemmConfig(BATCH_INVARIANT_BLOCK_M, 128 if n >= 16384 else 64, 1, 4, 4)
     if m <= 16:
