@@ -35,7 +35,9 @@ TOOL_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def client():
-    with serving(["--dtype", "bfloat16", "--num-kv-blocks", "256"]) as url:
+    # batch invariant: a request repeated with its seed (the stream test) hits the prefix cache, and only a batch
+    # invariant engine promises the same bits after a hit on every CPU (docs/exact-rollouts.md)
+    with serving(["--dtype", "bfloat16", "--num-kv-blocks", "256", "--batch-invariant"]) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
