@@ -70,6 +70,10 @@ class EngineConfig:
                                            "(bfloat16 on CPU)")
     lm_head_fp32: bool = _option(False, "LM head matmul and logits in float32 (the weight stays in the model "
                                         "dtype)")
+    lm_head_fp8: bool = _option(False, "LM head weight in FP8 too (128x128 blocks, 1x128 activation groups, as the "
+                                       "linears; needs quantization fp8): half the head's bytes, the largest read of a "
+                                       "small model's decode step, at a logprob mismatch the FP8-RL recipe avoids by "
+                                       "keeping the head in the model dtype (docs/benchmarks.md measures it)")
     speculative: str | None = _option(None, "speculative decoding, exact (each emitted token is the model's own "
                                             "sample): none, ngram (drafts from the sequence's prompt and tokens) or "
                                             "suffix (also from its prompt group and earlier rollouts of its prompt)",
@@ -90,6 +94,10 @@ class EngineConfig:
         for f in fields(self):
             if f.metadata["choices"] is not None:
                 _check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
+        if self.lm_head_fp8 and self.quantization != "fp8":
+            raise ValueError(f"lm_head_fp8=True needs quantization='fp8', got quantization={self.quantization!r}")
+        if self.lm_head_fp8 and self.lm_head_fp32:
+            raise ValueError("lm_head_fp8=True and lm_head_fp32=True exclude each other: choose one LM head")
         if self.fp8_attention and self.kv_cache_dtype != "fp8_e4m3":
             raise ValueError("fp8_attention=True needs kv_cache_dtype='fp8_e4m3'")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens"):

@@ -109,8 +109,10 @@ def test_float32_values_equal_the_cpu_engine(dev, model):
             torch.testing.assert_close(torch.tensor(g[-1][1:]), torch.tensor(w[-1][1:]), atol=1e-4, rtol=0)
 
 
-def test_batch_invariant_scoring_on_the_device_equals_the_rollout_bitwise(dev, model):
-    engine = _on_device(model, batch_invariant=True, quantization="fp8")
+@pytest.mark.parametrize("head", ["bf16-head", "fp8-head"])
+def test_batch_invariant_scoring_on_the_device_equals_the_rollout_bitwise(dev, model, head):
+    engine = _on_device(model, batch_invariant=True, quantization="fp8", lm_head_fp8=head == "fp8-head")
+    assert engine.runner.kernels.names["lm_head"] == ("fp8:triton" if head == "fp8-head" else "triton-bf16")
     params = dataclasses.replace(PARAMS["truncated"], max_tokens=4)
     outs = engine.generate(PROMPTS, params)
     prompts = [o.prompt_token_ids for o in outs]

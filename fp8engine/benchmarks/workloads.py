@@ -12,9 +12,12 @@ _BASE_MODES = {
     "fp8-kv": dict(kv_cache_dtype="fp8_e4m3"),
     "full-fp8": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", fp8_attention=True),
 }
-# Each mode also batch invariant ("-bi") and with the float32 LM head ("-fp32head"), to measure what they cost.
+# Each mode also batch invariant ("-bi"), and with the float32 or the FP8 LM head, to measure what they cost.
 MODES = {**_BASE_MODES, **{f"{name}-bi": dict(options, batch_invariant=True) for name, options in _BASE_MODES.items()},
-         "bf16-fp32head": dict(lm_head_fp32=True), "bf16-bi-fp32head": dict(batch_invariant=True, lm_head_fp32=True)}
+         "bf16-fp32head": dict(lm_head_fp32=True), "bf16-bi-fp32head": dict(batch_invariant=True, lm_head_fp32=True),
+         # the LM head in FP8 too (lm_head_fp8: off the FP8-RL recipe, which keeps it in the model dtype)
+         "full-fp8-head": dict(_BASE_MODES["full-fp8"], lm_head_fp8=True),
+         "full-fp8-head-bi": dict(_BASE_MODES["full-fp8"], lm_head_fp8=True, batch_invariant=True)}
 
 
 PROMPT_KINDS = ("chat", "random")

@@ -38,6 +38,7 @@ ENGINE_GROUPS = {"model": "model", "dtype": "model", "device": "model", "seed": 
                  "kv_cache_memory_bytes": "kv", "num_kv_blocks": "kv", "max_num_seqs": "scheduling",
                  "max_num_batched_tokens": "scheduling", "max_model_len": "scheduling",
                  "enable_prefix_caching": "scheduling", "batch_invariant": "kv", "lm_head_fp32": "kv",
+                 "lm_head_fp8": "kv",
                  "speculative": "scheduling", "num_speculative_tokens": "scheduling",
                  "speculative_forget_on_update": "scheduling", "max_lora_rank": "model", "enforce_eager": "model"}
 BENCH_ENGINE_OPTIONS = ("model", "dtype", "device")  # --modes sets the rest per mode, --speculative takes a list

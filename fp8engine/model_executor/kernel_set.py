@@ -33,7 +33,8 @@ class KernelSet:
 
     dense_linear(x, weight, bias) -> y                       linears in the model dtype
     fp8_linear(x, w_q, w_scale_inv, bias, scale_fmt, scale_rows=None) -> y   block-FP8 W8A8 (None: not FP8)
-    lm_head(hidden, weight) -> logits                        model dtype, or float32 when lm_head_fp32
+    lm_head(hidden, weight) -> logits                        model dtype, or float32 when lm_head_fp32 (an FP8 head,
+                                                             lm_head_fp8, runs fp8_linear instead)
     rms_norm(x, residual, weight, eps) -> (out, x + residual)
     rotary(q, k, cos, sin, positions) -> (q, k)              may rotate in place
     silu_and_mul(x) -> y
@@ -78,10 +79,10 @@ class KernelSet:
 
 def select(config: EngineConfig) -> KernelSet:
     """The kernel set for this config on this machine (ValueError for an override it cannot honour)."""
-    if config.device == "cuda":
-        return _cuda(config)
-    ops = cpu_ops.load_cpu_ops()
-    return _cpu(config, ops)
+    kernels = _cuda(config) if config.device == "cuda" else _cpu(config, cpu_ops.load_cpu_ops())
+    if config.lm_head_fp8 and kernels.fp8_linear is not None:  # the head is an FP8 linear (layers/embedding.py)
+        kernels.names["lm_head"] = f"fp8:{kernels.names['fp8_linear']}"
+    return kernels
 
 
 # ------------------------------------------------------------------------------------------------ CPU
@@ -200,7 +201,8 @@ def _cuda(config: EngineConfig) -> KernelSet:
         dense, names["dense_linear"] = F.linear, "torch"
         rms_norm, names["layer_ops"] = layer_ops_ref.rms_norm_ref, "torch"
     if config.lm_head_fp32:  # the Triton GEMM reads the head in its dtype: no float32 copy of it per step
-        lm_head, names["lm_head"] = functools.partial(dense_triton.linear_triton, out_dtype=torch.float32), "fp32-triton"
+        lm_head = functools.partial(dense_triton.linear_triton, out_dtype=torch.float32)
+        names["lm_head"] = "fp32-triton"
     else:
         lm_head, names["lm_head"] = (lambda x, w: dense(x, w, None)), names["dense_linear"]
     flashinfer = not bi and _probed("FlashInfer", attention_triton.probe_flashinfer, device)

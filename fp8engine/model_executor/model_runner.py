@@ -55,7 +55,8 @@ class ModelRunner:
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
         self.kernels = kernel_set.select(config)
-        make_linear = LinearFactory(self.dtype, self.kernels, config.fp8_scale_fmt, config.max_lora_rank)
+        make_linear = LinearFactory(self.dtype, self.kernels, config.fp8_scale_fmt, config.max_lora_rank,
+                                    config.lm_head_fp8)
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
         # before loading: the loader's targets are views of the tensors' final homes

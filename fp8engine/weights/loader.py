@@ -31,7 +31,8 @@ BlockScales = Callable[[torch.Tensor, str | None], tuple[torch.Tensor, bool] | N
 @dataclass(slots=True)
 class Target:
     """Where one HF tensor lands. kind: 'dense', 'fp8_weight', 'fp8_scale', or 'split': parts holds
-    (index into the incoming tensor, the target of that piece) and view the whole storage."""
+    (index into the incoming tensor, the target of that piece) and view the whole storage. mirror: a second
+    target that every write also fills from the same tensor (a tied embedding's FP8 LM head)."""
 
     name: str
     kind: str
@@ -39,6 +40,7 @@ class Target:
     scale_view: torch.Tensor | None = None
     scale_fmt: str | None = None
     parts: list[tuple[tuple, "Target"]] | None = None
+    mirror: "Target | None" = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -90,8 +92,13 @@ def resolve(model: torch.nn.Module, name: str) -> Target:
 
 
 def _resolve(model: torch.nn.Module, name: str) -> Target:
-    if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+    tied = getattr(model, "tie_word_embeddings", False)
+    if name == "lm_head.weight" and tied:
         name = "model.embed_tokens.weight"
+    if name == "model.embed_tokens.weight" and tied and getattr(model.lm_head, "is_fp8", False):
+        embedding = model.get_submodule("model.embed_tokens").weight
+        head = _linear_target("lm_head.weight", model.lm_head, 0, "weight")
+        return Target(name, "dense", embedding.data, mirror=head)
     for path, owner in _name_owners(model).items():
         if name.startswith(path + "."):
             return owner.hf_target(name, name[len(path) + 1:])
@@ -208,7 +215,7 @@ def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = qu
         quantize_into(tensor, target.view, target.scale_view, scale_fmt=target.scale_fmt, **extra)
         return True
     target.view.copy_(tensor)
-    return False
+    return target.mirror is not None and write(target.mirror, tensor, quantize_into)
 
 
 def load_checkpoint(model: torch.nn.Module, model_dir: str, quantize_into: QuantizeInto = quantize_weight_into,

@@ -1,10 +1,12 @@
-"""Token embedding and LM head; both stay in the model dtype (never FP8)."""
+"""Token embedding and LM head. Both stay in the model dtype, as the FP8-RL recipe has it, unless
+EngineConfig.lm_head_fp8 makes the head an FP8 linear (FP8LMHead)."""
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from fp8engine.model_executor.kernel_set import KernelSet
+from fp8engine.model_executor.layers.linear import Linear
 
 
 class VocabEmbedding(nn.Module):
@@ -36,3 +38,15 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.kernels.lm_head(hidden, self.weight)
+
+
+class FP8LMHead(Linear):
+    """The LM head as a block-FP8 linear (E4M3 weight, 128x128 scales; logits in the model dtype). With tied
+    embeddings it holds its own quantized copy of the embedding, which the weight loader writes whenever the
+    embedding is written (weights/loader.py: the embedding's target mirrors into this one)."""
+
+    fp32 = False
+
+    def __init__(self, hidden_size: int, vocab_size: int, dtype: torch.dtype, kernels: KernelSet,
+                 scale_fmt: str | None = None):
+        super().__init__(hidden_size, [vocab_size], dtype, kernels, fp8=True, scale_fmt=scale_fmt)

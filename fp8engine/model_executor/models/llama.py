@@ -10,7 +10,7 @@ from torch import nn
 
 from fp8engine.model_executor.kernel_set import KernelSet
 from fp8engine.model_executor.layers.attention import Attention, AttentionMetadata
-from fp8engine.model_executor.layers.embedding import LMHead, VocabEmbedding
+from fp8engine.model_executor.layers.embedding import FP8LMHead, LMHead, VocabEmbedding
 from fp8engine.model_executor.layers.linear import Linear
 from fp8engine.model_executor.layers.norm import RMSNorm
 from fp8engine.model_executor.layers.rotary import RotaryEmbedding, rope_config
@@ -18,11 +18,14 @@ from fp8engine.model_executor.layers.rotary import RotaryEmbedding, rope_config
 
 class LinearFactory:
     """Builds the model's linear layers: FP8 when the kernel set has a block-FP8 linear, else the model dtype, each
-    with LoRA buffers of lora_rank when that is > 0. Every layer of the model is given the same kernel set."""
+    with LoRA buffers of lora_rank when that is > 0. Every layer of the model is given the same kernel set.
+    lm_head_fp8: the LM head is an FP8 linear too (EngineConfig.lm_head_fp8)."""
 
-    def __init__(self, dtype: torch.dtype, kernels: KernelSet, scale_fmt: str | None = None, lora_rank: int = 0):
+    def __init__(self, dtype: torch.dtype, kernels: KernelSet, scale_fmt: str | None = None, lora_rank: int = 0,
+                 lm_head_fp8: bool = False):
         self.dtype, self.kernels, self.scale_fmt, self.lora_rank = dtype, kernels, scale_fmt, lora_rank
         self.fp8 = kernels.fp8_linear is not None
+        self.lm_head_fp8 = lm_head_fp8 and self.fp8
 
     def __call__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> Linear:
         return Linear(in_features, shard_sizes, self.dtype, self.kernels, bias, self.fp8, self.scale_fmt,
@@ -119,7 +122,10 @@ class LlamaForCausalLM(nn.Module):
             for i in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, kernels, tied_to=tied)
+        if make_linear.lm_head_fp8:  # its own E4M3 copy; a tied embedding stays in the model dtype
+            self.lm_head = FP8LMHead(cfg.hidden_size, cfg.vocab_size, dtype, kernels, make_linear.scale_fmt)
+        else:
+            self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, kernels, tied_to=tied)
         self.fused = None  # the decoder layers in one C++ call (model_executor/fused_decoder.py), set by the runner
 
     @staticmethod
