@@ -3,12 +3,12 @@
 fp8_linear_micro.py times one weight over and over, so it stays in the caches; a decode step streams all 30
 layers' weights (106 MB in FP8, 212 MB in BF16 for the default model) and the LM head (57 MB, BF16) once. Here
 each kernel runs the 30 layers' four projections of the default model's shapes, each layer its own weights, then
-the head, at each M, in alternating rounds (the best round kept). Each AVX-512 kernel is forced by its `gemm`
+the head ("fp8+head8": the FP8 layers and then the head in FP8, as EngineConfig.lm_head_fp8 runs them), at each M, in alternating rounds (the best round kept). Each AVX-512 kernel is forced by its `gemm`
 name ("avx512-gemv": K in the lanes, "avx512-nt": weight rows in the lanes, "avx512-gemm": activation rows in the
 lanes; "auto": what the engine runs at that M), beside torch's F.linear for BF16. The DRAM floor is the bytes a
 forward reads over the stream bandwidth measured here (a copy of a 256 MB tensor).
 
-    python benchmarks/linear_stream.py [--rows 1,2,4,8,16,24,32,64] [--threads 2] [--kernels fp8,bf16,head]
+    python benchmarks/linear_stream.py [--rows 1,2,4,8,16,24,32,64] [--threads 2] [--kernels fp8,bf16,head,fp8+head8]
 """
 
 import argparse
@@ -58,8 +58,10 @@ def run(rows=ROWS, kernels=("fp8", "bf16", "head"), rounds: int = 5) -> dict:
             for _ in range(LAYERS)]
     fp8 = [{name: quant.quantize_weight_blockwise(w) for name, w in layer.items()} for layer in bf16]
     head = torch.randn(*HEAD, dtype=torch.bfloat16) * 0.05
+    head8 = quant.quantize_weight_blockwise(head)
     bytes_ = {"fp8": sum(q.numel() for layer in fp8 for q, _ in layer.values()),
               "bf16": 2 * sum(w.numel() for layer in bf16 for w in layer.values()), "head": 2 * head.numel()}
+    bytes_["fp8+head8"] = bytes_["fp8"] + head8[0].numel()
     bandwidth = stream_bandwidth()
     results = []
     for m in rows:
@@ -81,10 +83,15 @@ def run(rows=ROWS, kernels=("fp8", "bf16", "head"), rounds: int = 5) -> dict:
                 return lambda: F.linear(xh, head)
             return lambda: ops.bf16_linear(xh, head, None, False, False, path)
 
+        def fp8_head8_forward(path):  # the layers, then the head in FP8 (EngineConfig.lm_head_fp8): what it reads
+            layers = fp8_forward(path)
+            return lambda: (layers(), ops.fp8_block_linear(xh, *head8, None, False, None, False, path))
+
         fns = {}
-        for kind, make in (("fp8", fp8_forward), ("bf16", bf16_forward), ("head", head_forward)):
+        for kind, make in (("fp8", fp8_forward), ("bf16", bf16_forward), ("head", head_forward),
+                           ("fp8+head8", fp8_head8_forward)):
             if kind in kernels:
-                for path in PATHS + (("torch",) if kind != "fp8" else ()):
+                for path in PATHS + (("torch",) if kind in ("bf16", "head") else ()):
                     fns[(kind, path)] = make(path)
         for (kind, path), seconds in _best(fns, rounds).items():
             results.append({"kind": kind, "path": path, "M": m, "ms": seconds * 1e3,

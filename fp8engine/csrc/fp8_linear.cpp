@@ -486,9 +486,16 @@ void gemv_tile(const Problem& p, const E4m3ToBf16& cvt, const uint16_t* xb, int6
   if (MR * NR > 8) hsum8(sums + 8, res + 8);
 }
 
+// Weight rows per register tile at MR activation rows. The tile holds 2 x MR x NR vectors (the block's sums and
+// the block-scaled totals) beside 2 x MR of activations and the converter's 4 tables: at 3-4 rows the bf16
+// kernel's 4 (linear_common.h) spill, 2 fit. Measured over the default model's 30 layers and FP8 head from DRAM
+// (2 threads of a Zen 4, medians of 9 alternating rounds in one process, the same bits): M = 4 10.8-12.2 -> 9.0-10.3
+// ms, M = 5 12.7-13.9 -> 10.9-13.0. 1-2 rows keep 8: there the weights' DRAM stream, not the spills, sets the time.
+constexpr int fp8_gemv_nr(int mr) { return mr <= 2 ? 8 : 2; }
+
 template <int MR, typename OutT>
 void gemv_rows(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t m0, int64_t n0, OutT* y) {
-  constexpr int NR = gemv_nr(MR);
+  constexpr int NR = fp8_gemv_nr(MR);
   for (int64_t nj = n0; nj < std::min(p.n, n0 + kGemvRows); nj += NR) {
     float res[kGemvAcc];
     gemv_tile<MR, NR>(p, cvt, x.x.get() + m0 * x.kp, x.kp, x.scale.get() + m0 * p.nkb, nj, res);
