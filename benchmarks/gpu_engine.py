@@ -278,13 +278,15 @@ def start_decoding(engine: LLMEngine, batch: int, prompt_len: int, params: Sampl
 
 
 def decode_speed(model: str, device: str, batch: int, quantization, steps: int, prompt_len: int,
-                 enforce_eager: bool = False, batch_invariant: bool = False) -> dict:
-    """ms per decode step (median over `steps`, after a warm-up step) of `batch` sequences of `prompt_len`."""
+                 enforce_eager: bool = False, batch_invariant: bool = False, lm_head_fp8: bool = False) -> dict:
+    """ms per decode step (median over `steps`, after a warm-up step) of `batch` sequences of `prompt_len`;
+    lm_head_fp8: the LM head in FP8 too (mode "fp8-head")."""
     kv_tokens = batch * (prompt_len + steps + 8)
     engine = LLMEngine(EngineConfig(model=model, device=device, quantization=quantization, load_format="dummy",
                                     num_kv_blocks=-(-kv_tokens // 16) + batch, max_num_seqs=max(batch, 1),
                                     max_num_batched_tokens=max(8192, prompt_len * min(batch, 64)),
-                                    enforce_eager=enforce_eager, batch_invariant=batch_invariant))
+                                    enforce_eager=enforce_eager, batch_invariant=batch_invariant,
+                                    lm_head_fp8=lm_head_fp8))
     start_decoding(engine, batch, prompt_len, SamplingParams(temperature=1.0, max_tokens=steps + 2, ignore_eos=True,
                                                              seed=0, logprobs=0))
     times = []
@@ -299,7 +301,7 @@ def decode_speed(model: str, device: str, batch: int, quantization, steps: int, 
     kv = batch * (prompt_len + steps) * engine.runner.kv_bytes_per_block() / engine.config.block_size
     floor_ms = (weights + kv) / HBM_BYTES_PER_S * 1e3
     graphs = engine.get_stats().kernels["cuda_graphs"]
-    mode = (quantization or "bf16") + ("-bi" if batch_invariant else "")
+    mode = (quantization or "bf16") + ("-head" if lm_head_fp8 else "") + ("-bi" if batch_invariant else "")
     row = {"batch": batch, "mode": mode, "graphs": graphs, "ms_per_step": float(f"{ms:.4g}"),
            "tok_per_s": float(f"{batch / ms * 1e3:.4g}"), "hbm_floor_ms": float(f"{floor_ms:.3g}"),
            "weight_gb": float(f"{weights / 1e9:.3g}")}
@@ -373,15 +375,17 @@ def run(dry: bool, workdir: str | None = None, only: list[str] | None = None) ->
         big = model_dir(root / "8b", TINY if dry else EIGHT_B, weights=False)
         steps, prompt_len = (2, 16) if dry else (16, 128)
         sizes = (1, 4) if dry else (1, 64, 256)
-        runs = [(batch, quantization, False, False) for quantization in (None, "fp8") for batch in sizes]
-        runs += [(1, quantization, True, False) for quantization in (None, "fp8")]  # the host's share: no graphs
-        runs += [(batch, quantization, False, True) for quantization in (None, "fp8") for batch in sizes[:2]]
-        names = [f"speed_{q or 'bf16'}{'_bi' if bi else ''}_batch{batch}{'_eager' if eager else ''}"
-                 for batch, q, eager, bi in runs]
+        # (batch, quantization, eager, batch invariant, FP8 LM head)
+        runs = [(batch, quantization, False, False, False) for quantization in (None, "fp8") for batch in sizes]
+        runs += [(1, quantization, True, False, False) for quantization in (None, "fp8")]  # the host's share
+        runs += [(batch, quantization, False, True, False) for quantization in (None, "fp8") for batch in sizes[:2]]
+        runs += [(batch, "fp8", False, False, True) for batch in sizes[:2]]
+        names = [f"speed_{q or 'bf16'}{'_head' if head else ''}{'_bi' if bi else ''}_batch{batch}"
+                 f"{'_eager' if eager else ''}" for batch, q, eager, bi, head in runs]
         speed = [_guarded(name,
                           decode_speed, big, "cuda", batch, quantization, steps, prompt_len, enforce_eager=eager,
-                          batch_invariant=bi)
-                 for name, (batch, quantization, eager, bi) in zip(names, runs)]
+                          batch_invariant=bi, lm_head_fp8=head)
+                 for name, (batch, quantization, eager, bi, head) in zip(names, runs)]
     speed = [row for row in speed if not row.get("skipped")]
     return {"engine_checks": [c for c in checks if not c.get("skipped")], "speed": speed,
             "speed_shape": "tiny" if dry else "llama-8b",
