@@ -34,8 +34,7 @@ def main() -> None:
                     key = (bi,) + tuple(c)
                     tot[(rows, key)] = tot.get((rows, key), 0) + us
                     line.append(f"{'bi' if bi else ''}{c.block_m}x{c.block_n}s{c.split_k}:{us:.1f}")
-            gb = n * k / 1e3
-            print(f"rows {rows:3d} {name:12s} ({gb/1e3:.0f} MB) " + " ".join(line), flush=True)
+            print(f"rows {rows:3d} {name:12s} ({n * k / 1e6:.0f} MB) " + " ".join(line), flush=True)
     for rows in (1, 8, 16):
         best = sorted((v, k) for (r, k), v in tot.items() if r == rows)
         print("rows", rows, "sum us by launch:", [(round(v, 1), k) for v, k in best])

@@ -3,9 +3,10 @@
 fp8_linear_micro.py times one weight over and over, so it stays in the caches; a decode step streams all 30
 layers' weights (106 MB in FP8, 212 MB in BF16 for the default model) and the LM head (57 MB, BF16) once. Here
 each kernel runs the 30 layers' four projections of the default model's shapes, each layer its own weights, then
-the head ("fp8+head8": the FP8 layers and then the head in FP8, as EngineConfig.lm_head_fp8 runs them), at each M, in alternating rounds (the best round kept). Each AVX-512 kernel is forced by its `gemm`
-name ("avx512-gemv": K in the lanes, "avx512-nt": weight rows in the lanes, "avx512-gemm": activation rows in the
-lanes; "auto": what the engine runs at that M), beside torch's F.linear for BF16. The DRAM floor is the bytes a
+the head ("fp8+head8": the FP8 layers and then the head in FP8, as EngineConfig.lm_head_fp8 runs them), at each M,
+in alternating rounds (the best round kept). Each AVX-512 kernel is forced by its `gemm` name ("avx512-gemv": K
+in the lanes, "avx512-nt": weight rows in the lanes, "avx512-gemm": activation rows in the lanes; "auto": what the
+engine runs at that M), beside torch's F.linear for BF16. The DRAM floor is the bytes a
 forward reads over the stream bandwidth measured here (a copy of a 256 MB tensor).
 
     python benchmarks/linear_stream.py [--rows 1,2,4,8,16,24,32,64] [--threads 2] [--kernels fp8,bf16,head,fp8+head8]
