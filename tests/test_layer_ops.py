@@ -76,3 +76,33 @@ def test_silu_and_mul(dtype, atol):
     got = cpu_kernels().silu_and_mul(x)
     assert got.shape == (5, 3, 1000)
     _check(got, F.silu(gate) * up, atol * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_out_variants_write_the_ops_bits_into_the_given_buffers(dtype):
+    """rms_norm_out and silu_and_mul_out (the decoder plan's, which reuses its buffers every layer) give the bits
+    of rms_norm and silu_and_mul; the residual may be updated in place."""
+    require_cpu_op("rms_norm_out")
+    ops = torch.ops.fp8engine
+    gen = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(7, 576, generator=gen).to(dtype) for _ in range(2))
+    w = torch.randn(576, generator=gen).to(dtype)
+    want, want_sum = ops.rms_norm(x, res, w, 1e-5)
+    out = torch.full_like(x, float("nan"))
+    stream = res.clone()
+    ops.rms_norm_out(x, stream, w, 1e-5, out, stream)  # in place, as the plan's residual stream
+    assert torch.equal(out, want) and torch.equal(stream, want_sum)
+    ops.rms_norm_out(x, None, w, 1e-5, out, None)
+    assert torch.equal(out, ops.rms_norm(x, None, w, 1e-5)[0])
+    g = torch.randn(7, 2 * 1536, generator=gen).to(dtype)
+    act = torch.empty(7, 1536, dtype=dtype)
+    ops.silu_and_mul_out(g, act)
+    assert torch.equal(act, ops.silu_and_mul(g))
+    with pytest.raises(RuntimeError, match="out must be a contiguous tensor of x's shape"):
+        ops.rms_norm_out(x, None, w, 1e-5, out[:, :100], None)
+    with pytest.raises(RuntimeError, match="out must not be x"):
+        ops.rms_norm_out(x, None, w, 1e-5, x, None)
+    with pytest.raises(RuntimeError, match="residual and residual_out go together"):
+        ops.rms_norm_out(x, res, w, 1e-5, out, None)
+    with pytest.raises(RuntimeError, match=r"out must be a contiguous \[rows, n\]"):
+        ops.silu_and_mul_out(g, torch.empty(7, 1000, dtype=dtype))

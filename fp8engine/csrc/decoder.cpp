@@ -57,8 +57,12 @@ struct Ops {
       attention = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                      const at::Tensor&, const at::Tensor&, double, double, double, double, int64_t)>(
           "fp8engine::paged_attention");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
-      find_op<at::Tensor(const at::Tensor&)>("fp8engine::silu_and_mul");
+  c10::TypedOperatorHandle<void(const at::Tensor&, const OptTensor&, const at::Tensor&, double, at::Tensor&,
+                                const OptTensor&)>
+      rms_norm_out = find_op<void(const at::Tensor&, const OptTensor&, const at::Tensor&, double, at::Tensor&,
+                                  const OptTensor&)>("fp8engine::rms_norm_out");
+  c10::TypedOperatorHandle<void(const at::Tensor&, at::Tensor&)> silu_and_mul_out =
+      find_op<void(const at::Tensor&, at::Tensor&)>("fp8engine::silu_and_mul_out");
   c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                 const at::Tensor&)>
       lora_add = find_op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -150,13 +154,21 @@ class DecoderPlan : public torch::CustomClassHolder {
     const Ops& ops = get_ops();
     const ProjPath path{batch_invariant_, fp8_gemm_, bf16_gemm_, bf16_kernel};
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    // The norms and the activation write into buffers every layer reuses (h: a norm's output, res: the residual
+    // stream, updated in place from the second norm on, act: SiLU-and-mul's output), which saves each op its
+    // allocations; the first layer's residual is the embeddings x, which stay the caller's.
+    const int64_t t = x.size(0), hidden = x.size(1);
+    at::Tensor h = at::empty({t, hidden}, x.options()), res = at::empty({t, hidden}, x.options()), act;
     OptTensor residual;
     for (int64_t i = 0; i < n; ++i) {
       const Layer& l = layers_[i];
-      auto [h, summed] = ops.rms_norm.call(x, residual, l.input_norm, eps_);
-      residual = residual ? summed : x;
+      if (residual) {
+        ops.rms_norm_out.call(x, res, l.input_norm, eps_, h, res);
+      } else {
+        ops.rms_norm_out.call(x, std::nullopt, l.input_norm, eps_, h, std::nullopt);
+        residual = x;
+      }
       const at::Tensor qkv = l.qkv(ops, h, path, lora);
-      const int64_t t = qkv.size(0);
       at::Tensor q = qkv.narrow(-1, 0, q_size).reshape({t, heads_, head_dim_});
       at::Tensor k = qkv.narrow(-1, q_size, kv_size).reshape({t, kv_heads_, head_dim_});
       const at::Tensor v = qkv.narrow(-1, q_size + kv_size, kv_size).reshape({t, kv_heads_, head_dim_}).contiguous();
@@ -174,9 +186,12 @@ class DecoderPlan : public torch::CustomClassHolder {
       const at::Tensor attn = ops.attention.call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                                  attn_scale_, k_scale, v_scale, q_scale, partition_);
       const at::Tensor o = l.o(ops, attn.reshape({t, -1}), path, lora);
-      auto [h2, summed2] = ops.rms_norm.call(o, residual, l.post_norm, eps_);
-      residual = summed2;
-      x = l.down(ops, ops.silu_and_mul.call(l.gate_up(ops, h2, path, lora)), path, lora);
+      ops.rms_norm_out.call(o, *residual, l.post_norm, eps_, h, res);
+      residual = res;
+      const at::Tensor gate_up = l.gate_up(ops, h, path, lora);
+      if (!act.defined()) act = at::empty({t, gate_up.size(1) / 2}, x.options());
+      ops.silu_and_mul_out.call(gate_up, act);
+      x = l.down(ops, act, path, lora);
     }
     return {x, *residual};
   }

@@ -236,12 +236,33 @@ void silu_row(const T* g, T* y, int64_t n) {
 
 #endif  // FP8E_LAYER_OPS_AVX512 / AVX2
 
-std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-                                            const at::Tensor& weight, double eps) {
+// out = weight * norm(x + residual) row by row, with res_out = x + residual (it may be residual itself: each
+// element is read before it is written); x2, res2, out, res_out: [rows, n], contiguous.
+void rms_norm_into(const at::Tensor& x2, const at::Tensor* res2, const at::Tensor& weight, double eps,
+                   const at::Tensor& out, const at::Tensor* res_out) {
+  const int64_t n = x2.size(1), rows = x2.size(0);
+  dispatch_io(x2.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        rms_norm_row(x2.data_ptr<T>() + i * n, res2 ? res2->data_ptr<T>() + i * n : nullptr,
+                     res2 ? res_out->data_ptr<T>() + i * n : nullptr, weight.data_ptr<T>(),
+                     out.data_ptr<T>() + i * n, n, static_cast<float>(eps));
+    });
+  });
+}
+
+void check_norm_weight(const at::Tensor& x, const at::Tensor& weight) {
   const int64_t n = x.size(-1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == x.scalar_type() &&
                   weight.is_contiguous(),
               "weight must be a contiguous [", n, "] tensor of the input dtype");
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps) {
+  check_norm_weight(x, weight);
+  const int64_t n = x.size(-1);
   const at::Tensor x2 = x.reshape({-1, n}).contiguous();
   at::Tensor res2, res_out;
   if (residual) {
@@ -251,17 +272,26 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const c10::opti
     res_out = at::empty_like(x2);
   }
   at::Tensor out = at::empty_like(x2);
-  const int64_t rows = x2.size(0);
-  dispatch_io(x.scalar_type(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
-        rms_norm_row(x2.data_ptr<T>() + i * n, residual ? res2.data_ptr<T>() + i * n : nullptr,
-                     residual ? res_out.data_ptr<T>() + i * n : nullptr, weight.data_ptr<T>(),
-                     out.data_ptr<T>() + i * n, n, static_cast<float>(eps));
-    });
-  });
+  rms_norm_into(x2, residual ? &res2 : nullptr, weight, eps, out, residual ? &res_out : nullptr);
   return {out.view(x.sizes()), residual ? res_out.view(x.sizes()) : at::Tensor()};
+}
+
+// rms_norm into caller-owned buffers (the decoder plan's, reused by every layer): out = the normalised rows;
+// with a residual, residual_out = x + residual, which may be the residual tensor itself (updated in place).
+void rms_norm_out(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+                  double eps, at::Tensor& out, const c10::optional<at::Tensor>& residual_out) {
+  check_norm_weight(x, weight);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm_out: x must be a contiguous [rows, n] tensor");
+  auto same = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.is_contiguous(), "rms_norm_out: ",
+                what, " must be a contiguous tensor of x's shape and dtype");
+  };
+  same(out, "out");
+  TORCH_CHECK(residual.has_value() == residual_out.has_value(), "rms_norm_out: residual and residual_out go together");
+  if (residual) same(*residual, "residual"), same(*residual_out, "residual_out");
+  TORCH_CHECK(!out.is_same(x) && !(residual && (out.is_same(*residual) || out.is_same(*residual_out))),
+              "rms_norm_out: out must not be x or a residual");
+  rms_norm_into(x, residual ? &*residual : nullptr, weight, eps, out, residual ? &*residual_out : nullptr);
 }
 
 // ---------------------------------------------------------------- rotary embedding
@@ -300,6 +330,17 @@ void rotary_embedding_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, cons
 
 // ---------------------------------------------------------------- SiLU and mul
 
+// out [rows, n] = silu(x[:, :n]) * x[:, n:] for contiguous x [rows, 2n].
+void silu_and_mul_into(const at::Tensor& x, const at::Tensor& out) {
+  const int64_t n = out.size(1);
+  dispatch_io(x.scalar_type(), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    at::parallel_for(0, x.size(0), grain(2 * n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) silu_row(x.data_ptr<T>() + r * 2 * n, out.data_ptr<T>() + r * n, n);
+    });
+  });
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.size(-1) % 2 == 0, "silu_and_mul needs an even last dimension, got ", x_in.size(-1));
   const int64_t n = x_in.size(-1) / 2;
@@ -307,15 +348,18 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = n;
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  dispatch_io(x.scalar_type(), [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    at::parallel_for(0, x.size(0), grain(2 * n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        silu_row(x.data_ptr<T>() + r * 2 * n, out.data_ptr<T>() + r * n, n);
-      }
-    });
-  });
+  silu_and_mul_into(x, out);
   return out.view(shape);
+}
+
+// silu_and_mul into a caller-owned [rows, n] buffer (the decoder plan's).
+void silu_and_mul_out(const at::Tensor& x, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "silu_and_mul_out: x must be a contiguous [rows, 2n] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && 2 * out.size(1) == x.size(1) &&
+                  out.scalar_type() == x.scalar_type() && out.is_contiguous(),
+              "silu_and_mul_out: out must be a contiguous [rows, n] tensor of x's dtype");
+  silu_and_mul_into(x, out);
 }
 
 // ---------------------------------------------------------------- LoRA
@@ -444,6 +488,9 @@ TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_embedding_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, Tensor positions) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rms_norm_out(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor(a!) out, "
+        "Tensor(b!)? residual_out) -> ()");
+  m.def("silu_and_mul_out(Tensor x, Tensor(a!) out) -> ()");
   m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor bt, Tensor segments) -> ()");
 }
 
@@ -451,6 +498,8 @@ TORCH_LIBRARY_IMPL(fp8engine, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary_embedding_", &rotary_embedding_);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rms_norm_out", &rms_norm_out);
+  m.impl("silu_and_mul_out", &silu_and_mul_out);
   m.impl("lora_add_", &lora_add_);
 }
 
