@@ -166,6 +166,9 @@ void nt_rows(const Problem& p, int64_t n0, int64_t k0, uint16_t* pad, const uint
   }
 }
 
+constexpr int64_t kWtFloats = kBlockK / 2 * kNtRows;  // one block's transposed pairs (nt_transpose)
+constexpr int kNtGroup = 2;                            // K blocks nt_blocks takes at once
+
 template <typename OutT>
 void linear_nt(const Problem& p, OutT* y) {
   const int64_t kpad = cdiv(p.k, kBlockK) * kBlockK;
@@ -178,11 +181,22 @@ void linear_nt(const Problem& p, OutT* y) {
   const __m512 no_scales[kNtVecs] = {};
   at::parallel_for(0, cdiv(p.n, kNtRows), 1, [&](int64_t begin, int64_t end) {
     auto pad = alloc_buffer<uint16_t>(kNtRows * kBlockK);
-    auto wt = alloc_buffer<float>(kBlockK / 2 * kNtRows);
+    auto wt = alloc_buffer<float>(kNtGroup * kWtFloats);
     auto tot = alloc_buffer<float>(p.m * kNtRows);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kNtRows;
-      for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
+      int64_t k0 = 0;
+      if (p.m <= kNtGroupMaxM)  // whole blocks kNtGroup at a time (nt_blocks)
+        for (; k0 + kNtGroup * kBlockK <= p.k; k0 += kNtGroup * kBlockK) {
+          for (int g = 0; g < kNtGroup; ++g) {
+            const uint16_t* rows[kNtRows];
+            nt_rows(p, n0, k0 + g * kBlockK, pad.get(), rows);
+            nt_transpose(rows, kBlockK / 32, wt.get() + g * kWtFloats);
+          }
+          (p.m == 1 ? nt_blocks<kBlockK, kNtGroup, 1, false> : nt_blocks<kBlockK, kNtGroup, 2, false>)(
+              wt.get(), kWtFloats, x.get() + k0, kpad, nullptr, 0, nullptr, tot.get(), k0 == 0);
+        }
+      for (; k0 < p.k; k0 += kBlockK) {
         const uint16_t* rows[kNtRows];
         nt_rows(p, n0, k0, pad.get(), rows);
         const int64_t pairs = cdiv(std::min(kBlockK, p.k - k0), 2);  // as the GEMM's

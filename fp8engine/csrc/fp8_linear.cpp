@@ -707,18 +707,38 @@ void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64
   nt_transpose(rows, kBlock / 32, wt);
 }
 
+// The scales of K block b of the task's two weight vectors (rows past N repeat the last row's).
+inline void nt_scales(const Problem& p, int64_t n0, int64_t b, __m512 (&sw)[kNtVecs]) {
+  for (int v = 0; v < kNtVecs; ++v) {
+    alignas(64) float s[16];
+    for (int j = 0; j < 16; ++j) s[j] = p.sw_at(std::min(n0 + 16 * v + j, p.n - 1), b);
+    sw[v] = _mm512_load_ps(s);
+  }
+}
+
+constexpr int64_t kNtWtFloats = kBlock / 2 * kNtRows;  // one converted K block of a task (nt_convert_block)
+constexpr int kNtGroup = 4;  // K blocks nt_blocks takes at once
+
+// wt holds kNtGroup blocks' room (nt_blocks takes whole K blocks kNtGroup at a time at one or two rows).
 template <typename OutT>
 void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, uint16_t* rows_bf16, float* wt,
              float* tot, OutT* y) {
   const int64_t per_pass = nt_rows_per_pass(p.m);
-  for (int64_t b = 0; b < p.nkb; ++b) {
+  int64_t b = 0;
+  if (p.m <= kNtGroupMaxM)
+    for (; (b + kNtGroup) * kBlock <= p.k; b += kNtGroup) {
+      __m512 sw[kNtGroup][kNtVecs];
+      for (int g = 0; g < kNtGroup; ++g) {
+        nt_convert_block(p, cvt, n0, b + g, rows_bf16, wt + g * kNtWtFloats);
+        nt_scales(p, n0, b + g, sw[g]);
+      }
+      (p.m == 1 ? nt_blocks<kBlock, kNtGroup, 1, true> : nt_blocks<kBlock, kNtGroup, 2, true>)(
+          wt, kNtWtFloats, x.x.get() + b * kBlock, x.kp, x.scale.get() + b, p.nkb, sw, tot, b == 0);
+    }
+  for (; b < p.nkb; ++b) {
     nt_convert_block(p, cvt, n0, b, rows_bf16, wt);
     __m512 sw[kNtVecs];
-    for (int v = 0; v < kNtVecs; ++v) {
-      alignas(64) float s[16];
-      for (int j = 0; j < 16; ++j) s[j] = p.sw_at(std::min(n0 + 16 * v + j, p.n - 1), b);
-      sw[v] = _mm512_load_ps(s);
-    }
+    nt_scales(p, n0, b, sw);
     const int64_t pairs = cdiv(std::min(kBlock, p.k - b * kBlock), 64) * 32;  // whole 64-k chunks, as the GEMM
     for (int64_t m0 = 0; m0 < p.m; m0 += per_pass)
       kNtBlock<true>[std::min(per_pass, p.m - m0)](wt, x.x.get() + m0 * x.kp + b * kBlock, x.kp, pairs,
@@ -734,7 +754,7 @@ void linear_nt(const Problem& p, const T* xin, bool ue8m0, T* y) {
   at::parallel_for(0, cdiv(p.n, kNtRows), 1, [&](int64_t begin, int64_t end) {
     const E4m3ToBf16 cvt;
     auto rows_bf16 = alloc_buffer<uint16_t>(kNtRows * kBlock);
-    auto wt = alloc_buffer<float>(kBlock / 2 * kNtRows);
+    auto wt = alloc_buffer<float>(kNtGroup * kNtWtFloats);
     auto tot = alloc_buffer<float>(p.m * kNtRows);
     for (int64_t t = begin; t < end; ++t) nt_task(p, cvt, x, t * kNtRows, rows_bf16.get(), wt.get(), tot.get(), y);
   });

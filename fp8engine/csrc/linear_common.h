@@ -231,6 +231,46 @@ inline constexpr NtBlockFn kNtBlock[kNtMaxRows + 1] = {
     nt_block<7, kScaled>,
     nt_block<8, kScaled>};
 
+// nt_block over G consecutive whole K blocks at once, for a row or two: each block's chain starts from zero and
+// does not depend on another's, so interleaving the blocks gives the core G x MR x kNtVecs chains to overlap,
+// where one block's MR x kNtVecs chains wait on vdpbf16ps's latency (at M=1 the chain took three quarters of
+// nt_block's time on one instruction). The blocks' results then enter tot one after the other in block order, as
+// G nt_block calls would add them: the same bits. wt: the G blocks' converted pairs, wt_ld floats apart; sw: G
+// blocks' scales (kScaled).
+constexpr int64_t kNtGroupMaxM = 2;
+
+template <int64_t KB, int G, int MR, bool kScaled>  // KB: the K block's length
+void nt_blocks(const float* wt, int64_t wt_ld, const uint16_t* xb, int64_t ldx, const float* sx, int64_t sx_ld,
+               const __m512 (*sw)[kNtVecs], float* tot, bool first) {
+  constexpr int64_t pairs = KB / 2;
+  __m512 acc[G][MR][kNtVecs];
+  for (auto& block : acc)
+    for (auto& row : block)
+      for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t q = 0; q < pairs; ++q)
+    for (int g = 0; g < G; ++g) {
+      __m512bh wv[kNtVecs];
+      for (int v = 0; v < kNtVecs; ++v)
+        wv[v] = as_bh(_mm512_castps_si512(_mm512_load_ps(wt + g * wt_ld + (q * kNtVecs + v) * 16)));
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xb + i * ldx + g * KB + 2 * q, 4);
+        const __m512bh xv = as_bh(_mm512_set1_epi32(pair));
+        for (int v = 0; v < kNtVecs; ++v) acc[g][i][v] = _mm512_dpbf16_ps(acc[g][i][v], wv[v], xv);
+      }
+    }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < MR; ++i) {
+      const __m512 sxv = kScaled ? _mm512_set1_ps(sx[i * sx_ld + g]) : _mm512_setzero_ps();
+      for (int v = 0; v < kNtVecs; ++v) {
+        float* t = tot + (i * kNtVecs + v) * 16;
+        const __m512 prev = first && g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(t);
+        _mm512_store_ps(t, kScaled ? _mm512_fmadd_ps(acc[g][i][v], _mm512_mul_ps(sxv, sw[g][v]), prev)
+                                   : _mm512_add_ps(acc[g][i][v], prev));
+      }
+    }
+}
+
 // Activation rows per register tile for m rows: as even as the tiles allow.
 inline int64_t nt_rows_per_pass(int64_t m) { return cdiv(m, cdiv(m, kNtMaxRows)); }
 
