@@ -3,10 +3,11 @@
 // A layer is the same chain of fp8engine ops that fp8engine/model_executor/models/llama.py calls: RMSNorm
 // with the residual, the fused QKV projection, the optional per-head q/k RMSNorm, RoPE in place, the
 // KV-cache write, paged attention, o_proj, RMSNorm, gate/up, SiLU-and-mul, down. Each op is called through
-// the dispatcher with the arguments the Python layer passes, in the same order, so the result is the Python
-// path's bit for bit (tests/test_fused_decoder.py); what goes is the Python around them: at batch 1 on a
-// 2-vCPU VM about two fifths of a decode step was module calls, attribute lookups and op-call overhead,
-// during which the other thread waited.
+// the dispatcher with the arguments the Python layer passes, in the same order (the norms and SiLU-and-mul as
+// their _out variants: the same row kernels into reused buffers), so the result is the Python path's bit for
+// bit (tests/test_fused_decoder.py); what goes is the Python around them: at batch 1 on a 2-vCPU VM about two
+// fifths of a decode step was module calls, attribute lookups and op-call overhead, during which the other
+// thread waited.
 //
 // A DecoderPlan holds the layers' parameters (the module's own tensors: weight updates write into them in
 // place, so the plan sees every update) and the dimensions; the KV caches and scales, which calibration
