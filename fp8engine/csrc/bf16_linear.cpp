@@ -193,7 +193,7 @@ void linear_nt(const Problem& p, OutT* y) {
             nt_rows(p, n0, k0 + g * kBlockK, pad.get(), rows);
             nt_transpose(rows, kBlockK / 32, wt.get() + g * kWtFloats);
           }
-          (p.m == 1 ? nt_blocks<kBlockK, kNtGroup, 1, false> : nt_blocks<kBlockK, kNtGroup, 2, false>)(
+          kNtBlocks<kBlockK, kNtGroup, false>[p.m](
               wt.get(), kWtFloats, x.get() + k0, kpad, nullptr, 0, nullptr, tot.get(), k0 == 0);
         }
       for (; k0 < p.k; k0 += kBlockK) {

@@ -732,7 +732,7 @@ void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t
         nt_convert_block(p, cvt, n0, b + g, rows_bf16, wt + g * kNtWtFloats);
         nt_scales(p, n0, b + g, sw[g]);
       }
-      (p.m == 1 ? nt_blocks<kBlock, kNtGroup, 1, true> : nt_blocks<kBlock, kNtGroup, 2, true>)(
+      kNtBlocks<kBlock, kNtGroup, true>[p.m](
           wt, kNtWtFloats, x.x.get() + b * kBlock, x.kp, x.scale.get() + b, p.nkb, sw, tot, b == 0);
     }
   for (; b < p.nkb; ++b) {

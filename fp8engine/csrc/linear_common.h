@@ -271,6 +271,13 @@ void nt_blocks(const float* wt, int64_t wt_ld, const uint16_t* xb, int64_t ldx, 
     }
 }
 
+using NtBlocksFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, const float*, int64_t,
+                            const __m512 (*)[kNtVecs], float*, bool);
+static_assert(kNtGroupMaxM == 2, "kNtBlocks lists nt_blocks at 1 and 2 rows");
+template <int64_t KB, int G, bool kScaled>  // nt_blocks at m rows, m <= kNtGroupMaxM
+inline constexpr NtBlocksFn kNtBlocks[kNtGroupMaxM + 1] = {nullptr, nt_blocks<KB, G, 1, kScaled>,
+                                                           nt_blocks<KB, G, 2, kScaled>};
+
 // Activation rows per register tile for m rows: as even as the tiles allow.
 inline int64_t nt_rows_per_pass(int64_t m) { return cdiv(m, cdiv(m, kNtMaxRows)); }
 
