@@ -680,32 +680,7 @@ void linear_large_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
 
 // ---- small M: weight rows across the lanes (linear_common.h) ----------------------------------------
 
-// Converts K block b of the task's weight rows n0.. (zero past N and K) into rows_bf16 ([kNtRows][kBlock], lane
-// order) and transposes it into wt, prefetching the next block's lines into L1 (rows K bytes apart are too far
-// apart for the hardware prefetchers at this stride) and the same block of the next task's rows into L2, as the
-// gemv does (M=8 on AVX-512, a weight from DRAM 5.3-6.6 -> 5.8-7.3 GB/s; 8 sequences decoding 267-282 -> 286-291
-// tok/s).
-void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t b, uint16_t* rows_bf16, float* wt) {
-  const uint16_t* rows[kNtRows];
-  for (int64_t r = 0; r < kNtRows; ++r) {
-    uint16_t* dst = rows_bf16 + r * kBlock;
-    rows[r] = dst;
-    if (n0 + r >= p.n) {
-      std::memset(dst, 0, sizeof(uint16_t) * kBlock);
-      continue;
-    }
-    if (b + 1 < p.nkb) {
-      const char* next = reinterpret_cast<const char*>(p.w + (n0 + r) * p.k + (b + 1) * kBlock);
-      _mm_prefetch(next, _MM_HINT_T0);
-      _mm_prefetch(next + 64, _MM_HINT_T0);
-    }
-    const char* after = reinterpret_cast<const char*>(p.w + (n0 + kNtRows + r) * p.k + b * kBlock);
-    _mm_prefetch(after, _MM_HINT_T2);  // past the weight's end it is dropped: a prefetch never faults
-    _mm_prefetch(after + 64, _MM_HINT_T2);
-    convert_row_block(p, cvt, n0 + r, b, dst);
-  }
-  nt_transpose(rows, kBlock / 32, wt);
-}
+alignas(64) constexpr uint8_t kZeroRow[kBlock] = {};  // the E4M3 codes of rows past N
 
 // The scales of K block b of the task's two weight vectors (rows past N repeat the last row's).
 inline void nt_scales(const Problem& p, int64_t n0, int64_t b, __m512 (&sw)[kNtVecs]) {
@@ -716,27 +691,113 @@ inline void nt_scales(const Problem& p, int64_t n0, int64_t b, __m512 (&sw)[kNtV
   }
 }
 
+// The prefetches of a task's K block b (rows: its weight rows there, as nt_convert_block's): the next block's lines
+// into L1 (rows K bytes apart are too far apart for the hardware prefetchers at this stride) and the same block of
+// the next task's rows into L2, as the gemv does (M=8 on AVX-512, a weight from DRAM 5.3-6.6 -> 5.8-7.3 GB/s; 8
+// sequences decoding 267-282 -> 286-291 tok/s). Spread over the block's steps (16 bytes of 16 rows each, lines x
+// kNtVecs x 4 of them): a burst of all 128 at the start overflowed the core's miss buffers.
+struct NtPrefetch {
+  const Problem& p;
+  const uint8_t* const* rows;
+  int64_t valid, b, steps, done = 0, issued = 0;
+  NtPrefetch(const Problem& p, const uint8_t* const* rows, int64_t n0, int64_t b, int64_t line_vecs)
+      : p(p), rows(rows), valid(std::min(kNtRows, p.n - n0)), b(b), steps(4 * line_vecs) {}
+  void step() {
+    const int64_t upto = std::min(++done * kNtRows / steps, valid);
+    for (; issued < upto; ++issued) {
+      const char* row = reinterpret_cast<const char*>(rows[issued]);
+      if (b + 1 < p.nkb) {
+        _mm_prefetch(row + kBlock, _MM_HINT_T0);
+        _mm_prefetch(row + kBlock + 64, _MM_HINT_T0);
+      }
+      const char* after = row + kNtRows * p.k;
+      _mm_prefetch(after, _MM_HINT_T2);  // past the weight's end it is dropped: a prefetch never faults
+      _mm_prefetch(after + 64, _MM_HINT_T2);
+    }
+  }
+};
+
+// Lane L (128 bits) of the result: the 16 bytes at byte offset off of row 4 L + i of rows[0..15].
+inline __m512i lanes_of_rows(const uint8_t* const* rows, int i, int64_t off) {
+  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + off)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 + i] + off)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[8 + i] + off)), 2);
+  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[12 + i] + off)), 3);
+}
+// Lane L: the 16 bytes at byte offset off of row 4 L + i of rows[0..15], the bytes past mask zero.
+inline __m512i lanes_of_rows(const uint8_t* const* rows, int i, int64_t off, __mmask16 mask) {
+  __m512i v = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(mask, rows[i] + off));
+  v = _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(mask, rows[4 + i] + off), 1);
+  v = _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(mask, rows[8 + i] + off), 2);
+  return _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(mask, rows[12 + i] + off), 3);
+}
+
+// Two pairs of 16 rows in each t[j] (nt_convert_block) into wt at pairs q = line + ...: t[j] holds k = off + 4 j,
+// off + 4 j + 2 of the rows, and in lane order k = 16 L + 2 d is pair 4 L + d of its 64-k line, k = 16 L + 8 + 2 d
+// pair 16 + 4 L + d.
+inline void nt_store_pairs(const E4m3ToBf16& cvt, __m512i (&l)[4], int64_t off, int v, float* wt) {
+  const __m512i p0 = _mm512_unpacklo_epi16(l[0], l[1]), p1 = _mm512_unpackhi_epi16(l[0], l[1]);
+  const __m512i q0 = _mm512_unpacklo_epi16(l[2], l[3]), q1 = _mm512_unpackhi_epi16(l[2], l[3]);
+  const __m512i t[4] = {_mm512_unpacklo_epi32(p0, q0), _mm512_unpackhi_epi32(p0, q0), _mm512_unpacklo_epi32(p1, q1),
+                        _mm512_unpackhi_epi32(p1, q1)};
+  const int64_t line = off / 64 * 32, lane = off % 64 / 16;
+  for (int j = 0; j < 4; ++j) {
+    __m512i a, c;
+    cvt(t[j], a, c);
+    const int64_t q = line + (j < 2 ? 4 * lane + 2 * j : 16 + 4 * lane + 2 * (j - 2));
+    _mm512_store_si512(wt + (q * kNtVecs + v) * 16, a);
+    _mm512_store_si512(wt + ((q + 1) * kNtVecs + v) * 16, c);
+  }
+}
+
+// Converts K block b of the task's weight rows n0.. (zero past N and K) straight from E4M3 into wt, the pairs in
+// the chain's (lane) order. Per 16 bytes of 16 rows, four vectors hold rows 4 L .. 4 L + 3 in lane L
+// (lanes_of_rows), two rounds of in-lane unpacks (16-bit, then 32-bit) leave in each two pairs of all 16 rows, four
+// rows' first pairs then their second in each lane, and the conversion's byte interleave splits them into one pair
+// of the 16 rows a vector, lane r row r (nt_store_pairs). It replaced converting whole rows, then 16 x 16
+// transposes: fewer shuffles and no round trip through memory (30 FP8 layers of the default model at M=1 from
+// DRAM 7.7-8.3 -> 5.3-5.9 ms, M=5 11.7 -> 7.6-8.5 ms, over several runs of medians of 9 alternating rounds). Feeding
+// the converted pairs straight into the chains at one or two rows, without wt, kept the pairs of each 64-k line's
+// second half in registers until the first half's were in; it gained 7% at M=1 with the weight in L2 and nothing
+// from DRAM, and lost at M=2 (one chain per weight vector waits on vdpbf16ps's latency, which the kNtGroup blocks
+// of nt_blocks overlap).
+void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_t b, float* wt) {
+  const E4m3ToBf16 cvt = cvt_ref;  // the tables in registers, not reloaded after the stores to wt (M=1, L2: -10%)
+  const int64_t cols = std::min(kBlock, p.k - b * kBlock);
+  const uint8_t* rows[kNtRows];
+  for (int64_t r = 0; r < kNtRows; ++r) rows[r] = n0 + r < p.n ? p.w + (n0 + r) * p.k + b * kBlock : kZeroRow;
+  NtPrefetch prefetch(p, rows, n0, b, kNtVecs * cdiv(cols, 64));
+  for (int v = 0; v < kNtVecs; ++v)
+    for (int64_t off = 0; off < cdiv(cols, 64) * 64; off += 16) {
+      __m512i l[4];
+      for (int i = 0; i < 4; ++i)
+        l[i] = cols == kBlock ? lanes_of_rows(rows + 16 * v, i, off)
+                              : lanes_of_rows(rows + 16 * v, i, off, tail_mask16(cols - off));
+      nt_store_pairs(cvt, l, off, v, wt);
+      prefetch.step();
+    }
+}
+
 constexpr int64_t kNtWtFloats = kBlock / 2 * kNtRows;  // one converted K block of a task (nt_convert_block)
 constexpr int kNtGroup = 4;  // K blocks nt_blocks takes at once
 
 // wt holds kNtGroup blocks' room (nt_blocks takes whole K blocks kNtGroup at a time at one or two rows).
 template <typename OutT>
-void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, uint16_t* rows_bf16, float* wt,
-             float* tot, OutT* y) {
+void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* wt, float* tot, OutT* y) {
   const int64_t per_pass = nt_rows_per_pass(p.m);
   int64_t b = 0;
   if (p.m <= kNtGroupMaxM)
     for (; (b + kNtGroup) * kBlock <= p.k; b += kNtGroup) {
       __m512 sw[kNtGroup][kNtVecs];
       for (int g = 0; g < kNtGroup; ++g) {
-        nt_convert_block(p, cvt, n0, b + g, rows_bf16, wt + g * kNtWtFloats);
+        nt_convert_block(p, cvt, n0, b + g, wt + g * kNtWtFloats);
         nt_scales(p, n0, b + g, sw[g]);
       }
       kNtBlocks<kBlock, kNtGroup, true>[p.m](
           wt, kNtWtFloats, x.x.get() + b * kBlock, x.kp, x.scale.get() + b, p.nkb, sw, tot, b == 0);
     }
   for (; b < p.nkb; ++b) {
-    nt_convert_block(p, cvt, n0, b, rows_bf16, wt);
+    nt_convert_block(p, cvt, n0, b, wt);
     __m512 sw[kNtVecs];
     nt_scales(p, n0, b, sw);
     const int64_t pairs = cdiv(std::min(kBlock, p.k - b * kBlock), 64) * 32;  // whole 64-k chunks, as the GEMM
@@ -753,10 +814,9 @@ void linear_nt(const Problem& p, const T* xin, bool ue8m0, T* y) {
   const RowsBf16 x = quantize_rows(xin, p.m, p.k, p.nkb, ue8m0);
   at::parallel_for(0, cdiv(p.n, kNtRows), 1, [&](int64_t begin, int64_t end) {
     const E4m3ToBf16 cvt;
-    auto rows_bf16 = alloc_buffer<uint16_t>(kNtRows * kBlock);
     auto wt = alloc_buffer<float>(kNtGroup * kNtWtFloats);
     auto tot = alloc_buffer<float>(p.m * kNtRows);
-    for (int64_t t = begin; t < end; ++t) nt_task(p, cvt, x, t * kNtRows, rows_bf16.get(), wt.get(), tot.get(), y);
+    for (int64_t t = begin; t < end; ++t) nt_task(p, cvt, x, t * kNtRows, wt.get(), tot.get(), y);
   });
 }
 
