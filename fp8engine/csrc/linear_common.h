@@ -174,18 +174,6 @@ constexpr int64_t kNtRows = 32;  // weight rows per task: two vectors
 constexpr int kNtVecs = static_cast<int>(kNtRows / 16);
 constexpr int kNtMaxRows = 8;  // activation rows per register tile: 8 x 2 accumulator chains
 
-// wt[(16 c + i) * kNtVecs + v] = pair 16 c + i of the 16 rows of vector v, from rows[r] (bf16, pairs in the
-// order the chain takes them): 16 x 16 transposes of 32-bit pairs.
-inline void nt_transpose(const uint16_t* const (&rows)[kNtRows], int64_t pair_chunks, float* wt) {
-  for (int v = 0; v < kNtVecs; ++v)
-    for (int64_t c = 0; c < pair_chunks; ++c) {
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[16 * v + i]) + 16 * c);
-      transpose16x16(r);
-      for (int i = 0; i < 16; ++i) _mm512_store_ps(wt + ((16 * c + i) * kNtVecs + v) * 16, r[i]);
-    }
-}
-
 // tot[i][v] (running sums of activation row i and weight vector v) gets the K block's chain over `pairs`
 // pairs of wt against x rows xb (ldx bf16 apart): tot = chain x (sx[i] * sw[v]) + tot when kScaled, else
 // chain + tot; `first` starts the sums (tot taken as zero).
