@@ -992,8 +992,10 @@ void linear_amx(const Problem& p, const T* xin, bool ue8m0, T* y) {
 // the gemv's 11.9 and the GEMM's 16.2, at 64 32.5 vs the GEMM's 38.1), the GEMM above (level at 128: 52.0 vs
 // 56.5 there, the other way round in a whole decode step of 128 sequences). On AMX machines the gemv beats the
 // tiles at 1 and 2 rows (default model shapes, 1 or 2 cores of an Emerald Rapids Xeon: at M = 2 it takes 0.9x
-// the tiles' time, at M = 3 1.04x-1.2x).
-constexpr int64_t kGemvMaxM = 6;
+// the tiles' time, at M = 3 1.04x-1.2x). Since nt converts E4M3 straight into its transposed pairs the gemv keeps
+// only 4 rows (2 threads of a 2-core Zen 4, best of 9 rounds: at 4 6.35 vs nt's 6.60, at 5 7.76 vs 7.19, at 6 8.98
+// vs 7.49; at 1 3.70 vs 6.05).
+constexpr int64_t kGemvMaxM = 4;
 constexpr int64_t kNtMaxM = 64;
 constexpr int64_t kSmallMAmx = 2;
 
