@@ -174,9 +174,13 @@ void nt_rows(const Problem& p, int64_t n0, int64_t k0, uint16_t* pad, const uint
   }
 }
 
-// wt[(16 c + i) * kNtVecs + v] = pair 16 c + i of the 16 rows of vector v, from rows[r] (bf16, pairs in the
-// order the chain takes them): 16 x 16 transposes of 32-bit pairs; line c (64 bytes) of each l1 and l2 row is
-// prefetched into L1 and L2 as line c of the rows is read (nt_rows).
+// wt[(q * kNtVecs + v) * 16 + r] = pair q of row 16 v + r, from rows[r] (bf16, pairs in the order the chain takes
+// them), for pair_chunks chunks of 16 pairs; line c (64 bytes) of each l1 and l2 row is prefetched into L1 and L2 as
+// line c of the rows is read (nt_rows). Per 4 pairs of 16 rows, four vectors take rows 4 L .. 4 L + 3 in 128-bit lane
+// L (loads into lanes) and two rounds of in-lane unpacks (32-bit, then 64-bit) leave one pair of the 16 rows in
+// each, lane r row r: the loads do the cross-lane half of a 16 x 16 transpose, whose 64 shuffles per 16 vectors
+// this halves (from DRAM, 2 threads, medians of 9 alternating rounds: the head (49152 x 576) at M=1 2.31 / 2.65 ->
+// 2.02 / 2.51 ms, at 8 3.09 -> 2.89; 40 x (1536 x 576) at 1 3.46 -> 3.20, at 16 6.42 -> 6.24).
 void nt_transpose(const uint16_t* const (&rows)[kNtRows], int64_t pair_chunks, float* wt,
                   const char* const (&l1)[kNtRows], const char* const (&l2)[kNtRows]) {
   for (int v = 0; v < kNtVecs; ++v)
@@ -185,10 +189,15 @@ void nt_transpose(const uint16_t* const (&rows)[kNtRows], int64_t pair_chunks, f
         _mm_prefetch(l1[16 * v + i] + 64 * c, _MM_HINT_T0);
         _mm_prefetch(l2[16 * v + i] + 64 * c, _MM_HINT_T2);
       }
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(rows[16 * v + i]) + 16 * c);
-      transpose16x16(r);
-      for (int i = 0; i < 16; ++i) _mm512_store_ps(wt + ((16 * c + i) * kNtVecs + v) * 16, r[i]);
+      for (int64_t c4 = 4 * c; c4 < 4 * c + 4; ++c4) {  // pairs 4 c4 .. 4 c4 + 3
+        __m512i l[4];
+        for (int i = 0; i < 4; ++i) l[i] = lanes_of_rows(rows + 16 * v, i, 16 * c4);
+        const __m512i p0 = _mm512_unpacklo_epi32(l[0], l[1]), p1 = _mm512_unpackhi_epi32(l[0], l[1]);
+        const __m512i q0 = _mm512_unpacklo_epi32(l[2], l[3]), q1 = _mm512_unpackhi_epi32(l[2], l[3]);
+        const __m512i out[4] = {_mm512_unpacklo_epi64(p0, q0), _mm512_unpackhi_epi64(p0, q0),
+                                _mm512_unpacklo_epi64(p1, q1), _mm512_unpackhi_epi64(p1, q1)};
+        for (int j = 0; j < 4; ++j) _mm512_store_si512(wt + ((4 * c4 + j) * kNtVecs + v) * 16, out[j]);
+      }
     }
 }
 

@@ -717,15 +717,8 @@ struct NtPrefetch {
   }
 };
 
-// Lane L (128 bits) of the result: the 16 bytes at byte offset off of row 4 L + i of rows[0..15].
-inline __m512i lanes_of_rows(const uint8_t* const* rows, int i, int64_t off) {
-  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + off)));
-  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 + i] + off)), 1);
-  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[8 + i] + off)), 2);
-  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[12 + i] + off)), 3);
-}
 // Lane L: the 16 bytes at byte offset off of row 4 L + i of rows[0..15], the bytes past mask zero.
-inline __m512i lanes_of_rows(const uint8_t* const* rows, int i, int64_t off, __mmask16 mask) {
+inline __m512i lanes_of_rows_masked(const uint8_t* const* rows, int i, int64_t off, __mmask16 mask) {
   __m512i v = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(mask, rows[i] + off));
   v = _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(mask, rows[4 + i] + off), 1);
   v = _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(mask, rows[8 + i] + off), 2);
@@ -772,7 +765,7 @@ void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, i
       __m512i l[4];
       for (int i = 0; i < 4; ++i)
         l[i] = cols == kBlock ? lanes_of_rows(rows + 16 * v, i, off)
-                              : lanes_of_rows(rows + 16 * v, i, off, tail_mask16(cols - off));
+                              : lanes_of_rows_masked(rows + 16 * v, i, off, tail_mask16(cols - off));
       nt_store_pairs(cvt, l, off, v, wt);
       prefetch.step();
     }
