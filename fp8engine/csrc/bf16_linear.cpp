@@ -488,9 +488,10 @@ void linear_amx(const Problem& p, OutT* y) {
 // above. Without batch_invariant the wrapper gives torch's GEMM the calls above 32 rows
 // (bf16_linear_cpu.kernel_takes). On AMX machines the gemv beats the tiles at 1 row (default model shapes, 1
 // core of an Emerald Rapids Xeon: 0.8-0.97x the tiles' time at M = 1, 1.0-1.2x at M = 2). Since nt prefetches
-// as it reads (nt_rows) the gemv keeps 5 rows (2 threads of a 2-core Zen 4, best of 9 rounds: the layers at 5
-// 10.47 vs nt's 10.97, at 6 13.31 vs 11.37; the head (49152 x 576) at 5 2.69 vs 2.56, at 6 3.08 vs 2.68).
-constexpr int64_t kGemvMaxM = 5;
+// as it reads and halved its transposes' shuffles (nt_rows, nt_transpose) the gemv keeps 4 rows (2 threads of a
+// 2-core Zen 4, best of 9 rounds: the layers at 4 9.91 vs nt's 10.57, at 5 11.75 vs 11.07; the head (49152 x 576)
+// at 4 1.87 vs 2.20, at 5 2.45 vs 2.26).
+constexpr int64_t kGemvMaxM = 4;
 constexpr int64_t kNtMaxM = 64;
 constexpr int64_t kSmallMAmx = 1;
 

@@ -7,7 +7,7 @@ from torch.nn import functional as F
 
 from fp8engine.model_executor.kernels.layer_ops_ref import float32_linear_ref
 
-# Rows up to which the C++ kernels beat torch's GEMM on AVX-512 alone (the gemv up to 5 rows, then the nt kernel,
+# Rows up to which the C++ kernels beat torch's GEMM on AVX-512 alone (the gemv up to 4 rows, then the nt kernel,
 # weight rows in the lanes). Measured with every layer's weights from DRAM as in a forward (benchmarks/
 # linear_stream.py: the default model's 30 layers, 2 threads of a 2-core Zen 5, ms per forward; docs/cpu-peers.txt):
 # at M = 1 8.1 against torch's 16.7, at 8 10.2 vs 12.9, at 32 22.9 vs 27.6 (the head: 1.6 vs 3.5 at 1 row, 5.6 vs
