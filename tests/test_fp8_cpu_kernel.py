@@ -343,13 +343,14 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch(ops, gemm, k, n):
 AVX512_KERNELS = ("avx512-gemv", "avx512-nt", "avx512-gemm")
 
 
-@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (130, 33), (64, 200)])
+@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (130, 33), (64, 200), (512, 200)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_nt_kernel_gives_the_gemms_bits_at_every_m(ops, k, n, dtype):
     """The small-M kernel with weight rows in the lanes (nt) sums every output as the AVX-512 GEMM does (one chain
     per K block over the same pairs, the same scaling, the bias last): forced at the same M they give the same
-    bits, from 1 row to past a 16-row vector and a register tile of 8, with ragged N and K, bias and stacked scale
-    rows; the gemv (K in the lanes) stays within the reference's bounds."""
+    bits, from 1 row to past a 16-row vector and a register tile of 8, with ragged N and K (ragged N over whole K
+    blocks too: rows past N convert from zero codes), bias and stacked scale rows; the gemv (K in the lanes) stays
+    within the reference's bounds."""
     gen = torch.Generator().manual_seed(k * 7 + n)
     w_q, w_s = quant.quantize_weight_blockwise(torch.randn(n, k, generator=gen))
     rows = (torch.arange(n, dtype=torch.int32) // 128).flip(0).contiguous()
