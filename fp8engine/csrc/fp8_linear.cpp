@@ -717,14 +717,6 @@ struct NtPrefetch {
   }
 };
 
-// Lane L: the 16 bytes at byte offset off of row 4 L + i of rows[0..15], the bytes past mask zero.
-inline __m512i lanes_of_rows_masked(const uint8_t* const* rows, int i, int64_t off, __mmask16 mask) {
-  __m512i v = _mm512_castsi128_si512(_mm_maskz_loadu_epi8(mask, rows[i] + off));
-  v = _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(mask, rows[4 + i] + off), 1);
-  v = _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(mask, rows[8 + i] + off), 2);
-  return _mm512_inserti32x4(v, _mm_maskz_loadu_epi8(mask, rows[12 + i] + off), 3);
-}
-
 // Two pairs of 16 rows in each t[j] (nt_convert_block) into wt at pairs q = line + ...: t[j] holds k = off + 4 j,
 // off + 4 j + 2 of the rows, and in lane order k = 16 L + 2 d is pair 4 L + d of its 64-k line, k = 16 L + 8 + 2 d
 // pair 16 + 4 L + d.
@@ -765,7 +757,7 @@ void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, i
       __m512i l[4];
       for (int i = 0; i < 4; ++i)
         l[i] = cols == kBlock ? lanes_of_rows(rows + 16 * v, i, off)
-                              : lanes_of_rows_masked(rows + 16 * v, i, off, tail_mask16(cols - off));
+                              : lanes_of_rows(rows + 16 * v, i, off, tail_mask16(cols - off));
       nt_store_pairs(cvt, l, off, v, wt);
       prefetch.step();
     }

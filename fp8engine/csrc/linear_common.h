@@ -174,17 +174,28 @@ constexpr int64_t kNtRows = 32;  // weight rows per task: two vectors
 constexpr int kNtVecs = static_cast<int>(kNtRows / 16);
 constexpr int kNtMaxRows = 8;  // activation rows per register tile: 8 x 2 accumulator chains
 
-// Lane L (128 bits) of the result: the 16 bytes at byte offset off of row 4 L + i of rows[0..15] (weight rows into
-// the lanes of four vectors, i = 0..3, which in-lane unpacks then transpose: the nt kernels' conversions).
-template <typename T>
-inline __m512i lanes_of_rows(const T* const* rows, int i, int64_t off) {
-  const auto piece = [&](int r) {
-    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const char*>(rows[r]) + off));
-  };
+// Lane L (128 bits) of the result: piece(4 L + i), 16 bytes of row 4 L + i (weight rows into the lanes of four
+// vectors, i = 0..3, which in-lane unpacks then transpose: the nt kernels' conversions).
+template <typename Piece>
+inline __m512i lanes_of(const Piece& piece, int i) {
   __m512i v = _mm512_castsi128_si512(piece(i));
   v = _mm512_inserti32x4(v, piece(4 + i), 1);
   v = _mm512_inserti32x4(v, piece(8 + i), 2);
   return _mm512_inserti32x4(v, piece(12 + i), 3);
+}
+// lanes_of the 16 bytes at byte offset off of rows[0..15].
+template <typename T>
+inline __m512i lanes_of_rows(const T* const* rows, int i, int64_t off) {
+  return lanes_of(
+      [&](int r) {
+        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const char*>(rows[r]) + off));
+      },
+      i);
+}
+// The same, the bytes past mask zero (for partial blocks: on Zen 5 masked loads cost more than plain ones even with
+// every lane set).
+inline __m512i lanes_of_rows(const uint8_t* const* rows, int i, int64_t off, __mmask16 mask) {
+  return lanes_of([&](int r) { return _mm_maskz_loadu_epi8(mask, rows[r] + off); }, i);
 }
 
 // tot[i][v] (running sums of activation row i and weight vector v) gets the K block's chain over `pairs`
