@@ -201,6 +201,14 @@ void nt_transpose(const uint16_t* const (&rows)[kNtRows], int64_t pair_chunks, f
     }
 }
 
+// K block k0 of the task's rows n0.. into wt, pair_chunks chunks of 16 pairs (nt_rows, then nt_transpose).
+void nt_block_pairs(const Problem& p, int64_t n0, int64_t k0, int64_t pair_chunks, uint16_t* pad, float* wt) {
+  const uint16_t* rows[kNtRows];
+  const char *l1[kNtRows], *l2[kNtRows];
+  nt_rows(p, n0, k0, pad, rows, l1, l2);
+  nt_transpose(rows, pair_chunks, wt, l1, l2);
+}
+
 constexpr int64_t kWtFloats = kBlockK / 2 * kNtRows;  // one block's transposed pairs (nt_transpose)
 constexpr int kNtGroup = 2;                            // K blocks nt_blocks takes at once
 
@@ -223,21 +231,14 @@ void linear_nt(const Problem& p, OutT* y) {
       int64_t k0 = 0;
       if (p.m <= kNtGroupMaxM)  // whole blocks kNtGroup at a time (nt_blocks)
         for (; k0 + kNtGroup * kBlockK <= p.k; k0 += kNtGroup * kBlockK) {
-          for (int g = 0; g < kNtGroup; ++g) {
-            const uint16_t* rows[kNtRows];
-            const char *l1[kNtRows], *l2[kNtRows];
-            nt_rows(p, n0, k0 + g * kBlockK, pad.get(), rows, l1, l2);
-            nt_transpose(rows, kBlockK / 32, wt.get() + g * kWtFloats, l1, l2);
-          }
+          for (int g = 0; g < kNtGroup; ++g)
+            nt_block_pairs(p, n0, k0 + g * kBlockK, kBlockK / 32, pad.get(), wt.get() + g * kWtFloats);
           kNtBlocks<kBlockK, kNtGroup, false>[p.m](
               wt.get(), kWtFloats, x.get() + k0, kpad, nullptr, 0, nullptr, tot.get(), k0 == 0);
         }
       for (; k0 < p.k; k0 += kBlockK) {
-        const uint16_t* rows[kNtRows];
-        const char *l1[kNtRows], *l2[kNtRows];
-        nt_rows(p, n0, k0, pad.get(), rows, l1, l2);
         const int64_t pairs = cdiv(std::min(kBlockK, p.k - k0), 2);  // as the GEMM's
-        nt_transpose(rows, cdiv(pairs, 16), wt.get(), l1, l2);
+        nt_block_pairs(p, n0, k0, cdiv(pairs, 16), pad.get(), wt.get());
         for (int64_t m0 = 0; m0 < p.m; m0 += per_pass)
           kNtBlock<false>[std::min(per_pass, p.m - m0)](wt.get(), x.get() + m0 * kpad + k0, kpad, pairs, nullptr, 0,
                                                         no_scales, tot.get() + m0 * kNtRows, k0 == 0);
