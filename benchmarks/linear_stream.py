@@ -7,7 +7,9 @@ the head ("fp8+head8": the FP8 layers and then the head in FP8, as EngineConfig.
 in alternating rounds (the best round kept). Each AVX-512 kernel is forced by its `gemm` name ("avx512-gemv": K
 in the lanes, "avx512-nt": weight rows in the lanes, "avx512-gemm": activation rows in the lanes; "auto": what the
 engine runs at that M), beside torch's F.linear for BF16. The DRAM floor is the bytes a
-forward reads over the stream bandwidth measured here (a copy of a 256 MB tensor).
+forward reads over the stream bandwidth measured here, two ways: a copy of a 256 MB tensor (read + written bytes;
+memcpy's non-temporal stores make it the higher of the two) and a read of one (torch's sum over float32, which
+reads what a forward does and writes nothing). The floor from the read is the one a forward can reach.
 
     python benchmarks/linear_stream.py [--rows 1,2,4,8,16,24,32,64] [--threads 2] [--kernels fp8,bf16,head,fp8+head8]
 """
@@ -40,6 +42,17 @@ def stream_bandwidth(mb: int = 256) -> float:
     return 2 * src.numel() / best
 
 
+def read_bandwidth(mb: int = 256) -> float:
+    """Bytes/s of a read of an mb-MB tensor (a float32 sum: nothing written), best of 5."""
+    src = torch.ones(mb << 18, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * 4 / best
+
+
 def _best(fns: dict, rounds: int) -> dict:
     for fn in fns.values():
         fn()
@@ -63,7 +76,7 @@ def run(rows=ROWS, kernels=("fp8", "bf16", "head"), rounds: int = 5) -> dict:
     bytes_ = {"fp8": sum(q.numel() for layer in fp8 for q, _ in layer.values()),
               "bf16": 2 * sum(w.numel() for layer in bf16 for w in layer.values()), "head": 2 * head.numel()}
     bytes_["fp8+head8"] = bytes_["fp8"] + head8[0].numel()
-    bandwidth = stream_bandwidth()
+    bandwidth, read = stream_bandwidth(), read_bandwidth()
     results = []
     for m in rows:
         xs = {name: torch.randn(m, PROJ[name][1], dtype=torch.bfloat16) for name in PROJ}
@@ -96,9 +109,9 @@ def run(rows=ROWS, kernels=("fp8", "bf16", "head"), rounds: int = 5) -> dict:
                     fns[(kind, path)] = make(path)
         for (kind, path), seconds in _best(fns, rounds).items():
             results.append({"kind": kind, "path": path, "M": m, "ms": seconds * 1e3,
-                            "floor_ms": bytes_[kind] / bandwidth * 1e3})
-    return {"threads": torch.get_num_threads(), "stream_GBps": bandwidth / 1e9, "bytes": bytes_,
-            "results": results}
+                            "floor_ms": bytes_[kind] / bandwidth * 1e3, "read_floor_ms": bytes_[kind] / read * 1e3})
+    return {"threads": torch.get_num_threads(), "stream_GBps": bandwidth / 1e9, "read_GBps": read / 1e9,
+            "bytes": bytes_, "results": results}
 
 
 def main() -> None:
@@ -112,12 +125,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     report = run(tuple(int(m) for m in args.rows.split(",")), tuple(args.kernels.split(",")), args.rounds)
     print(f"threads {report['threads']}, stream bandwidth {report['stream_GBps']:.1f} GB/s (copy), "
+          f"{report['read_GBps']:.1f} GB/s (read), "
           f"bytes per forward: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in report["bytes"].items()))
     kinds = dict.fromkeys(r["kind"] for r in report["results"])
     for kind in kinds:
         rs = [r for r in report["results"] if r["kind"] == kind]
         paths = list(dict.fromkeys(r["path"] for r in rs))
-        print(f"\n{kind}: ms per forward (DRAM floor {rs[0]['floor_ms']:.2f} ms)")
+        print(f"\n{kind}: ms per forward (DRAM floor {rs[0]['floor_ms']:.2f} ms copy, {rs[0]['read_floor_ms']:.2f} ms read)")
         print(f"{'M':>4} " + " ".join(f"{p:>12}" for p in paths))
         for m in dict.fromkeys(r["M"] for r in rs):
             row = {r["path"]: r["ms"] for r in rs if r["M"] == m}
