@@ -430,6 +430,13 @@ void convert_row_block(const Problem& p, const E4m3ToBf16& cvt, int64_t row, int
 // M=1: 5.7 -> 4.1 ms). The second keeps more lines in flight than L1's fill buffers hold: one weight streamed
 // from DRAM at M=1, 18.4 -> 22.1 GB/s (28 MB), 17.1 -> 20.3 (3072 x 576), and a batch-1 decode step of the
 // default model ~6% faster (docs/benchmarks.md); further on (4, 8, 16 tiles) or L2 alone (T1, T2) gained less.
+//
+// At 3-4 rows GCC ran out of registers its own way: it spilled the activations and reloaded them for every weight row,
+// and kept a pointer per row and prefetch distance (16 of them) in vector registers and on the stack. Opaque copies
+// (empty asm) keep the activations in registers and make the prefetch addresses row pointer + one offset: 30 FP8
+// layers from DRAM at M=4 6.63-7.90 -> 6.26-7.42 ms, the FP8 head 1.53-1.61 -> 1.44-1.52, M=3 5.71 -> 5.58 (medians
+// of 9-11 alternating rounds, 2 threads of a Zen 4, the same bits). At 1-2 rows, where the weights' DRAM stream
+// sets the time, it changed nothing (3.71 / 3.76 ms), so they keep the plain code.
 template <int MR, int NR, bool kFull>
 void gemv_block(const E4m3ToBf16& cvt, const uint8_t* const (&wr)[NR], int64_t ahead, const uint16_t* xb, int64_t kp,
                 int64_t k0, int64_t kend, __m512 (&acc)[MR][NR]) {
@@ -437,11 +444,17 @@ void gemv_block(const E4m3ToBf16& cvt, const uint8_t* const (&wr)[NR], int64_t a
     const __mmask64 mask = kFull ? ~__mmask64(0) : tail_mask64(kend - k);
     __m512bh xv[MR][2];
     for (int i = 0; i < MR; ++i)
-      for (int h = 0; h < 2; ++h) xv[i][h] = as_bh(_mm512_loadu_si512(xb + i * kp + k + 32 * h));
+      for (int h = 0; h < 2; ++h) {
+        __m512i v = _mm512_loadu_si512(xb + i * kp + k + 32 * h);
+        if constexpr (MR >= 3) asm("" : "+v"(v));
+        xv[i][h] = as_bh(v);
+      }
+    int64_t k1 = k + ahead, k2 = k + 2 * ahead;
+    if constexpr (MR >= 3) asm("" : "+r"(k1), "+r"(k2));
     for (int j = 0; j < NR; ++j) {
       __m512i w0, w1;
-      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k + ahead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k + 2 * ahead), _MM_HINT_T2);
+      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k1), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k2), _MM_HINT_T2);
       cvt(_mm512_maskz_loadu_epi8(mask, wr[j] + k), w0, w1);
       for (int i = 0; i < MR; ++i)
         acc[i][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][j], xv[i][0], as_bh(w0)), xv[i][1], as_bh(w1));
