@@ -7,9 +7,9 @@ the head ("fp8+head8": the FP8 layers and then the head in FP8, as EngineConfig.
 in alternating rounds (the best round kept). Each AVX-512 kernel is forced by its `gemm` name ("avx512-gemv": K
 in the lanes, "avx512-nt": weight rows in the lanes, "avx512-gemm": activation rows in the lanes; "auto": what the
 engine runs at that M), beside torch's F.linear for BF16. The DRAM floor is the bytes a
-forward reads over the stream bandwidth measured here, two ways: a copy of a 256 MB tensor (read + written bytes;
-memcpy's non-temporal stores make it the higher of the two) and a read of one (torch's sum over float32, which
-reads what a forward does and writes nothing). The floor from the read is the one a forward can reach.
+forward reads over the stream bandwidth measured here, two ways: a copy of a 256 MB tensor (read + written bytes,
+memcpy's non-temporal stores) and a read of one (torch's sum over float32: only reads, as a forward). On these VMs
+either can come out higher (Zen 4: 38.2 GB/s copy one day, 33.4 copy / 34.3 read another).
 
     python benchmarks/linear_stream.py [--rows 1,2,4,8,16,24,32,64] [--threads 2] [--kernels fp8,bf16,head,fp8+head8]
 """
@@ -131,7 +131,8 @@ def main() -> None:
     for kind in kinds:
         rs = [r for r in report["results"] if r["kind"] == kind]
         paths = list(dict.fromkeys(r["path"] for r in rs))
-        print(f"\n{kind}: ms per forward (DRAM floor {rs[0]['floor_ms']:.2f} ms copy, {rs[0]['read_floor_ms']:.2f} ms read)")
+        print(f"\n{kind}: ms per forward (DRAM floor {rs[0]['floor_ms']:.2f} ms copy, "
+              f"{rs[0]['read_floor_ms']:.2f} ms read)")
         print(f"{'M':>4} " + " ".join(f"{p:>12}" for p in paths))
         for m in dict.fromkeys(r["M"] for r in rs):
             row = {r["path"]: r["ms"] for r in rs if r["M"] == m}
