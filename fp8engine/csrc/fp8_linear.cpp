@@ -431,12 +431,12 @@ void convert_row_block(const Problem& p, const E4m3ToBf16& cvt, int64_t row, int
 // from DRAM at M=1, 18.4 -> 22.1 GB/s (28 MB), 17.1 -> 20.3 (3072 x 576), and a batch-1 decode step of the
 // default model ~6% faster (docs/benchmarks.md); further on (4, 8, 16 tiles) or L2 alone (T1, T2) gained less.
 //
-// At 3-4 rows GCC ran out of registers its own way: it spilled the activations and reloaded them for every weight row,
-// and kept a pointer per row and prefetch distance (16 of them) in vector registers and on the stack. Opaque copies
-// (empty asm) keep the activations in registers and make the prefetch addresses row pointer + one offset: 30 FP8
-// layers from DRAM at M=4 6.63-7.90 -> 6.26-7.42 ms, the FP8 head 1.53-1.61 -> 1.44-1.52, M=3 5.71 -> 5.58 (medians
-// of 9-11 alternating rounds, 2 threads of a Zen 4, the same bits). At 1-2 rows, where the weights' DRAM stream
-// sets the time, it changed nothing (3.71 / 3.76 ms), so they keep the plain code.
+// At 3-4 rows GCC read the activations from memory again for every weight row and moved the rows' prefetch pointers
+// (row + distance, one per row and distance) in and out of vector registers. Opaque copies (empty asm) keep the
+// activations in registers and make the prefetch addresses row pointer + one offset: 30 FP8 layers from DRAM at
+// M=4 6.63-7.90 -> 6.26-7.42 ms, the FP8 head 1.53-1.61 -> 1.44-1.52, M=3 5.71 -> 5.58 (medians of 9-11 alternating
+// rounds, 2 threads of a Zen 4, the same bits). At 1-2 rows, where the weights' DRAM stream sets the time, it
+// changed nothing (3.71 / 3.76 ms), so they keep the plain code.
 template <int MR, int NR, bool kFull>
 void gemv_block(const E4m3ToBf16& cvt, const uint8_t* const (&wr)[NR], int64_t ahead, const uint16_t* xb, int64_t kp,
                 int64_t k0, int64_t kend, __m512 (&acc)[MR][NR]) {
