@@ -30,29 +30,6 @@ ROWS = (1, 2, 4, 8, 16, 24, 32, 64)
 PATHS = ("auto", "avx512-gemv", "avx512-nt", "avx512-gemm")
 
 
-def stream_bandwidth(mb: int = 256) -> float:
-    """Bytes/s of a copy (read + write) of an mb-MB tensor, best of 5."""
-    src = torch.empty(mb << 20, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() / best
-
-
-def read_bandwidth(mb: int = 256) -> float:
-    """Bytes/s of a read of an mb-MB tensor (a float32 sum: nothing written), best of 5."""
-    src = torch.ones(mb << 18, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        src.sum()
-        best = min(best, time.perf_counter() - t0)
-    return src.numel() * 4 / best
-
-
 def _best(fns: dict, rounds: int) -> dict:
     for fn in fns.values():
         fn()
@@ -63,6 +40,19 @@ def _best(fns: dict, rounds: int) -> dict:
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
+
+
+def stream_bandwidth(mb: int = 256) -> float:
+    """Bytes/s of a copy (read + write) of an mb-MB tensor, best of 5."""
+    src = torch.empty(mb << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _best({"copy": lambda: dst.copy_(src)}, 5)["copy"]
+
+
+def read_bandwidth(mb: int = 256) -> float:
+    """Bytes/s of a read of an mb-MB tensor (a float32 sum: nothing written), best of 5."""
+    src = torch.ones(mb << 18, dtype=torch.float32)
+    return src.numel() * 4 / _best({"read": src.sum}, 5)["read"]
 
 
 def run(rows=ROWS, kernels=("fp8", "bf16", "head"), rounds: int = 5) -> dict:
