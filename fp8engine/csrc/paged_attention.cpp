@@ -139,7 +139,9 @@ KvWrite check_kv_write(const at::Tensor& k_in, const at::Tensor& v_in, const at:
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -316,6 +318,29 @@ struct Work {
   int tile, part, key_begin, key_end;
 };
 
+// Storage on 64-byte boundaries: the kernels read and write these buffers a 64-byte vector at a time, and with
+// malloc's 16-byte alignment most of those accesses straddle two cache lines (a split access, which also cannot
+// take a value straight from the store that wrote it).
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const Aligned64<U>&) const { return false; }
+};
+template <typename T>
+using AlignedVec = std::vector<T, Aligned64<T>>;
+
 // Per-thread state of one tile; row r is query token r / group, head r % group of the GQA group.
 struct Buffers {
   Buffers(int rows, int padded)
@@ -328,10 +353,10 @@ struct Buffers {
         out_mul(rows),
         qb(rows * padded),
         kb(kLanes * padded) {}
-  std::vector<float> q, acc, kv, s, m, l, out_mul;  // out_mul: what store_output multiplies acc by
-  std::vector<uint16_t> qb, kb;  // bf16 queries and (converted FP8) keys for the dot-product scores
-  std::vector<float> saved;      // every chunk's scores (-inf where not visible), then exp(s - m)
-  std::vector<float> lane_max;   // per row, the lane-wise max of its scores
+  AlignedVec<float> q, acc, kv, s, m, l, out_mul;  // out_mul: what store_output multiplies acc by
+  AlignedVec<uint16_t> qb, kb;  // bf16 queries and (converted FP8) keys for the dot-product scores
+  AlignedVec<float> saved;      // every chunk's scores (-inf where not visible), then exp(s - m)
+  AlignedVec<float> lane_max;   // per row, the lane-wise max of its scores
   int chunks = 0;                // chunks the scores pass saved
 };
 
