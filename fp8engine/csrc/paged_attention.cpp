@@ -584,6 +584,58 @@ inline void pv_block(Buffers& b, int r, int k, int n) {
   pv_rows<kD, kRows>(b, r, n);
 }
 
+// The V rows of a chunk as fp32, 64 dims at a time, in registers: what rows_to_fp32 stores for pv_rows to read.
+template <typename CT>
+struct VRows;
+template <>
+struct VRows<at::Float8_e4m3fn> {
+  const fp8e::E4m3ToBf16 cvt;
+  const __m512i idx[4] = {_mm512_load_si512(kFp32Spread.idx[0]), _mm512_load_si512(kFp32Spread.idx[1]),
+                          _mm512_load_si512(kFp32Spread.idx[2]), _mm512_load_si512(kFp32Spread.idx[3])};
+  void operator()(const at::Float8_e4m3fn* row, __m512 (&v)[4]) const {
+    __m512i hi, lo;
+    cvt.bytes(_mm512_loadu_si512(row), hi, lo);
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, lo, idx[i], hi));
+  }
+};
+template <typename T>
+struct VRows {
+  void operator()(const T* row, __m512 (&v)[4]) const {
+    for (int i = 0; i < 4; ++i) v[i] = load16(row + i * kLanes, __mmask16(0xFFFF));
+  }
+};
+
+// pv_rows straight from the cache for kRows <= 256 / kD rows (a decode tile's GQA group): each V row is converted
+// in registers and used there, where the general path stores the chunk's rows as fp32 and reads every vector back
+// once per row. The same products in the same order (the same bits).
+template <typename CT, int kD, int kRows>
+inline void pv_rows_direct(Buffers& b, int r, const CT* v, int64_t stride, int n) {
+  constexpr int kVecs = kD / kLanes;
+  const VRows<CT> rows_of;
+  __m512 acc[kRows][kVecs];
+  for (int i = 0; i < kRows; ++i)
+    for (int c = 0; c < kVecs; ++c) acc[i][c] = _mm512_load_ps(b.acc.data() + (r + i) * kD + c * kLanes);
+  for (int t = 0; t < n; ++t)
+    for (int c4 = 0; c4 < kVecs; c4 += 4) {
+      __m512 x[4];
+      rows_of(v + t * stride + c4 * kLanes, x);
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < kRows; ++i)
+          acc[i][c4 + c] = _mm512_fmadd_ps(splat(b.s[(r + i) * kLanes + t]), x[c], acc[i][c4 + c]);
+    }
+  for (int i = 0; i < kRows; ++i)
+    for (int c = 0; c < kVecs; ++c) _mm512_store_ps(b.acc.data() + (r + i) * kD + c * kLanes, acc[i][c]);
+}
+
+template <typename CT, int kD, int kRows>
+inline void pv_direct(Buffers& b, int r, int k, const CT* v, int64_t stride, int n) {
+  if constexpr (kRows > 1) {
+    if (k < kRows) return pv_direct<CT, kD, kRows - 1>(b, r, k, v, stride, n);
+  }
+  pv_rows_direct<CT, kD, kRows>(b, r, v, stride, n);
+}
+
 template <int kD>
 inline void chunk_pv(Buffers& b, int r0, int rows, int n, int padded) {
   if constexpr (kD == 0) {  // generic head dim: accumulators stay in memory
@@ -652,6 +704,13 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
         if (pass == Pass::kFp8Probs) {
           v_pairs_bf16<kD>(vc + base, p.tok_stride, n, b.kb.data());
           chunk_pv_dp<kD>(b, r0, rows, n);
+          j0 += n;
+          continue;
+        }
+      }
+      if constexpr (kD % 64 == 0 && kD > 0) {
+        if (rows - r0 <= 256 / kD) {
+          pv_direct<CT, kD, 256 / kD>(b, r0, rows - r0, vc + base, p.tok_stride, n);
           j0 += n;
           continue;
         }
