@@ -156,6 +156,11 @@ constexpr int kLanes = 16;          // fp32 lanes per vector; also the keys per 
 constexpr int kTargetRows = 16;     // query rows per tile: amortises the K/V conversion
 constexpr int kMinPartition = 512;  // split-KV partitions hold at least this many keys
 constexpr int kTargetWorks = 256;   // split long contexts until about this many work items exist
+// Each chunk prefetches the next one into L1 and the one kFarChunks after that into L2 (attend): blocks are scattered,
+// so the hardware prefetchers cannot run ahead, and a decode tile computes too little per chunk for one chunk's lead
+// to cover DRAM's latency (keys from DRAM in scattered blocks, 9/3 heads, d = 64, a bf16 cache: 1 x 4096 keys
+// 330 -> 235 us, 32 x 1024 2590-2680 -> 1680-1710; 1 chunk on gained less, 4 or 8 less again).
+constexpr int kFarChunks = 2;
 
 inline __m512 splat(float x) { return _mm512_set1_ps(x); }
 inline __m512i splat_i(int32_t x) { return _mm512_set1_epi32(x); }
@@ -250,14 +255,13 @@ inline void rows_to_fp32(const T* src, int64_t stride, int n, int dim, int padde
   for (int t = 0; t < n; ++t) row_to_fp32(src + t * stride, dim, padded, dst + t * padded);
 }
 
-// Blocks are scattered in memory, so the hardware prefetcher cannot run ahead across them; fetching
-// the next chunk while computing this one hides most of the latency of memory-bound decode.
-template <typename T>
-inline void prefetch_rows(const T* src, int64_t stride, int n, int dim) {
+// Rows of the cache into L1 (into L2 with kL2), for the chunks ahead of the one computing (kFarChunks).
+template <bool kL2 = false, typename T>
+__attribute__((always_inline)) inline void prefetch_rows(const T* src, int64_t stride, int n, int dim) {
   const int64_t bytes = int64_t(dim) * sizeof(T);
   for (int t = 0; t < n; ++t)
     for (int64_t b = 0; b < bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(src + t * stride) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(src + t * stride) + b, kL2 ? _MM_HINT_T1 : _MM_HINT_T0);
 }
 
 template <typename T>
@@ -664,6 +668,20 @@ void key_scores(const Problem& p, const CT* kc, int64_t base, int n, int r0, int
   chunk_scores<kD>(b, r0, rows, kD ? kD : p.padded, p.score_scale, b.s.data());
 }
 
+// The rows of keys [j, j + 16) (to the end of j's block) that a pass reads, K for the scores and V for the
+// products, prefetched into L1 (into L2 with kL2); nothing from ke on. Always inlined: GCC takes a function that only
+// prefetches for one without effects and deletes the calls to it (it did so to this one, not inlined into attend).
+template <bool kL2, typename CT>
+__attribute__((always_inline)) inline void prefetch_keys(const Problem& p, const CT* kc, const CT* vc,
+                                                        const int32_t* blocks, int64_t head, int dim, Pass pass, int j,
+                                                        int ke) {
+  if (j >= ke) return;
+  const int off = j % p.block_size, n = std::min({kLanes, p.block_size - off, ke - j});
+  const int64_t at = blocks[j / p.block_size] * p.blk_stride + off * p.tok_stride + head;
+  if (pass != Pass::kFp8Probs) prefetch_rows<kL2>(kc + at, p.tok_stride, n, dim);
+  if (pass != Pass::kScores) prefetch_rows<kL2>(vc + at, p.tok_stride, n, dim);
+}
+
 // One pass of tile t over keys [kb, ke), reading the paged cache in place: the scores pass reads K,
 // the probabilities pass V and what exp_scores made of the first's scores (b.saved, sized by the
 // caller).
@@ -675,17 +693,14 @@ void attend(const Problem& p, const Tile& t, int kb, int ke, Pass pass, Buffers&
   const auto* vc = static_cast<const CT*>(p.v);
   const int32_t* blocks = p.block_tables + t.seq * p.bt_stride;
   const int64_t head = int64_t(t.kv_head) * dim;
+  for (int c = 0; c <= kFarChunks; ++c) prefetch_keys<true>(p, kc, vc, blocks, head, dim, pass, kb + c * kLanes, ke);
   int chunk = 0;
   for (int j0 = kb; j0 < ke;) {
     const int off = j0 % p.block_size;
     const int n = std::min({kLanes, p.block_size - off, ke - j0});
     const int64_t base = blocks[j0 / p.block_size] * p.blk_stride + off * p.tok_stride + head;
-    if (const int j1 = j0 + n; j1 < ke) {
-      const int off1 = j1 % p.block_size, n1 = std::min({kLanes, p.block_size - off1, ke - j1});
-      const int64_t next = blocks[j1 / p.block_size] * p.blk_stride + off1 * p.tok_stride + head;
-      if (pass != Pass::kFp8Probs) prefetch_rows(kc + next, p.tok_stride, n1, dim);
-      if (pass != Pass::kScores) prefetch_rows(vc + next, p.tok_stride, n1, dim);
-    }
+    prefetch_keys<false>(p, kc, vc, blocks, head, dim, pass, j0 + n, ke);
+    prefetch_keys<true>(p, kc, vc, blocks, head, dim, pass, j0 + n + kFarChunks * kLanes, ke);
     // Rows are token-major, so the rows that can see key j0 (and maybe later ones) are a suffix.
     const int r0 = std::max(0, j0 - t.pos0) * p.group;
     const int64_t saved = int64_t(chunk++) * rows * kLanes;  // this chunk's scores in b.saved
