@@ -358,10 +358,10 @@ struct Buffers {
         qb(rows * padded),
         kb(kLanes * padded) {}
   AlignedVec<float> q, acc, kv, s, m, l, out_mul;  // out_mul: what store_output multiplies acc by
-  AlignedVec<uint16_t> qb, kb;  // bf16 queries and (converted FP8) keys for the dot-product scores
-  AlignedVec<float> saved;      // every chunk's scores (-inf where not visible), then exp(s - m)
-  AlignedVec<float> lane_max;   // per row, the lane-wise max of its scores
-  int chunks = 0;                // chunks the scores pass saved
+  AlignedVec<uint16_t> qb, kb;                      // bf16 queries and (converted FP8) keys for the dot-product scores
+  AlignedVec<float> saved;                          // every chunk's scores (-inf where not visible), then exp(s - m)
+  AlignedVec<float> lane_max;                       // per row, the lane-wise max of its scores
+  int chunks = 0;                                   // chunks the scores pass saved
 };
 
 // A work item runs two passes over its keys with exp_scores between them: the final max is known
