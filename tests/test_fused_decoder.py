@@ -49,12 +49,14 @@ def counting(engine) -> list[int]:
     """A counter of the fused forwards the engine makes from now on."""
     calls = [0]
     plan = engine.runner.model.fused
-    inner = plan.plan.forward
+    inner = plan.plan
 
-    def forward(*args):
-        calls[0] += 1
-        return inner(*args)
-    plan.plan = type("Counted", (), {"forward": staticmethod(forward)})()
+    def counted(name):
+        def call(*args):
+            calls[0] += 1
+            return getattr(inner, name)(*args)
+        return staticmethod(call)
+    plan.plan = type("Counted", (), {name: counted(name) for name in ("forward", "forward_tokens")})()
     return calls
 
 
@@ -94,12 +96,11 @@ def test_default_model_decode_matches(default_dir):
 def test_calibration_takes_the_python_layers(tiny_dir):  # noqa: F811
     engine = make_engine(tiny_dir("qwen2"), kv_cache_dtype="fp8_e4m3")
     fused = engine.runner.model.fused
-    x = torch.zeros(3, 128, dtype=torch.bfloat16)
-    assert fused.usable(x)
+    assert fused.usable(torch.bfloat16)
     fused.attn[1].observer = lambda *args: None  # what KVScaleManager.calibrating sets
-    assert not fused.usable(x)
+    assert not fused.usable(torch.bfloat16)
     fused.attn[1].observer = None
-    assert not fused.usable(x.float())
+    assert not fused.usable(torch.float32)
 
 
 def test_bf16_rows_past_the_kernel_take_torch_in_the_plan_too(tiny_dir, monkeypatch):  # noqa: F811

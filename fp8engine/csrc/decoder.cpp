@@ -197,6 +197,19 @@ class DecoderPlan : public torch::CustomClassHolder {
     return {x, *residual};
   }
 
+  // The model from token ids to its final norm's output [T, hidden]: the embedding lookup (at::embedding, the op
+  // F.embedding calls), forward, and the final RMSNorm (rms_norm with the last residual, as RMSNorm.forward calls
+  // it) - the ops the Python model runs around the plan, in here to spare a decode step two module calls.
+  at::Tensor forward_tokens(const at::Tensor& ids, const at::Tensor& embed, const at::Tensor& final_norm,
+                            double final_eps, const at::Tensor& positions, std::vector<at::Tensor> kv_caches,
+                            std::vector<double> scales, const at::Tensor& slot_mapping,
+                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                            const at::Tensor& block_tables, bool bf16_kernel, bool lora) const {
+    const auto [x, residual] = forward(at::embedding(embed, ids), positions, std::move(kv_caches), std::move(scales),
+                                       slot_mapping, query_start_loc, seq_lens, block_tables, bf16_kernel, lora);
+    return std::get<0>(get_ops().rms_norm.call(x, residual, final_norm, final_eps));
+  }
+
  private:
   static const Ops& get_ops() {
     static const Ops ops;
@@ -229,6 +242,7 @@ TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
       .def(torch::init<std::vector<OptTensor>, at::Tensor, at::Tensor, std::vector<int64_t>, double, double, bool,
                        bool, std::vector<std::string>>())
       .def("num_layers", &DecoderPlan::num_layers)
-      .def("forward", &DecoderPlan::forward);
+      .def("forward", &DecoderPlan::forward)
+      .def("forward_tokens", &DecoderPlan::forward_tokens);
   m.def("decoder_plan_supported() -> bool", TORCH_FN(decoder_plan_supported));
 }

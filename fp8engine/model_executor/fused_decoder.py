@@ -50,18 +50,30 @@ class FusedDecoder:
         self.batch_invariant = kernels.batch_invariant
         self.bf16_gemm = kernels.gemms[1]
 
-    def usable(self, x: torch.Tensor) -> bool:
-        """Not while KV scales calibrate (the observer is Python's): the Python layers run those steps."""
-        return x.dtype == self.dtype and all(a.observer is None for a in self.attn)
+    def usable(self, dtype: torch.dtype) -> bool:
+        """For hidden states of `dtype`, and not while KV scales calibrate (the observer is Python's): the Python
+        layers run those steps."""
+        return dtype == self.dtype and all(a.observer is None for a in self.attn)
+
+    def _args(self, rows: int, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
+        caches = [c for a in self.attn for c in (a.k_cache, a.v_cache)]
+        scales = [float(s) for a in self.attn for s in (a.k_scale, a.v_scale, a.q_scale)]
+        bf16_kernel = bf16_linear_cpu.kernel_takes(rows, self.batch_invariant, self.bf16_gemm)
+        lora = any(lora.active for lora in self.loras)
+        return (positions, caches, scales, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                bf16_kernel, lora)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        caches = [c for a in self.attn for c in (a.k_cache, a.v_cache)]
-        scales = [float(s) for a in self.attn for s in (a.k_scale, a.v_scale, a.q_scale)]
-        bf16_kernel = bf16_linear_cpu.kernel_takes(x.shape[0], self.batch_invariant, self.bf16_gemm)
-        lora = any(lora.active for lora in self.loras)
-        return self.plan.forward(x, positions, caches, scales, meta.slot_mapping, meta.query_start_loc,
-                                 meta.seq_lens, meta.block_tables, bf16_kernel, lora)
+        """The decoder layers on the embeddings x -> (last layer's output, its residual)."""
+        return self.plan.forward(x, *self._args(x.shape[0], positions, meta))
+
+    def from_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    embed: torch.Tensor, norm) -> torch.Tensor:
+        """Embedding lookup, the decoder layers and the final norm (an RMSNorm module) in the one call: the
+        normed hidden states, as the Python model computes them around __call__."""
+        return self.plan.forward_tokens(input_ids, embed, norm.weight, norm.eps,
+                                        *self._args(input_ids.shape[0], positions, meta))
 
 
 def build(model, kernels: KernelSet, scale_fmt: str | None) -> FusedDecoder | None:

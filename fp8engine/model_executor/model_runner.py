@@ -53,6 +53,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.hf_config = AutoConfig.from_pretrained(model_dir)
+        self.vocab_size = self.hf_config.vocab_size  # read every step: a config attribute is a slow lookup
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
         self.kernels = kernel_set.select(config)
         make_linear = LinearFactory(self.dtype, self.kernels, config.fp8_scale_fmt, config.max_lora_rank,
@@ -202,7 +203,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         hidden = self.forward_detached([0] * n)
         sampled = self.model.compute_logits(hidden[:min(n, self.config.max_num_seqs)])
-        prompt = next(PromptLogits(self.model, hidden, self.hf_config.vocab_size).chunks(0, n))[1]
+        prompt = next(PromptLogits(self.model, hidden, self.vocab_size).chunks(0, n))[1]
         torch.log_softmax(prompt, dim=-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -242,10 +243,11 @@ class ModelRunner:
                 return StepOutput(logits, {})
         input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(scheduled)
         hidden = self.model(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden[sample_rows]) if len(sample_rows) else None
-        vocab = self.hf_config.vocab_size
-        prompt_logits = {seq_id: PromptLogits(self.model, hidden[rows], vocab)
-                         for seq_id, rows in prompt_rows.items()}  # rows: a slice of this step's tokens
+        logits = None
+        if len(sample_rows):  # every row of a decode step samples: its hidden states as they are
+            logits = self.model.compute_logits(hidden if len(sample_rows) == len(hidden) else hidden[sample_rows])
+        prompt_logits = {seq_id: PromptLogits(self.model, hidden[rows], self.vocab_size)
+                         for seq_id, rows in prompt_rows.items()} if prompt_rows else {}  # rows: slices of the step
         return StepOutput(logits, prompt_logits)
 
     def _prepare(self, scheduled: list[ScheduledSeq]):

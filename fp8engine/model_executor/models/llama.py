@@ -139,9 +139,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        fused = self.fused
+        if fused is not None and not self.lm_head.fp32 and fused.usable(self.model.embed_tokens.weight.dtype):
+            return fused.from_tokens(input_ids, positions, meta, self.model.embed_tokens.weight, self.model.norm)
         x = self.model.embed_tokens(input_ids)
-        if self.fused is not None and self.fused.usable(x):
-            x, residual = self.fused(x, positions, meta)
+        if fused is not None and fused.usable(x.dtype):
+            x, residual = fused(x, positions, meta)
         else:
             residual = None
             for layer in self.model.layers:
