@@ -113,13 +113,28 @@ Vec exp_at(const T* x, int64_t i, int64_t end, float inv_t, float shift) {
 #endif
 
 template <typename T>
-int64_t argmax_row(const T* x, int64_t v, float& max) {
+float row_max(const T* x, int64_t v) {
   Vec m = vfill(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < v; i += kLanes) m = max_at(m, x, i, v);
-  max = vmax(m);
+  return vmax(m);
+}
+
+// The greedy token: the first index whose value equals max (the first of ties), 0 when none does (all NaN).
+// Only greedy rows look for it; the vector compare finds what a scalar scan from 0 finds.
+template <typename T>
+int64_t first_index_of(const T* x, int64_t v, float max) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m512 m = _mm512_set1_ps(max);
+  for (int64_t i = 0; i < v; i += kLanes) {
+    const __mmask16 k = tail_mask(v - i);
+    const unsigned eq = _mm512_mask_cmp_ps_mask(k, load16(x + i, k), m, _CMP_EQ_OQ);
+    if (eq) return i + __builtin_ctz(eq);
+  }
+#else
   for (int64_t i = 0; i < v; ++i)
     if (value(x, i) == max) return i;
-  return 0;  // all NaN
+#endif
+  return 0;
 }
 
 // Sum of exp(x * inv_t - shift), with the sum of every kChunk elements stored in `chunks` if given.
@@ -158,14 +173,13 @@ int64_t invert_cdf(const T* x, int64_t v, float inv_t, float shift, const float*
 template <typename T>
 void sample_row(const T* x, int64_t v, float temperature, float uniform, bool need_raw, float* chunks,
                 int64_t forced, int64_t& token, float& processed, float& raw) {
-  float max = 0.f;
-  const int64_t best = argmax_row(x, v, max);
+  const float max = row_max(x, v);
   const bool tempered = temperature > 0.f && temperature != 1.f;
   const float raw_lse = (need_raw || temperature == 1.f)
                             ? max + std::log(sum_exp(x, v, 1.f, max, tempered ? nullptr : chunks))
                             : 0.f;
   if (temperature == 0.f) {
-    token = forced >= 0 ? forced : best;
+    token = forced >= 0 ? forced : first_index_of(x, v, max);
     processed = 0.f;
   } else {
     // max(x / T) == max / T: division by T > 0 rounds monotonically.
@@ -188,19 +202,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_rows(const at::Tensor& log
   const at::Tensor temperature = temperature_in.to(at::kFloat).contiguous();
   const at::Tensor uniform = uniform_in.to(at::kFloat).contiguous();
   TORCH_CHECK(temperature.numel() == rows && uniform.numel() == rows, "temperature and uniform need one value per row");
-  TORCH_CHECK((temperature >= 0).all().item<bool>(), "temperature must be >= 0");
+  const float* t = temperature.data_ptr<float>();  // a loop: tensor ops here cost more than a row's sampling
+  TORCH_CHECK(std::all_of(t, t + rows, [](float x) { return x >= 0.f; }), "temperature must be >= 0");
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
   at::Tensor forced;
   if (forced_in.has_value() && forced_in->defined()) {
     forced = forced_in->to(at::kLong).contiguous();
     TORCH_CHECK(forced.numel() == rows, "forced needs one token per row");
-    TORCH_CHECK(rows == 0 || (forced.min().item<int64_t>() >= 0 && forced.max().item<int64_t>() < v),
+    const int64_t* ids = forced.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(ids, ids + rows, [v](int64_t id) { return id >= 0 && id < v; }),
                 "forced tokens must lie in [0, vocab)");
   }
   const int64_t* f = forced.defined() ? forced.data_ptr<int64_t>() : nullptr;
   at::Tensor tokens = at::empty({rows}, at::kLong);
   at::Tensor processed = at::empty({rows}, at::kFloat), raw = at::empty({rows}, at::kFloat);
-  const float* t = temperature.data_ptr<float>();
   const float* u = uniform.data_ptr<float>();
   dispatch_io(logits.scalar_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
