@@ -60,7 +60,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.runner = ModelRunner(config, self.model_dir)
         self.max_model_len = self.runner.max_model_len
-        self.vocab_size = self.runner.hf_config.vocab_size
+        self.vocab_size = self.runner.vocab_size
         self.scheduler = Scheduler(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                    config.max_num_seqs, config.max_num_batched_tokens)
         checkpoint_scales = read_kv_scales(self.model_dir) if config.load_format == "auto" else {}

@@ -325,6 +325,22 @@ def test_nt_kernel_gives_the_gemms_bits_at_every_m(ops, k, n):
                     _assert_one_rounding(nt, x, w, b)
 
 
+@pytest.mark.parametrize("n, k", [(37, 100), (130, 31), (64, 257), (1, 1), (960, 576)])
+def test_gemv_rows_do_not_depend_on_the_rows_beside_them(ops, n, k):
+    """The gemv walks its tile row by row at one activation row and across the rows per K chunk at 2-4; every
+    output is the same chain either way, so a row's result alone equals its result among 2 or 4 (bf16 and float32
+    out, with and without bias, ragged N and K)."""
+    gen = torch.Generator().manual_seed(n + 7 * k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(BF16)
+    x = torch.randn(4, k, generator=gen).to(BF16)
+    for b in (None, torch.randn(n, generator=gen)):
+        for f32 in (False, True):
+            for m in (2, 4):
+                rows = ops.bf16_linear(x[:m], w, b, False, f32, "avx512-gemv")
+                for i in range(m):
+                    assert torch.equal(ops.bf16_linear(x[i:i + 1], w, b, False, f32, "avx512-gemv"), rows[i:i + 1])
+
+
 @pytest.mark.parametrize("m", [1, 9, 40])
 def test_nt_kernel_does_not_read_past_k(ops, m):
     """Rows K + pad apart with NaN in the padding: the nt kernel's in-place weight rows and its copies of the last

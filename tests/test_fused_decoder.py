@@ -2,6 +2,7 @@
 layers' tokens and logprobs bit for bit, in every precision mode, with q/k norms and biases, batch invariant
 or not; and the engine takes that path only where it applies."""
 
+import collections
 import glob
 
 import pytest
@@ -45,15 +46,16 @@ def run(engine, fused: bool, prompts=PROMPTS, params=PARAMS):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def counting(engine) -> list[int]:
-    """A counter of the fused forwards the engine makes from now on."""
-    calls = [0]
+def counting(engine) -> collections.Counter:
+    """The plan's calls the engine makes from now on, by entry point: `forward` (the layers on the embeddings) and
+    `forward_tokens` (embedding, layers and final norm)."""
+    calls = collections.Counter()
     plan = engine.runner.model.fused
     inner = plan.plan
 
     def counted(name):
         def call(*args):
-            calls[0] += 1
+            calls[name] += 1
             return getattr(inner, name)(*args)
         return staticmethod(call)
     plan.plan = type("Counted", (), {name: counted(name) for name in ("forward", "forward_tokens")})()
@@ -69,7 +71,7 @@ def test_fused_layers_match_the_python_layers(tiny_dir, tiny_qwen3_dir, arch, mo
     python = run(engine, fused=False)  # first: the KV-scale calibration (recompute) happens here
     calls = counting(engine)
     fused = run(engine, fused=True)
-    assert calls[0] >= 10  # one prefill step, then a decode step per token
+    assert calls["forward_tokens"] >= 10 and not calls["forward"]  # one prefill step, then a decode step per token
     assert fused == python
     assert all(len(tokens) == 10 for tokens, _ in fused)
 
@@ -79,7 +81,7 @@ def test_fused_layers_match_when_batch_invariant(tiny_dir, mode):  # noqa: F811
     engine = make_engine(tiny_dir("llama-yarn"), batch_invariant=True, **MODES[mode])
     calls = counting(engine)
     fused = run(engine, fused=True)
-    assert calls[0] >= 10
+    assert calls.total() >= 10
     assert run(engine, fused=False) == fused
 
 
@@ -89,18 +91,28 @@ def test_default_model_decode_matches(default_dir):
     calls = counting(engine)
     one = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=5, logprobs=0)]
     fused = run(engine, True, PROMPTS[:1], one)
-    assert calls[0] == 6  # the prefill and 5 decode steps
+    assert calls == {"forward_tokens": 6}  # the prefill and 5 decode steps
     assert run(engine, False, PROMPTS[:1], one) == fused
 
 
 def test_calibration_takes_the_python_layers(tiny_dir):  # noqa: F811
     engine = make_engine(tiny_dir("qwen2"), kv_cache_dtype="fp8_e4m3")
     fused = engine.runner.model.fused
-    assert fused.usable(torch.bfloat16)
+    assert fused.usable()
     fused.attn[1].observer = lambda *args: None  # what KVScaleManager.calibrating sets
-    assert not fused.usable(torch.bfloat16)
+    assert not fused.usable()
     fused.attn[1].observer = None
-    assert not fused.usable(torch.float32)
+    assert fused.usable()
+
+
+def test_a_float32_head_keeps_its_final_norm_in_python(tiny_dir):  # noqa: F811
+    """Before a float32 LM head the final norm is Python's float32 one: the plan runs the layers only (`forward`),
+    and tokens and logprobs are the Python layers'."""
+    engine = make_engine(tiny_dir("llama-yarn"), quantization="fp8", lm_head_fp32=True)
+    python = run(engine, fused=False)
+    calls = counting(engine)
+    assert run(engine, fused=True) == python
+    assert calls["forward"] >= 10 and not calls["forward_tokens"]
 
 
 def test_bf16_rows_past_the_kernel_take_torch_in_the_plan_too(tiny_dir, monkeypatch):  # noqa: F811
@@ -112,7 +124,7 @@ def test_bf16_rows_past_the_kernel_take_torch_in_the_plan_too(tiny_dir, monkeypa
     python = run(engine, fused=False)
     calls = counting(engine)
     assert run(engine, fused=True) == python
-    assert calls[0] >= 10
+    assert calls.total() >= 10
 
 
 def test_where_the_plan_is_not_built(tiny_dir, monkeypatch):  # noqa: F811
@@ -154,7 +166,7 @@ def test_plan_sees_weight_updates(tiny_dir, mode):  # noqa: F811
     engine.update_weights(update)
     calls = counting(engine)
     after = run(engine, fused=True)
-    assert calls[0] >= 10
+    assert calls.total() >= 10
     assert after != before
     assert run(engine, fused=False) == after
 
@@ -170,7 +182,7 @@ def test_plan_runs_a_lora_adapter_as_the_python_layers_do(tiny_dir, mode, batch_
     engine.update_lora(adapter(8, seed=1), 2.0)
     calls = counting(engine)
     fused = run(engine, fused=True)
-    assert calls[0] >= 10 and engine.get_stats().lora_active
+    assert calls.total() >= 10 and engine.get_stats().lora_active
     assert fused != base and run(engine, fused=False) == fused
     engine.update_lora({})
     assert run(engine, fused=True) == base

@@ -125,14 +125,15 @@ def test_fused_kernel_matches_the_reference(dtype, temperature, mode):
 def test_fused_greedy_takes_the_first_of_ties(dtype):
     """A greedy row's token is the first index holding the max, wherever it lies (vector or tail lanes)."""
     require_cpu_op("sample_rows")
-    logits = torch.full((5, 3001), -2.0, dtype=dtype)
+    logits = torch.full((6, 3001), -2.0, dtype=dtype)
     ties = [(17, 2990), (2999, 3000), (0, 1), (3000,)]
     for r, cols in enumerate(ties):
         logits[r, list(cols)] = 4.0
     logits[4] = float("-inf")  # nothing finite: the first -inf
-    tokens, processed, _ = KERNEL(logits, torch.zeros(5), torch.zeros(5), False, None)
-    assert tokens.tolist() == [17, 2999, 0, 3000, 0]
-    assert processed.tolist() == [0.0] * 5
+    logits[5] = float("nan")  # nothing equals the max: token 0
+    tokens, processed, _ = KERNEL(logits, torch.zeros(6), torch.zeros(6), False, None)
+    assert tokens.tolist() == [17, 2999, 0, 3000, 0, 0]
+    assert processed.tolist() == [0.0] * 6
 
 
 def test_fused_draws_follow_the_distribution():

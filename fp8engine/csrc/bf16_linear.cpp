@@ -76,7 +76,8 @@ struct Problem {
 // prefetches the line `ahead` elements on (the next tile's row) into L1 and the line twice as far on into L2, as
 // the FP8 kernel does. The second was missing here: the BF16 head (49152 x 576, from DRAM, 2 threads of a Zen 4,
 // medians of 9 alternating rounds in one process, the same bits) 2.84 -> 2.11 ms at 1 row, 2.80 -> 1.79 at 2 (its
-// floor ~1.75), the 30 BF16 layers 10.9 -> 8.6 ms at 1 row; 4 tiles on into L2 instead measured the same.
+// floor ~1.75), the 30 BF16 layers 10.9 -> 8.6 ms at 1 row; 4 tiles on into L2 instead measured the same. (One row
+// has since taken gemv_tile_1row.)
 template <int MR, int NR>
 void gemv_chunk(const uint16_t* const (&xr)[MR], const uint16_t* const (&wr)[NR], int64_t ahead, int64_t k,
                 __mmask32 mask, __m512 (&acc)[MR][NR]) {

@@ -11,7 +11,8 @@
 //
 // A DecoderPlan holds the layers' parameters (the module's own tensors: weight updates write into them in
 // place, so the plan sees every update) and the dimensions; the KV caches and scales, which calibration
-// and scratch forwards swap, come with each call.
+// and scratch forwards swap, come with each call, and so do the embedding and final norm's tensors for
+// forward_tokens (which Python holds the same way).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>

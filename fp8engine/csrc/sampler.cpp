@@ -120,20 +120,11 @@ float row_max(const T* x, int64_t v) {
 }
 
 // The greedy token: the first index whose value equals max (the first of ties), 0 when none does (all NaN).
-// Only greedy rows look for it; the vector compare finds what a scalar scan from 0 finds.
+// Only greedy rows look for it.
 template <typename T>
 int64_t first_index_of(const T* x, int64_t v, float max) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  const __m512 m = _mm512_set1_ps(max);
-  for (int64_t i = 0; i < v; i += kLanes) {
-    const __mmask16 k = tail_mask(v - i);
-    const unsigned eq = _mm512_mask_cmp_ps_mask(k, load16(x + i, k), m, _CMP_EQ_OQ);
-    if (eq) return i + __builtin_ctz(eq);
-  }
-#else
   for (int64_t i = 0; i < v; ++i)
     if (value(x, i) == max) return i;
-#endif
   return 0;
 }
 

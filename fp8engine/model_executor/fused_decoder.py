@@ -2,11 +2,13 @@
 
 The plan calls the same ops as the Python layers (models/llama.py), with the same arguments, so the output is
 the Python path's bit for bit; it only drops the Python around them, which at batch 1 on a small CPU is a large
-share of a decode step (module calls, attribute lookups, op-call overhead). The engine uses it on the CPU
+share of a decode step (module calls, attribute lookups, op-call overhead, each of them run on caches the weights
+have just streamed through). The embedding lookup and the final norm run inside the call too (`from_tokens`),
+except before a float32 LM head, whose final norm is Python's float32 one. The engine uses it on the CPU
 whenever the layers' ops are the C++ kernels: a dense model (no MoE), the C++ attention and layer ops, FP8 linears
 or BF16 ones (which take the C++ kernel or torch's GEMM by the step's row count, as the Python layer does), and
-no KV-scale calibration running (its observer needs the Python layer); a loaded LoRA adapter runs inside it. Whether the plan may be built at all is the kernel set's `decoder_plan` (FP8ENGINE_FUSED_DECODER=0
-turns it off).
+no KV-scale calibration running (its observer needs the Python layer); a loaded LoRA adapter runs inside it.
+Whether the plan may be built at all is the kernel set's `decoder_plan` (FP8ENGINE_FUSED_DECODER=0 turns it off).
 """
 
 import torch
@@ -44,16 +46,16 @@ class FusedDecoder:
             layers[0].input_layernorm.eps, first.attn.scale, scale_fmt == "ue8m0", kernels.batch_invariant,
             list(kernels.gemms))
         self.attn = [layer.self_attn.attn for layer in layers]
+        norm = model.model.norm  # its tensors and the embedding's, held like the layers' (updated in place)
+        self.embed, self.norm_weight, self.norm_eps = model.model.embed_tokens.weight, norm.weight, norm.eps
         self.loras = [linear.lora for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                       layer.mlp.gate_up_proj, layer.mlp.down_proj) if linear.lora is not None]
-        self.dtype = layers[0].input_layernorm.weight.dtype
         self.batch_invariant = kernels.batch_invariant
         self.bf16_gemm = kernels.gemms[1]
 
-    def usable(self, dtype: torch.dtype) -> bool:
-        """For hidden states of `dtype`, and not while KV scales calibrate (the observer is Python's): the Python
-        layers run those steps."""
-        return dtype == self.dtype and all(a.observer is None for a in self.attn)
+    def usable(self) -> bool:
+        """Not while KV scales calibrate (the observer is Python's): the Python layers run those steps."""
+        return all(a.observer is None for a in self.attn)
 
     def _args(self, rows: int, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
         caches = [c for a in self.attn for c in (a.k_cache, a.v_cache)]
@@ -68,11 +70,10 @@ class FusedDecoder:
         """The decoder layers on the embeddings x -> (last layer's output, its residual)."""
         return self.plan.forward(x, *self._args(x.shape[0], positions, meta))
 
-    def from_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                    embed: torch.Tensor, norm) -> torch.Tensor:
-        """Embedding lookup, the decoder layers and the final norm (an RMSNorm module) in the one call: the
-        normed hidden states, as the Python model computes them around __call__."""
-        return self.plan.forward_tokens(input_ids, embed, norm.weight, norm.eps,
+    def from_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Embedding lookup, the decoder layers and the final norm in the one call: the normed hidden states, as
+        the Python model computes them around __call__."""
+        return self.plan.forward_tokens(input_ids, self.embed, self.norm_weight, self.norm_eps,
                                         *self._args(input_ids.shape[0], positions, meta))
 
 

@@ -126,7 +126,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = FP8LMHead(cfg.hidden_size, cfg.vocab_size, dtype, kernels, make_linear.scale_fmt)
         else:
             self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, kernels, tied_to=tied)
-        self.fused = None  # the decoder layers in one C++ call (model_executor/fused_decoder.py), set by the runner
+        # the decoder layers in one C++ call, with the embedding lookup and final norm unless the head is float32
+        # (model_executor/fused_decoder.py), set by the runner
+        self.fused = None
 
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
@@ -139,11 +141,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        fused = self.fused
-        if fused is not None and not self.lm_head.fp32 and fused.usable(self.model.embed_tokens.weight.dtype):
-            return fused.from_tokens(input_ids, positions, meta, self.model.embed_tokens.weight, self.model.norm)
+        fused = self.fused if self.fused is not None and self.fused.usable() else None
+        if fused is not None and not self.lm_head.fp32:
+            return fused.from_tokens(input_ids, positions, meta)
         x = self.model.embed_tokens(input_ids)
-        if fused is not None and fused.usable(x.dtype):
+        if fused is not None:
             x, residual = fused(x, positions, meta)
         else:
             residual = None
