@@ -239,6 +239,34 @@ def test_llama_cpp_runs_in_every_round_alternating_with_the_modes(llama_bin, tmp
     assert row["ratio_vs_first"] == 5.0
 
 
+
+def test_the_ratio_to_the_best_peer_is_taken_round_by_round(llama_bin, tmp_path, monkeypatch):
+    """Each round's fastest mode over that round's fastest peer, not the ratio of the rows' medians (each row
+    takes its own middle round): here the medians give 120 / 60 = 2.0x, the rounds 1.5x, 2.5x and 1.25x."""
+    speeds = {"bf16": iter([90.0, 150.0, 100.0]), "fp8-kv": iter([120.0, 100.0, 125.0]),
+              "llama.cpp": iter([80.0, 60.0, 100.0])}
+
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+        return {"mode": mode, "output_tokens": 8, "seconds": 1.0, "output_tok_s": next(speeds[mode])}
+
+    def fake_llama(*args, **kwargs):
+        return {"mode": "llama.cpp", "output_tokens": 8, "seconds": 1.0, "output_tok_s": next(speeds["llama.cpp"])}
+
+    monkeypatch.setattr(throughput, "run_engine", fake_run_engine)
+    monkeypatch.setattr(llama_cpp, "runner", lambda gguf, llama_bin: fake_llama)
+    spec = throughput.shaped("quick", num_prompts=1, n=1, output_len=8)
+    report = throughput.run(spec, ["bf16", "fp8-kv"], "llama.cpp", threads=1, rounds=3,
+                            gguf=str(tmp_path / "model.gguf"), llama_bin=str(llama_bin / "bin"))
+    versus = report["versus_best_peer"]
+    assert [(r["mode"], r["peer"], r["ratio"]) for r in versus["rounds"]] == [
+        ("fp8-kv", "llama.cpp", 1.5), ("bf16", "llama.cpp", 2.5), ("fp8-kv", "llama.cpp", 1.25)]
+    assert versus["median"] == 1.5
+    assert [r["output_tok_s"] for r in report["results"]] == [100.0, 120.0, 80.0]
+    assert ("best mode / best peer, round by round: 1.50x (fp8-kv / llama.cpp), 2.50x (bf16 / llama.cpp), "
+            "1.25x (fp8-kv / llama.cpp)") in throughput.format_table(report)
+    speeds["bf16"] = iter([50.0])
+    assert "versus_best_peer" not in throughput.run(spec, ["bf16"], rounds=1, progress=False)  # no peer, no ratio
+
 def test_parse_reads_llama_cpp_markdown_table_and_json_lines():
     table = textwrap.dedent("""\
         main: n_kv_max = 4096, n_batch = 2048, n_ubatch = 512, flash_attn = 0, is_pp_shared = 0, n_gpu_layers = 99

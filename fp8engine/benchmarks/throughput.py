@@ -246,8 +246,26 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
     first = results[0]["output_tok_s"]
     for r in results:
         r["ratio_vs_first"] = r["output_tok_s"] / first
-    return {"workload": asdict(spec), "shape": shape, "model": model, "dtype": dtype, "rounds": rounds,
-            "machine": machine, "results": results}
+    report = {"workload": asdict(spec), "shape": shape, "model": model, "dtype": dtype, "rounds": rounds,
+              "machine": machine, "results": results}
+    if baselines:
+        report["versus_best_peer"] = versus_best_peer(runs, [m for m in order if m not in baselines], baselines)
+    return report
+
+
+def versus_best_peer(runs: dict[str, list[dict]], modes: list[str], peers: list[str]) -> dict:
+    """Round by round, the fastest mode's output tok/s over the fastest peer's in the same round: the side-by-side
+    ratio, which the per-row medians (each row's own middle round) do not give when rounds drift. `median` is the
+    middle round's ratio (the lower middle for an even count, as the rows)."""
+    rounds = []
+    for i in range(len(runs[modes[0]])):
+        mode = max(modes, key=lambda m: runs[m][i]["output_tok_s"])
+        peer = max(peers, key=lambda p: runs[p][i]["output_tok_s"])
+        best, rival = runs[mode][i], runs[peer][i]
+        rounds.append({"mode": best["mode"], "peer": rival["mode"],
+                       "ratio": best["output_tok_s"] / rival["output_tok_s"]})
+    ratios = sorted(r["ratio"] for r in rounds)
+    return {"rounds": rounds, "median": ratios[(len(ratios) - 1) // 2]}
 
 
 def _checked_baselines(baselines: list[str], gguf: str | None, llama_bin: str | None, vllm_python: str | None,
@@ -312,6 +330,10 @@ def format_table(report: dict) -> str:
         per_round = [f"{r['mode']} " + "/".join(f"{x:.0f}" for x in r["output_tok_s_rounds"])
                      for r in report["results"] if "output_tok_s_rounds" in r]
         head += "\ntok/s per round: " + ", ".join(per_round)
+        versus = report.get("versus_best_peer")
+        if versus:
+            head += "\nbest mode / best peer, round by round: " + ", ".join(
+                f"{r['ratio']:.2f}x ({r['mode']} / {r['peer']})" for r in versus["rounds"])
     notes = [_llama_cpp_note(r["llama_cpp"]) for r in report["results"] if "llama_cpp" in r]
     notes += [_vllm_note(r["vllm"]) for r in report["results"] if "vllm" in r]
     return "\n".join([head, *table(report["results"], cols), *notes])

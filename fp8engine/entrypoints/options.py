@@ -299,7 +299,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--json",), "json", "bench", ("bench",), "write the report to FILE as JSON", metavar="FILE"),
     Option(("--plot",), "plot", "bench", ("bench",), "draw the report into FILE (PNG)", metavar="FILE"),
     Option(("--rounds",), "rounds", "bench", ("bench",), "run every mode (or replica count), and the baseline, "
-           "this many times in alternating order and report the median", 1, int),
+           "this many times in alternating order and report the median (with a baseline, also each round's best "
+           "mode / best peer)", 1, int),
     Option(("--no-progress",), "no_progress", "bench", ("bench",), "no progress bars", False,
            action="store_true"),
     Option(("--concurrency", "--clients"), "concurrency", "bench", ("bench",),
