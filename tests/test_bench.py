@@ -41,6 +41,21 @@ def test_rounds_alternate_order_and_report_the_median(monkeypatch):
     assert "median of 3 rounds" in throughput.format_table(report)
 
 
+
+def test_reports_name_the_cpu_and_the_instruction_sets_the_kernels_choose_between(monkeypatch):
+    """Tables from different machines are told apart by their header: the CPU's model and which of the kernels'
+    instruction sets it lists (no AMX here, or AMX that the rows' linear_backend shows was used)."""
+    machine = throughput.machine_info()
+    flags = throughput.cpu_flags()
+    assert machine["cpu_features"] == [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile",
+                                                   "amx_bf16") if f in flags]
+    assert throughput.machine_words({"cpu": "Xeon", "cpu_features": ["avx2", "avx512_bf16"],
+                                     "processor": "x86_64"}) == "Xeon (avx2 avx512_bf16)"
+    assert throughput.machine_words({"cpu": None, "cpu_features": [], "processor": "x86_64"}) == "x86_64"
+    monkeypatch.setattr(throughput, "run_engine", lambda mode, *args: {"mode": mode, "output_tok_s": 10.0})
+    report = throughput.run("quick", ["bf16"], progress=False)
+    assert throughput.machine_words(report["machine"]) in throughput.format_table(report).splitlines()[0]
+
 # ------------------------------------------------------------------ shape flags
 def test_shape_flags_override_the_workload_and_reach_the_engine_and_the_report(monkeypatch, tmp_path, capsys,
                                                                                 tokenizer):

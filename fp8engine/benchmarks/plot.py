@@ -1,7 +1,7 @@
 """`fp8engine bench --plot F.png`: speedup and preemptions per mode, side by side."""
 
 
-from fp8engine.benchmarks.throughput import shape_words
+from fp8engine.benchmarks.throughput import machine_words, shape_words
 
 
 def plot_report(report: dict, path: str) -> None:
@@ -20,7 +20,7 @@ def plot_report(report: dict, path: str) -> None:
     bars = ax2.bar(modes, [r["preemptions_total"] for r in rows], color="#DD8452")
     ax2.bar_label(bars)
     ax2.set_title("preemptions (total)")
-    fig.suptitle(f"{report['workload']['name']}: {shape_words(report['shape'])}, {report['machine']['processor']}, "
+    fig.suptitle(f"{report['workload']['name']}: {shape_words(report['shape'])}, {machine_words(report['machine'])}, "
                  f"torch {report['machine']['torch']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

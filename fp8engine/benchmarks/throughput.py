@@ -25,7 +25,9 @@ from fp8engine.benchmarks.workloads import (  # noqa: F401
 )
 from fp8engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from fp8engine.engine import LLMEngine
+from fp8engine.model_executor.kernels.cpu_ops import cpu_flags
 from fp8engine.sampling_params import SamplingParams
+
 
 def workload_model(spec: Workload, model: str) -> str:
     """The directory a workload runs on: --model, or the workload's own model when that is the default."""
@@ -96,11 +98,33 @@ def rl_prompts(count: int) -> list[list[dict]]:
     return prompts
 
 
+# The instruction sets the CPU kernels choose between, as /proc/cpuinfo names them: tables from machines that differ
+# here are not comparable (AMX tiles listed may still be refused by the OS; the rows' linear_backend says which ran).
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_name() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def machine_info() -> dict:
+    flags = cpu_flags()
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu": cpu_name(), "cpu_features": [f for f in CPU_FEATURES if f in flags],
             "python": platform.python_version(), "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def machine_words(machine: dict) -> str:
+    """The CPU as a table header names it: model and kernel instruction sets, or the processor where unknown."""
+    features = machine.get("cpu_features")
+    return (machine.get("cpu") or machine["processor"]) + (f" ({' '.join(features)})" if features else "")
 
 
 def engine_config(mode: str, workload: Workload, model: str, dtype: str, device: str,
@@ -323,7 +347,7 @@ def format_table(report: dict) -> str:
     if any("speculative" in r for r in report["results"]):
         cols[3:3] = [("spec_acceptance", "{:.1%}"), ("spec_tokens_per_verification", "{:.2f}")]
     head = (f"workload {report['workload']['name']}: {shape_words(report['shape'])}, {report['dtype']}, "
-            f"torch {report['machine']['torch']}, {report['machine']['processor']}")
+            f"torch {report['machine']['torch']}, {machine_words(report['machine'])}")
     rounds = report.get("rounds", 1)
     if rounds > 1:
         head += f"; median of {rounds} rounds in alternating order"
