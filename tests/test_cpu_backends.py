@@ -80,3 +80,25 @@ def test_a_broken_build_is_an_error_when_the_kernels_are_required(tmp_path, monk
     monkeypatch.setenv("FP8ENGINE_REQUIRE_CPP", "1")
     with pytest.raises(RuntimeError, match="failed to build and FP8ENGINE_REQUIRE_CPP=1"):
         cpu_ops.load_cpu_ops.__wrapped__()
+
+
+def test_a_passive_openmp_wait_policy_is_named_when_an_engine_starts(monkeypatch, caplog):
+    """OMP_WAIT_POLICY=passive makes every parallel region of a step wake sleeping workers (~3x slower decode
+    measured): the engine says so when it runs more than one thread, and stays quiet otherwise."""
+    import torch
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "Passive")
+    assert "OMP_WAIT_POLICY=passive with 2 threads" in cpu_ops.thread_warning(2)
+    assert cpu_ops.thread_warning(1) is None
+    for value in ("active", ""):
+        monkeypatch.setenv("OMP_WAIT_POLICY", value)
+        assert cpu_ops.thread_warning(2) is None
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="fp8engine.model_executor.model_runner"):
+            make_engine(num_kv_blocks=16)
+    finally:
+        torch.set_num_threads(threads)
+    assert "OMP_WAIT_POLICY=passive with 2 threads" in caplog.text

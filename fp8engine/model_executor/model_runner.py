@@ -8,6 +8,7 @@ from transformers import AutoConfig
 
 from fp8engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
 from fp8engine.model_executor import cuda_graphs, fused_decoder, host_memory, kernel_set
+from fp8engine.model_executor.kernels import cpu_ops
 from fp8engine.model_executor.kernels.attention_ref import quantize_fp8
 from fp8engine.model_executor.layers.attention import AttentionMetadata
 from fp8engine.model_executor.layers.lora import LoRA
@@ -56,6 +57,8 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size  # read every step: a config attribute is a slow lookup
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
         self.kernels = kernel_set.select(config)
+        if self.device.type == "cpu" and (warning := cpu_ops.thread_warning(torch.get_num_threads())):
+            logger.warning("%s", warning)
         make_linear = LinearFactory(self.dtype, self.kernels, config.fp8_scale_fmt, config.max_lora_rank,
                                     config.lm_head_fp8)
         with torch.device(self.device):
