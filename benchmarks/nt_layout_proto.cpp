@@ -12,8 +12,10 @@
 //
 // Measured (docs/exact-rollouts.md): 2-vCPU Intel Xeon without AMX, 2 threads: from L2 (3072 x 512) nt 0.035 ms
 // against the gemv's 0.038-0.039 (0.91x); from DRAM (three 107 MB copies cycled) 3.49-3.65 against 3.42-3.57 ms
-// (1.00-1.04x). The engine's nt, which transposes row-major E4M3 per block, takes 5.15 ms for the default model's
-// 30 layers at M=1 where its gemv takes 4.0 (benchmarks/linear_stream.py).
+// (1.00-1.04x). At 2 / 4 / 8 rows (one K block at a time, the rows' pairs broadcast) 3.94 / 6.06 / 10.54 ms from
+// DRAM, where the engine's kernels take 6.36 / 9.12 / 12.67 ms (gemv, gemv, nt) over the default model's 30 layers
+// (106 MB) in the same sitting and 4.01 (gemv) / 5.63 (nt) at one row (benchmarks/linear_stream.py; its shapes
+// have K = 576 and 1536, partial blocks and the activations' quantization, so read the ratios as indicative).
 #include <immintrin.h>
 #include <omp.h>
 #include <chrono>
@@ -108,6 +110,46 @@ void nt_il(const uint8_t* wi, const float* sw, int64_t n, int64_t k, const uint1
   }
 }
 
+// ---- the same at MR activation rows (one K block at a time: MR x 2 chains), each row's pairs broadcast
+template <int MR>
+void nt_il_rows(const uint8_t* wi, const float* sw, int64_t n, int64_t k, const uint16_t* x, float sx, float* y) {
+  const int64_t nkb = k / KB, chunks_per_block = KB / 4, gbytes = k * 16;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < n / 32; ++t) {
+    const E4m3ToBf16 cvt;
+    const uint8_t* base[2] = {wi + (2 * t) * gbytes, wi + (2 * t + 1) * gbytes};
+    __m512 tot[MR][2];
+    for (auto& r : tot) for (auto& a : r) a = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nkb; ++b) {
+      __m512 acc[MR][2];
+      for (auto& r : acc) for (auto& a : r) a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks_per_block; ++c) {
+        const int64_t chunk = b * chunks_per_block + c;
+        for (int v = 0; v < 2; ++v) {
+          const uint8_t* p = base[v] + chunk * 64;
+          _mm_prefetch((const char*)(p + 2 * gbytes * 2), _MM_HINT_T2);
+          __m512i w0, w1;
+          cvt(_mm512_loadu_si512(p), w0, w1);
+          for (int i = 0; i < MR; ++i) {
+            int32_t p0, p1;
+            std::memcpy(&p0, x + i * k + b * KB + 4 * c, 4);
+            std::memcpy(&p1, x + i * k + b * KB + 4 * c + 2, 4);
+            acc[i][v] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[i][v], as_bh(w0), as_bh(_mm512_set1_epi32(p0))),
+                                         as_bh(w1), as_bh(_mm512_set1_epi32(p1)));
+          }
+        }
+      }
+      const __m512 s = _mm512_set1_ps(sw[((32 * t) / 128) * nkb + b] * sx);
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < 2; ++v) tot[i][v] = _mm512_fmadd_ps(acc[i][v], s, tot[i][v]);
+    }
+    for (int i = 0; i < MR; ++i) {
+      _mm512_storeu_ps(y + i * n + 32 * t, tot[i][0]);
+      _mm512_storeu_ps(y + i * n + 32 * t + 16, tot[i][1]);
+    }
+  }
+}
+
 template <class F>
 double timeit(F f, int reps) {
   f();
@@ -155,5 +197,24 @@ int main() {
       maxref = std::max(maxref, std::fabs(ref));
     }
     printf("  nt-interleaved vs a double reference: max |diff| / (|ref| + 0.01) %.2e (max |ref| %.1f)\n", maxrel, maxref);
+    std::vector<uint16_t> xm(8 * k);
+    for (auto& v : xm) v = kE4m3Bf16.full[e4m3_from_f32(nd(rng))];
+    std::vector<float> ym(8 * n);
+    const double t2 = timeit([&] { nt_il_rows<2>(wi[which].data(), sw.data(), n, k, xm.data(), 1.f, ym.data()); which = (which + 1) % copies; }, 9);
+    const double t4 = timeit([&] { nt_il_rows<4>(wi[which].data(), sw.data(), n, k, xm.data(), 1.f, ym.data()); which = (which + 1) % copies; }, 9);
+    const double t8 = timeit([&] { nt_il_rows<8>(wi[which].data(), sw.data(), n, k, xm.data(), 1.f, ym.data()); which = (which + 1) % copies; }, 9);
+    printf("  nt-interleaved at 2 / 4 / 8 rows: %.3f / %.3f / %.3f ms\n", t2 * 1e3, t4 * 1e3, t8 * 1e3);
+    nt_il_rows<8>(wi[0].data(), sw.data(), n, k, xm.data(), 1.f, ym.data());
+    double rel8 = 0;
+    for (int64_t i = 0; i < n; i += 7) {
+      const int row = int(i % 8);
+      double ref = 0;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        uint32_t bits = uint32_t(xm[row * k + kk]) << 16; float xf; std::memcpy(&xf, &bits, 4);
+        ref += (double)e4m3_value(w[0][i * k + kk]) * xf * 0.01;
+      }
+      rel8 = std::max(rel8, std::fabs(ym[row * n + i] - ref) / (std::fabs(ref) + 1e-2));
+    }
+    printf("  at 8 rows vs a double reference: max |diff| / (|ref| + 0.01) %.2e\n", rel8);
   }
 }
