@@ -41,7 +41,6 @@ def test_rounds_alternate_order_and_report_the_median(monkeypatch):
     assert "median of 3 rounds" in throughput.format_table(report)
 
 
-
 def test_reports_name_the_cpu_and_the_instruction_sets_the_kernels_choose_between(monkeypatch):
     """Tables from different machines are told apart by their header: the CPU's model and which of the kernels'
     instruction sets it lists (no AMX here, or AMX that the rows' linear_backend shows was used)."""
@@ -55,6 +54,7 @@ def test_reports_name_the_cpu_and_the_instruction_sets_the_kernels_choose_betwee
     monkeypatch.setattr(throughput, "run_engine", lambda mode, *args: {"mode": mode, "output_tok_s": 10.0})
     report = throughput.run("quick", ["bf16"], progress=False)
     assert throughput.machine_words(report["machine"]) in throughput.format_table(report).splitlines()[0]
+
 
 # ------------------------------------------------------------------ shape flags
 def test_shape_flags_override_the_workload_and_reach_the_engine_and_the_report(monkeypatch, tmp_path, capsys,
@@ -254,7 +254,6 @@ def test_llama_cpp_runs_in_every_round_alternating_with_the_modes(llama_bin, tmp
     assert row["ratio_vs_first"] == 5.0
 
 
-
 def test_the_ratio_to_the_best_peer_is_taken_round_by_round(llama_bin, tmp_path, monkeypatch):
     """Each round's fastest mode over that round's fastest peer, not the ratio of the rows' medians (each row
     takes its own middle round): here the medians give 120 / 60 = 2.0x, the rounds 1.5x, 2.5x and 1.25x."""
@@ -281,6 +280,7 @@ def test_the_ratio_to_the_best_peer_is_taken_round_by_round(llama_bin, tmp_path,
             "1.25x (fp8-kv / llama.cpp)") in throughput.format_table(report)
     speeds["bf16"] = iter([50.0])
     assert "versus_best_peer" not in throughput.run(spec, ["bf16"], rounds=1, progress=False)  # no peer, no ratio
+
 
 def test_parse_reads_llama_cpp_markdown_table_and_json_lines():
     table = textwrap.dedent("""\

@@ -4,6 +4,7 @@ FP8ENGINE_REQUIRE_CPP=1 as `make test` sets, everywhere) instead of passing on t
 import logging
 
 import pytest
+import torch
 
 from fp8engine import SamplingParams
 from fp8engine.model_executor.kernels import cpu_ops
@@ -85,8 +86,6 @@ def test_a_broken_build_is_an_error_when_the_kernels_are_required(tmp_path, monk
 def test_a_passive_openmp_wait_policy_is_named_when_an_engine_starts(monkeypatch, caplog):
     """OMP_WAIT_POLICY=passive makes every parallel region of a step wake sleeping workers (~3x slower decode
     measured): the engine says so when it runs more than one thread, and stays quiet otherwise."""
-    import torch
-
     monkeypatch.setenv("OMP_WAIT_POLICY", "Passive")
     assert "OMP_WAIT_POLICY=passive with 2 threads" in cpu_ops.thread_warning(2)
     assert cpu_ops.thread_warning(1) is None
