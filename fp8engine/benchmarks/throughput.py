@@ -25,7 +25,7 @@ from fp8engine.benchmarks.workloads import (  # noqa: F401
 )
 from fp8engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from fp8engine.engine import LLMEngine
-from fp8engine.model_executor.kernels.cpu_ops import cpu_flags
+from fp8engine.model_executor.kernels.cpu_ops import cpu_flags, cpu_name
 from fp8engine.sampling_params import SamplingParams
 
 
@@ -101,15 +101,6 @@ def rl_prompts(count: int) -> list[list[dict]]:
 # The instruction sets the CPU kernels choose between, as /proc/cpuinfo names them: tables from machines that differ
 # here are not comparable (AMX tiles listed may still be refused by the OS; the rows' linear_backend says which ran).
 CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-
-
-def cpu_name() -> str | None:
-    """The CPU's model name from /proc/cpuinfo (Linux), else None."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
-    except OSError:
-        return None
 
 
 def machine_info() -> dict:

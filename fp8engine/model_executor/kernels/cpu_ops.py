@@ -32,14 +32,25 @@ def require_cpp() -> bool:
     return envs.flag("FP8ENGINE_REQUIRE_CPP")
 
 
+def _cpuinfo(key: str) -> str | None:
+    """The value of /proc/cpuinfo's first `key` line (Linux), else None."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return None
+    return next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                 if line.startswith(key)), None)
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (Linux); empty where /proc/cpuinfo does not list them."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return frozenset()
-    return frozenset(next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
-                           if line.startswith("flags")), []))
+    return frozenset((_cpuinfo("flags") or "").split())
+
+
+@functools.cache
+def cpu_name() -> str | None:
+    """The CPU's model name (Linux), else None."""
+    return _cpuinfo("model name")
 
 
 def thread_warning(threads: int) -> str | None:
