@@ -380,7 +380,9 @@ class LLMEngine:
         self.scheduler.reset_prefix_cache()
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The engine's own parameter tensors as stored (FP8 weights and their scales)."""
+        """The engine's own parameter tensors as stored (FP8 weights and their scales). A batch-invariant engine on
+        the AVX-512 BF16 kernels stores its FP8 codes in the nt16 layout (`kernel_names["fp8_weights"]`,
+        weights/layout.py); `get_weights_by_name` reads every engine's weights as rows."""
         return self.runner.model.named_parameters()
 
     def get_weights_by_name(self, hf_name: str) -> torch.Tensor:

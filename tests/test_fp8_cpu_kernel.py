@@ -14,7 +14,7 @@ from fp8engine import EngineConfig
 from fp8engine.model_executor import kernel_set
 from fp8engine.model_executor.kernels import fp8_linear_cpu
 from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
-from fp8engine.weights import quant
+from fp8engine.weights import layout, quant
 from tests.conftest import cpu_flags, require_cpu_op
 
 E4M3 = torch.float8_e4m3fn
@@ -404,3 +404,42 @@ def test_subnormal_weight_codes_survive_flush_denormal(ops, gemm):
                 for x, e in zip(xs, expected)] == [True] * 3
     finally:
         torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("k, n", [(576, 960), (576, 40), (132, 64), (1536, 48), (130, 33), (64, 200)])
+def test_nt16_weights_give_the_bits_of_rows_at_every_m(ops, k, n):
+    """A weight stored in the nt16 layout (weights/layout.py: whole groups of 16 rows interleaved, rows past
+    them and a K that is not a multiple of 4 as rows) gives bit for bit the batch-invariant result of the same
+    weight as rows, through nt and the GEMM, at 1 row to past the switch between them, with ragged N and K
+    (K = 132 ends a block mid 64-k chunk), bias and stacked scale rows; a plain call takes nt too (the gemv reads
+    rows), and forcing the gemv on it is an error."""
+    if fp8_linear_cpu_isa(ops) != "avx512bf16":
+        pytest.skip("the nt16 layout is read by the AVX-512 BF16 kernels")
+    gen = torch.Generator().manual_seed(k * 3 + n)
+    w_q, w_s = quant.quantize_weight_blockwise(torch.randn(n, k, generator=gen))
+    grouped = layout.to_nt16_(w_q.clone())
+    assert torch.equal(grouped[n // 16 * 16:].view(torch.uint8), w_q[n // 16 * 16:].view(torch.uint8))
+    if k % 4 == 0 and n >= 16:
+        assert not torch.equal(grouped.view(torch.uint8), w_q.view(torch.uint8))
+    rows = (torch.arange(n, dtype=torch.int32) // 128).flip(0).contiguous()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    for m in (1, 2, 3, 5, 9, 17, 64, 65, 80):
+        x = (torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, k)).bfloat16()
+        for b, r in ((None, None), (bias, rows)):
+            expected = ops.fp8_block_linear(x, w_q, w_s, b, False, r, True, "avx512")
+            for bi in (True, False):
+                got = ops.fp8_block_linear(x, grouped, w_s, b, False, r, bi, "avx512", True)
+                assert torch.equal(got, expected), (m, bi, b is None)
+            for kernel in ("avx512-nt", "avx512-gemm"):
+                assert torch.equal(ops.fp8_block_linear(x, grouped, w_s, b, False, r, False, kernel, True),
+                                   ops.fp8_block_linear(x, w_q, w_s, b, False, r, False, kernel)), (m, kernel)
+    if k % 4 == 0:
+        with pytest.raises(RuntimeError, match="the gemv reads weight rows, not nt16 groups"):
+            ops.fp8_block_linear(x, grouped, w_s, None, False, None, False, "avx512-gemv", True)
+    if AMX:
+        with pytest.raises(RuntimeError, match="nt16 weights are for the AVX-512 kernels, not AMX tiles"):
+            ops.fp8_block_linear(x, grouped, w_s, None, False, None, True, "amx", True)
+
+
+def fp8_linear_cpu_isa(ops) -> str:
+    return ops.fp8_linear_isa()

@@ -142,10 +142,10 @@ def test_where_the_plan_is_not_built(tiny_dir, monkeypatch):  # noqa: F811
 def test_plan_checks_its_inputs():
     cos = torch.zeros(8, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="32 tensors per layer expected, got 3"):
-        torch.classes.fp8engine.DecoderPlan([None] * 3, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False,
+        torch.classes.fp8engine.DecoderPlan([None] * 3, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False, False,
                                             ["avx512", "avx512"])
     with pytest.raises(RuntimeError, match="a layer norm weight is missing"):
-        torch.classes.fp8engine.DecoderPlan([None] * 32, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False,
+        torch.classes.fp8engine.DecoderPlan([None] * 32, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False, False,
                                             ["avx512", "avx512"])
 
 

@@ -40,9 +40,9 @@ struct Ops {
       rms_norm = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&,
                                                             double)>("fp8engine::rms_norm");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
-                                      const OptTensor&, bool, const std::string&)>
+                                      const OptTensor&, bool, const std::string&, bool)>
       fp8_linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
-                                      const OptTensor&, bool, const std::string&)>("fp8engine::fp8_block_linear");
+                                      const OptTensor&, bool, const std::string&, bool)>("fp8engine::fp8_block_linear");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool,
                                       const std::string&)>
       bf16_linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool,
@@ -76,6 +76,7 @@ struct Ops {
 // (bf16_linear_cpu.kernel_takes, decided in Python for each call).
 struct ProjPath {
   bool batch_invariant;
+  bool nt16;  // the FP8 weights are in the nt16 layout (weights/layout.py)
   const std::string& fp8_gemm;
   const std::string& bf16_gemm;
   bool bf16_kernel;
@@ -91,7 +92,7 @@ struct Proj {
 
   at::Tensor operator()(const Ops& ops, const at::Tensor& x, const ProjPath& path, bool lora) const {
     at::Tensor y = scale ? ops.fp8_linear.call(x, weight, *scale, bias, ue8m0, scale_rows, path.batch_invariant,
-                                               path.fp8_gemm)
+                                               path.fp8_gemm, path.nt16)
                          : path.bf16_kernel ? ops.bf16_linear.call(x, weight, bias, path.batch_invariant, false,
                                                                    path.bf16_gemm)
                                             : at::linear(x, weight, bias);
@@ -116,9 +117,9 @@ constexpr int64_t kPerLayer = 32;
 class DecoderPlan : public torch::CustomClassHolder {
  public:
   DecoderPlan(std::vector<OptTensor> tensors, at::Tensor cos, at::Tensor sin, std::vector<int64_t> dims, double eps,
-              double attn_scale, bool ue8m0, bool batch_invariant, std::vector<std::string> gemms)
+              double attn_scale, bool ue8m0, bool batch_invariant, bool nt16, std::vector<std::string> gemms)
       : cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), attn_scale_(attn_scale),
-        batch_invariant_(batch_invariant) {
+        batch_invariant_(batch_invariant), nt16_(nt16) {
     TORCH_CHECK(gemms.size() == 2, "DecoderPlan: gemms [fp8, bf16] expected");
     fp8_gemm_ = gemms[0], bf16_gemm_ = gemms[1];
     TORCH_CHECK(tensors.size() % kPerLayer == 0 && !tensors.empty(), "DecoderPlan: ", kPerLayer,
@@ -154,7 +155,7 @@ class DecoderPlan : public torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == 2 * n && static_cast<int64_t>(scales.size()) == 3 * n,
                 "DecoderPlan.forward: ", 2 * n, " caches and ", 3 * n, " scales expected");
     const Ops& ops = get_ops();
-    const ProjPath path{batch_invariant_, fp8_gemm_, bf16_gemm_, bf16_kernel};
+    const ProjPath path{batch_invariant_, nt16_, fp8_gemm_, bf16_gemm_, bf16_kernel};
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     // The norms and the activation write into buffers every layer reuses (h: a norm's output, res: the residual
     // stream, updated in place from the second norm on, act: SiLU-and-mul's output), which saves each op its
@@ -222,6 +223,7 @@ class DecoderPlan : public torch::CustomClassHolder {
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, partition_ = 0;
   double eps_ = 0, attn_scale_ = 0;
   bool batch_invariant_ = false;
+  bool nt16_ = false;
   std::string fp8_gemm_, bf16_gemm_;
 };
 
@@ -241,7 +243,7 @@ bool decoder_plan_supported() {
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.class_<DecoderPlan>("DecoderPlan")
       .def(torch::init<std::vector<OptTensor>, at::Tensor, at::Tensor, std::vector<int64_t>, double, double, bool,
-                       bool, std::vector<std::string>>())
+                       bool, bool, std::vector<std::string>>())
       .def("num_layers", &DecoderPlan::num_layers)
       .def("forward", &DecoderPlan::forward)
       .def("forward_tokens", &DecoderPlan::forward_tokens);

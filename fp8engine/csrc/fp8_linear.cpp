@@ -339,6 +339,10 @@ struct Problem {
   const float* sw;    // [ceil(N/128), nkb], or [scale rows, nkb] read through scale_rows
   const float* bias;  // [N] or nullptr
   const int32_t* scale_rows;  // [N] row of sw holding each output row's scales, or nullptr (row / 128)
+  bool nt16 = false;          // w in the nt16 layout (weights/layout.py): whole groups of 16 rows interleaved
+  // Whether the 16 rows from row0 (a multiple of 16) are an interleaved group; rows past the last whole group
+  // are stored as rows.
+  bool grouped(int64_t row0) const { return nt16 && row0 + 16 <= n; }
   float sw_at(int64_t row, int64_t b) const {
     return sw[(scale_rows ? scale_rows[row] : row / kBlock) * nkb + b];
   }
@@ -421,6 +425,35 @@ void convert_row_block(const Problem& p, const E4m3ToBf16& cvt, int64_t row, int
     cvt(_mm512_maskz_loadu_epi8(tail_mask64(p.k - k0 - 64), src + 64), v[2], v[3]);
   }
   for (int i = 0; i < 4; ++i) _mm512_store_si512(dst + 32 * i, v[i]);
+}
+
+// The nt16 layout (weights/layout.py) stores each whole group of 16 weight rows as K / 4 lines of 64 bytes, line c
+// holding columns 4 c .. 4 c + 3 of the 16 rows so that the converter's two outputs are pair 2 c and pair 2 c + 1
+// of rows 0..15, lane r row r: the vectors nt's chains take, with no transposition. nt16_pair_slot gives where the
+// chains (and the GEMM's converted rows) take pair 2 c of a K block, line c of it: pairs in lane order, as
+// nt_store_pairs, 2 c + 1 the slot after.
+inline int64_t nt16_pair_slot(int64_t c) { return (c >> 4) * 32 + (c & 2) * 8 + 4 * ((c >> 2) & 3) + 2 * (c & 1); }
+
+// K block b of the nt16 group at row0 as 16 rows of dst (kBlock bf16 apart), each as convert_row_block leaves a
+// row: the group's pair vectors (lanes: rows) put at their slots, then transposed 16 slots at a time.
+void nt16_convert_rows(const Problem& p, const E4m3ToBf16& cvt, int64_t row0, int64_t b, uint16_t* dst) {
+  const int64_t cols = std::min(kBlock, p.k - b * kBlock);
+  const uint8_t* src = p.w + row0 * p.k + b * kBlock * 16;
+  __m512 t[4][16];
+  if (cols < kBlock)
+    for (auto& h : t)
+      for (auto& v : h) v = _mm512_setzero_ps();
+  for (int64_t c = 0; c < cols / 4; ++c) {
+    __m512i a, d;
+    cvt(_mm512_loadu_si512(src + 64 * c), a, d);
+    const int64_t q = nt16_pair_slot(c);
+    t[q / 16][q % 16] = _mm512_castsi512_ps(a);
+    t[(q + 1) / 16][(q + 1) % 16] = _mm512_castsi512_ps(d);
+  }
+  for (int h = 0; h < 4; ++h) {
+    transpose16x16(t[h]);
+    for (int r = 0; r < 16; ++r) _mm512_store_ps(reinterpret_cast<float*>(dst + r * kBlock + 32 * h), t[h][r]);
+  }
 }
 
 // acc[i][j] += x row i . w row j over [k0, kend) (at most one K block), in 64-k chunks. Each weight
@@ -626,7 +659,10 @@ PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8
 // activation rows that follow.
 void convert_weight_tile(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t tile_n, uint16_t* wb) {
   const int64_t rows = std::min(tile_n, p.n - n0);
-  for (int64_t r = 0; r < rows; ++r)
+  int64_t r = 0;
+  for (; r + 16 <= rows && p.grouped(n0 + r); r += 16)
+    for (int64_t b = 0; b < p.nkb; ++b) nt16_convert_rows(p, cvt, n0 + r, b, wb + (b * tile_n + r) * kBlock);
+  for (; r < rows; ++r)
     for (int64_t b = 0; b < p.nkb; ++b) convert_row_block(p, cvt, n0 + r, b, wb + (b * tile_n + r) * kBlock);
 }
 
@@ -697,6 +733,19 @@ alignas(64) constexpr uint8_t kZeroRow[kBlock] = {};  // the E4M3 codes of rows 
 
 // The scales of K block b of the task's two weight vectors (rows past N repeat the last row's).
 inline void nt_scales(const Problem& p, int64_t n0, int64_t b, __m512 (&sw)[kNtVecs]) {
+  static_assert(kBlock % kNtRows == 0 && kNtVecs == 2, "a task's rows lie in one 128-row block");
+  if (n0 + kNtRows <= p.n) {  // one scale for all the task's rows: broadcast it
+    bool same = !p.scale_rows;
+    if (!same) {
+      const __m512i first = _mm512_set1_epi32(p.scale_rows[n0]);
+      same = (_mm512_cmpeq_epi32_mask(_mm512_loadu_si512(p.scale_rows + n0), first) &
+              _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(p.scale_rows + n0 + 16), first)) == 0xFFFF;
+    }
+    if (same) {
+      for (auto& s : sw) s = _mm512_set1_ps(p.sw_at(n0, b));
+      return;
+    }
+  }
   for (int v = 0; v < kNtVecs; ++v) {
     alignas(64) float s[16];
     for (int j = 0; j < 16; ++j) s[j] = p.sw_at(std::min(n0 + 16 * v + j, p.n - 1), b);
@@ -748,6 +797,27 @@ inline void nt_store_pairs(const E4m3ToBf16& cvt, __m512i (&l)[4], int64_t off, 
   }
 }
 
+// Group row0's K block b (cols columns) into vector v of wt, as nt_convert_block leaves it. The next task's group
+// is prefetched into L2 line by line, as nt's row-major path does.
+inline void nt16_convert_group(const Problem& p, const E4m3ToBf16& cvt, int64_t row0, int64_t b, int64_t cols, int v,
+                               float* wt) {
+  const uint8_t* src = p.w + row0 * p.k + b * kBlock * 16;
+  const int64_t lines = cols / 4, ahead = kNtRows * p.k;
+  for (int64_t c = 0; c < lines; ++c) {
+    __m512i a, d;
+    cvt(_mm512_loadu_si512(src + 64 * c), a, d);
+    _mm_prefetch(reinterpret_cast<const char*>(src + 64 * c + ahead), _MM_HINT_T2);
+    const int64_t q = nt16_pair_slot(c);
+    _mm512_store_si512(wt + (q * kNtVecs + v) * 16, a);
+    _mm512_store_si512(wt + ((q + 1) * kNtVecs + v) * 16, d);
+  }
+  for (int64_t c = lines; c < cdiv(cols, 64) * 16; ++c) {  // the rest of the last 64-k chunk: zero, as past K
+    const int64_t q = nt16_pair_slot(c);
+    _mm512_store_si512(wt + (q * kNtVecs + v) * 16, _mm512_setzero_si512());
+    _mm512_store_si512(wt + ((q + 1) * kNtVecs + v) * 16, _mm512_setzero_si512());
+  }
+}
+
 // Converts K block b of the task's weight rows n0.. (zero past N and K) straight from E4M3 into wt, the pairs in
 // the chain's (lane) order. Per 16 bytes of 16 rows, four vectors hold rows 4 L .. 4 L + 3 in lane L
 // (lanes_of_rows), two rounds of in-lane unpacks (16-bit, then 32-bit) leave in each two pairs of all 16 rows, four
@@ -762,11 +832,18 @@ inline void nt_store_pairs(const E4m3ToBf16& cvt, __m512i (&l)[4], int64_t off, 
 void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_t b, float* wt) {
   const E4m3ToBf16 cvt = cvt_ref;  // the tables in registers, not reloaded after the stores to wt (M=1, L2: -10%)
   const int64_t cols = std::min(kBlock, p.k - b * kBlock);
+  bool grouped[kNtVecs], all_grouped = true;
+  for (int v = 0; v < kNtVecs; ++v) {
+    grouped[v] = p.grouped(n0 + 16 * v);
+    all_grouped = all_grouped && grouped[v];
+    if (grouped[v]) nt16_convert_group(p, cvt, n0 + 16 * v, b, cols, v, wt);
+  }
+  if (all_grouped) return;
   const uint8_t* rows[kNtRows];
   for (int64_t r = 0; r < kNtRows; ++r) rows[r] = n0 + r < p.n ? p.w + (n0 + r) * p.k + b * kBlock : kZeroRow;
   NtPrefetch prefetch(p, rows, n0, b, kNtVecs * cdiv(cols, 64));
   for (int v = 0; v < kNtVecs; ++v)
-    for (int64_t off = 0; off < cdiv(cols, 64) * 64; off += 16) {
+    for (int64_t off = 0; off < cdiv(cols, 64) * 64 && !grouped[v]; off += 16) {
       __m512i l[4];
       for (int i = 0; i < 4; ++i)
         l[i] = cols == kBlock ? lanes_of_rows(rows + 16 * v, i, off)
@@ -779,9 +856,90 @@ void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, i
 constexpr int64_t kNtWtFloats = kBlock / 2 * kNtRows;  // one converted K block of a task (nt_convert_block)
 constexpr int kNtGroup = 4;  // K blocks nt_blocks takes at once
 
+// The line of a K block that holds slots 2 j and 2 j + 1 (nt16_pair_slot's inverse).
+constexpr int64_t nt16_line_of(int64_t j) { return (j & 0x11) | ((j >> 3) & 1) << 1 | ((j >> 1) & 3) << 2; }
+
+// nt_blocks on a task whose two vectors are nt16 groups, at a row or two, without wt: each line converts in
+// registers straight into its two pairs of 16 rows and enters the chains at once, the lines taken in slot order
+// (the chains' order), so the sums are nt_blocks' bits. The G blocks from b0 may end with the partial last block of
+// K, whose chain runs over whole 64-k chunks as nt_block's (zero weights past K). The next task's lines are
+// prefetched into L2 as nt16's conversion does.
+template <int G, int MR>
+void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_t b0, const uint16_t* xb,
+                 int64_t ldx, const float* sx, int64_t sx_ld, const __m512 (*sw)[kNtVecs], float* tot, bool first) {
+  static_assert(kNtVecs == 2, "a task is two groups");
+  const E4m3ToBf16 cvt = cvt_ref;
+  const uint8_t* base[kNtVecs] = {p.w + n0 * p.k + b0 * kBlock * 16, p.w + (n0 + 16) * p.k + b0 * kBlock * 16};
+  const int64_t ahead = kNtRows * p.k, last_cols = std::min(kBlock, p.k - (b0 + G - 1) * kBlock);
+  const int64_t last_lines = last_cols / 4, last_slot_pairs = cdiv(last_cols, 64) * 16;
+  __m512 acc[G][MR][kNtVecs];
+  for (auto& block : acc)
+    for (auto& row : block)
+      for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kBlock / 4; ++j) {
+    const int64_t line = nt16_line_of(j);
+    for (int g = 0; g < G; ++g) {
+      const bool last = g == G - 1;
+      if (last && j >= last_slot_pairs) continue;
+      __m512bh xv[MR][2];
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair[2];
+        std::memcpy(pair, xb + i * ldx + g * kBlock + 4 * j, 8);
+        xv[i][0] = as_bh(_mm512_set1_epi32(pair[0]));
+        xv[i][1] = as_bh(_mm512_set1_epi32(pair[1]));
+      }
+      for (int v = 0; v < kNtVecs; ++v) {
+        __m512i w0 = _mm512_setzero_si512(), w1 = _mm512_setzero_si512();
+        if (!last || line < last_lines) {
+          const uint8_t* src = base[v] + g * kBlock * 16 + 64 * line;
+          _mm_prefetch(reinterpret_cast<const char*>(src + ahead), _MM_HINT_T2);
+          cvt(_mm512_loadu_si512(src), w0, w1);
+        }
+        for (int i = 0; i < MR; ++i)
+          acc[g][i][v] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g][i][v], as_bh(w0), xv[i][0]), as_bh(w1), xv[i][1]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < MR; ++i) {
+      const __m512 sxv = _mm512_set1_ps(sx[i * sx_ld + g]);
+      for (int v = 0; v < kNtVecs; ++v) {
+        float* t = tot + (i * kNtVecs + v) * 16;
+        const __m512 prev = first && g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(t);
+        _mm512_store_ps(t, _mm512_fmadd_ps(acc[g][i][v], _mm512_mul_ps(sxv, sw[g][v]), prev));
+      }
+    }
+}
+
+using Nt16BlocksFn = void (*)(const Problem&, const E4m3ToBf16&, int64_t, int64_t, const uint16_t*, int64_t,
+                              const float*, int64_t, const __m512 (*)[kNtVecs], float*, bool);
+constexpr int kNt16MaxG = kNtGroup + 1;  // a K of 4 whole blocks and a partial one (576) goes in one call
+constexpr Nt16BlocksFn kNt16Blocks[kNt16MaxG + 1][kNtGroupMaxM + 1] = {
+    {nullptr, nullptr, nullptr},
+    {nullptr, nt16_blocks<1, 1>, nt16_blocks<1, 2>},
+    {nullptr, nt16_blocks<2, 1>, nt16_blocks<2, 2>},
+    {nullptr, nt16_blocks<3, 1>, nt16_blocks<3, 2>},
+    {nullptr, nt16_blocks<4, 1>, nt16_blocks<4, 2>},
+    {nullptr, nt16_blocks<5, 1>, nt16_blocks<5, 2>}};
+
+// A task of two nt16 groups at a row or two: every K block through nt16_blocks, kNtGroup at a time (the last call
+// takes one more rather than leave one block alone on its two chains).
+template <typename OutT>
+void nt16_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* tot, OutT* y) {
+  for (int64_t b = 0; b < p.nkb;) {
+    const int g = p.nkb - b == kNt16MaxG ? kNt16MaxG : static_cast<int>(std::min<int64_t>(kNtGroup, p.nkb - b));
+    __m512 sw[kNt16MaxG][kNtVecs];
+    for (int i = 0; i < g; ++i) nt_scales(p, n0, b + i, sw[i]);
+    kNt16Blocks[g][p.m](p, cvt, n0, b, x.x.get() + b * kBlock, x.kp, x.scale.get() + b, p.nkb, sw, tot, b == 0);
+    b += g;
+  }
+  nt_write(p.m, p.n, n0, p.bias, tot, y);
+}
+
 // wt holds kNtGroup blocks' room (nt_blocks takes whole K blocks kNtGroup at a time at one or two rows).
 template <typename OutT>
 void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* wt, float* tot, OutT* y) {
+  if (p.m <= kNtGroupMaxM && p.grouped(n0) && p.grouped(n0 + 16)) return nt16_task(p, cvt, x, n0, tot, y);
   const int64_t per_pass = nt_rows_per_pass(p.m);
   int64_t b = 0;
   if (p.m <= kNtGroupMaxM)
@@ -1003,14 +1161,19 @@ constexpr int64_t kSmallMAmx = 2;
 // AVX-512 GEMM by M, or AMX tiles for every M (which depends on the CPU, not on M).
 template <typename T>
 void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant, GemmChoice g) {
+  TORCH_CHECK(!p.nt16 || !g.amx, "fp8_block_linear: nt16 weights are for the AVX-512 kernels, not AMX tiles");
   if (g.kernel == Avx512Kernel::kByM && g.amx) {
 #ifdef FP8E_AMX
     if (batch_invariant || p.m > kSmallMAmx) return linear_amx(p, x, ue8m0, y);
 #endif
     return linear_small_m(p, x, ue8m0, y);
   }
-  const Avx512Kernel kernel = g.avx512_kernel(p.m, batch_invariant, kGemvMaxM, kNtMaxM);
-  if (kernel == Avx512Kernel::kGemv) return linear_small_m(p, x, ue8m0, y);
+  // nt16 weights never take the gemv (it reads rows): nt, which reads the groups as fast (docs/exact-rollouts.md)
+  const Avx512Kernel kernel = g.avx512_kernel(p.m, batch_invariant || p.nt16, kGemvMaxM, kNtMaxM);
+  if (kernel == Avx512Kernel::kGemv) {
+    TORCH_CHECK(!p.nt16, "fp8_block_linear: the gemv reads weight rows, not nt16 groups");
+    return linear_small_m(p, x, ue8m0, y);
+  }
   if (kernel == Avx512Kernel::kNt) return linear_nt(p, x, ue8m0, y);
   linear_large_m(p, x, ue8m0, y);
 }
@@ -1060,6 +1223,7 @@ void quantize_values_avx2(const T* src, float* dst, int64_t n, float scale) {
 template <typename T>
 void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_invariant*/, GemmChoice /*gemm*/) {
   const int64_t kp = p.nkb * kBlock;
+  TORCH_CHECK(!p.nt16, "fp8_block_linear: nt16 weights need the AVX-512 BF16 kernels");
   auto xf = alloc_buffer<float>(p.m * kp);  // the activations' E4M3 values x 2^112, zero past K
   auto sx = alloc_buffer<float>(p.m * p.nkb);
   at::parallel_for(0, p.m, 8, [&](int64_t begin, int64_t end) {
@@ -1085,6 +1249,7 @@ float e4m3_to_f32(uint8_t v) { return e4m3_value(v); }
 template <typename T>
 void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_invariant*/, GemmChoice /*gemm*/) {
   const int64_t kp = p.nkb * kBlock;
+  TORCH_CHECK(!p.nt16, "fp8_block_linear: nt16 weights need the AVX-512 BF16 kernels");
   auto xq = alloc_buffer<uint8_t>(p.m * kp);
   auto sx = alloc_buffer<float>(p.m * p.nkb);
   for (int64_t r = 0; r < p.m; ++r)
@@ -1116,7 +1281,7 @@ void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool /*batch_in
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at::Tensor& w_scale_inv,
                             const std::optional<at::Tensor>& bias, bool ue8m0,
                             const std::optional<at::Tensor>& scale_rows, bool batch_invariant,
-                            const std::string& gemm) {
+                            const std::string& gemm, bool nt16) {
   const GemmChoice choice = choose_gemm(gemm, "fp8_block_linear");
   TORCH_CHECK(x.device().is_cpu() && w_q.device().is_cpu() && w_scale_inv.device().is_cpu(),
               "fp8_block_linear: CPU tensors only");
@@ -1149,7 +1314,7 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w_q, const at
   if (m == 0 || n == 0) return y;
   const Problem p{m, n, k, nkb, static_cast<const uint8_t*>(w_q.data_ptr()), w_scale_inv.data_ptr<float>(),
                   bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-                  mapped ? scale_rows->data_ptr<int32_t>() : nullptr};
+                  mapped ? scale_rows->data_ptr<int32_t>() : nullptr, nt16 && k % 4 == 0};
   if (x.scalar_type() == at::kFloat) {
     linear_impl(p, x.data_ptr<float>(), ue8m0, y.data_ptr<float>(), batch_invariant, choice);
   } else {
@@ -1176,7 +1341,7 @@ bool amx_usable_op() { return amx_allowed(); }
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.def(
       "fp8_block_linear(Tensor x, Tensor w_q, Tensor w_scale_inv, Tensor? bias, bool ue8m0, Tensor? scale_rows=None, "
-      "bool batch_invariant=False, str gemm='auto') -> Tensor");
+      "bool batch_invariant=False, str gemm='auto', bool nt16=False) -> Tensor");
   m.def(
       "fp8_quantize_weight_(Tensor w, Tensor(a!) out_q, Tensor(b!) out_scale, bool ue8m0, bool scales_given=False) "
       "-> ()");

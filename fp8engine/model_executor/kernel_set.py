@@ -69,6 +69,7 @@ class KernelSet:
     decoder_plan: bool  # the decoder layers may run as one C++ call (csrc/decoder.cpp)
     fp8_scale_rows: bool  # fp8_linear maps output rows to stacked scale grids (scale_rows) in one call
     huge_pages: bool  # the weights may move onto transparent huge pages (model_executor/host_memory.py)
+    fp8_nt16: bool  # FP8 weights are stored in the nt16 layout, which fp8_linear reads (weights/layout.py)
     names: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -108,11 +109,17 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
     fused = envs.flag("FP8ENGINE_FUSED_DECODER")
     names = {}
 
-    fp8_linear = None
+    fp8_linear, nt16 = None, False
     if config.quantization == "fp8":
         if has("fp8_block_linear"):
-            fp8_linear = functools.partial(fp8_linear_cpu.fp8_block_linear_cpu, batch_invariant=bi, gemm=fp8_gemm)
+            # Batch invariant on the AVX-512 BF16 kernels (not AMX, which runs every M as tiles): nt at every small
+            # M, which reads weights in the nt16 layout without transposing them (weights/layout.py)
+            nt16 = (bi and ops.fp8_linear_isa() == "avx512bf16" and fp8_gemm == "avx512"
+                    and envs.flag("FP8ENGINE_NT16"))
+            fp8_linear = functools.partial(fp8_linear_cpu.fp8_block_linear_cpu, batch_invariant=bi, gemm=fp8_gemm,
+                                           nt16=nt16)
             names["fp8_linear"] = "cpp-amx" if fp8_gemm == "amx" else f"cpp-{ops.fp8_linear_isa()}"
+            names["fp8_weights"] = "nt16" if nt16 else "rows"
         else:
             fp8_linear, names["fp8_linear"] = fp8_linear_ref, "torch-reference"
 
@@ -173,7 +180,7 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
         lora_add, names["lora"] = functools.partial(layer_ops_ref.lora_add_dense, dense), "dense-linear"
     return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm, rotary, silu, lora_add,
                      write_kv, attend, None, sample_rows, quantize_into, block_scales, partition,
-                     (fp8_gemm, bf16_gemm), decoder_plan, True, huge_pages, names)
+                     (fp8_gemm, bf16_gemm), decoder_plan, True, huge_pages, nt16, names)
 
 
 def fp8_linear_ref(x, w_q, w_scale_inv, bias=None, scale_fmt=None, scale_rows=None) -> torch.Tensor:
@@ -218,7 +225,7 @@ def _cuda(config: EngineConfig) -> KernelSet:
                      layer_ops_ref.rotary_ref, layer_ops_ref.silu_and_mul_ref,
                      dense_triton.lora_add_triton, attention_triton.write_kv_cache_triton,
                      attend, functools.partial(moe_triton.fused_moe_triton, batch_invariant=bi), None, quantize_into,
-                     None, 0, ("", ""), False, False, False, names)
+                     None, 0, ("", ""), False, False, False, False, names)
 
 
 def _probed(library: str, probe, device: torch.device) -> bool:

@@ -15,6 +15,7 @@ from fp8engine.model_executor.layers.lora import LoRA
 from fp8engine.model_executor.models import model_class
 from fp8engine.model_executor.models.llama import LinearFactory
 from fp8engine.request import ScheduledSeq, Sequence
+from fp8engine.weights import layout
 from fp8engine.weights.loader import load_checkpoint, load_dummy
 from fp8engine.weights.quant import FP8_DTYPE
 
@@ -65,6 +66,10 @@ class ModelRunner:
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
         # before loading: the loader's targets are views of the tensors' final homes
         self.huge_page_bytes = host_memory.rehome(self.model) if self.kernels.huge_pages else 0
+        if self.kernels.fp8_nt16:  # the loader and updates write them through weights/layout.py
+            for param in self.model.parameters():
+                if param.dtype == FP8_DTYPE:
+                    layout.mark(param)
         if config.load_format == "dummy":
             load_dummy(self.model, self.kernels.quantize_into, config.seed)
         else:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from fp8engine.weights import layout
 from fp8engine.weights.quant import FP8_DTYPE, dequantize_weight_blockwise, quantize_weight_into
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -32,7 +33,8 @@ BlockScales = Callable[[torch.Tensor, str | None], tuple[torch.Tensor, bool] | N
 class Target:
     """Where one HF tensor lands. kind: 'dense', 'fp8_weight', 'fp8_scale', or 'split': parts holds
     (index into the incoming tensor, the target of that piece) and view the whole storage. mirror: a second
-    target that every write also fills from the same tensor (a tied embedding's FP8 LM head)."""
+    target that every write also fills from the same tensor (a tied embedding's FP8 LM head). matrix, row0: for an
+    FP8 weight, the [N, K] matrix a linear reads that holds `view`, and the view's first row in it (layout.py)."""
 
     name: str
     kind: str
@@ -41,6 +43,8 @@ class Target:
     scale_fmt: str | None = None
     parts: list[tuple[tuple, "Target"]] | None = None
     mirror: "Target | None" = None
+    matrix: torch.Tensor | None = None
+    row0: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -138,7 +142,8 @@ def _linear_target(name: str, layer, shard: int, attr: str) -> Target:
         return Target(name, "dense", layer.bias.data[start:start + size])
     if attr == "weight":
         if layer.is_fp8:
-            return Target(name, "fp8_weight", weight.data, scale.data, layer.scale_fmt)
+            return Target(name, "fp8_weight", weight.data, scale.data, layer.scale_fmt, matrix=layer.weight,
+                          row0=layer.shard_offsets[shard])
         return Target(name, "dense", weight.data)
     if attr == "weight_scale_inv" and layer.is_fp8:
         return Target(name, "fp8_scale", scale.data)
@@ -212,9 +217,11 @@ def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = qu
         return True
     if target.kind == "fp8_weight" and tensor.dtype != FP8_DTYPE:
         extra = {} if scales is None else {"scales": scales}
-        quantize_into(tensor, target.view, target.scale_view, scale_fmt=target.scale_fmt, **extra)
+        with layout.as_rows(target.matrix, target.row0, target.view.shape[0]):
+            quantize_into(tensor, target.view, target.scale_view, scale_fmt=target.scale_fmt, **extra)
         return True
-    target.view.copy_(tensor)
+    with layout.as_rows(target.matrix, target.row0, target.view.shape[0]):
+        target.view.copy_(tensor)
     return target.mirror is not None and write(target.mirror, tensor, quantize_into)
 
 
@@ -306,5 +313,6 @@ def read(target: Target, dtype: torch.dtype) -> torch.Tensor:
             out[index] = read(part, dtype)
         return out
     if target.kind == "fp8_weight":
-        return dequantize_weight_blockwise(target.view, target.scale_view, dtype)
+        codes = target.view if target.matrix is None else layout.rows_of(target.matrix, target.row0, target.shape[0])
+        return dequantize_weight_blockwise(codes, target.scale_view, dtype)
     return target.view.clone()

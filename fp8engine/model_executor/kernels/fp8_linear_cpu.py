@@ -22,25 +22,25 @@ def _ue8m0(scale_fmt: str | None) -> bool:
 def fp8_block_linear_cpu(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
                          bias: torch.Tensor | None = None, scale_fmt: str | None = None,
                          scale_rows: torch.Tensor | None = None, batch_invariant: bool = False,
-                         gemm: str = "auto") -> torch.Tensor:
+                         gemm: str = "auto", nt16: bool = False) -> torch.Tensor:
     """y = x @ dequant(w_q)^T + bias with per-token 1x128 activation quantization; x: [..., K].
 
     scale_rows (int32 [N]): the w_scale_inv row of each output row, for stacked per-shard grids.
     batch_invariant: the kernel takes one path for every M (its GEMM, never chosen by M), so a row's result
-    does not depend on the other rows."""
+    does not depend on the other rows. nt16: w_q holds its codes in the nt16 layout (weights/layout.py)."""
     kernel = torch.ops.fp8engine.fp8_block_linear
     ue8m0 = _ue8m0(scale_fmt)
     if (x.dim() == 2 and x.dtype in _KERNEL_DTYPES and x.is_contiguous() and w_q.is_contiguous()
             and w_scale_inv.dtype == torch.float32 and w_scale_inv.is_contiguous()):
         # The engine's case, without the conversions below: at decode, 120 calls a token make the
         # Python around the kernel count (3.5 us a call, 0.4 ms a token, for no-op reshapes and copies).
-        return kernel(x, w_q, w_scale_inv, bias, ue8m0, scale_rows, batch_invariant, gemm)
+        return kernel(x, w_q, w_scale_inv, bias, ue8m0, scale_rows, batch_invariant, gemm, nt16)
     n, k = w_q.shape
     x2 = x.reshape(-1, k)
     if x.dtype not in _KERNEL_DTYPES:  # the reference computes in float32 and rounds once at the end
         x2 = x2.float()
     y = kernel(x2.contiguous(), w_q.contiguous(), w_scale_inv.float().contiguous(), bias, ue8m0, scale_rows,
-               batch_invariant, gemm)
+               batch_invariant, gemm, nt16)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

@@ -44,6 +44,12 @@ class FusedMoE(nn.Module):
                 self.scale_rows = torch.cat([rows, rows + cdiv(i, BLOCK)])
 
     # ------------------------------------------------------------------ weights
+    def fp8_matrix(self, expert: int, proj: str) -> tuple[torch.Tensor, int]:
+        """(the [N, K] matrix of one expert that the FP8 linear reads, the projection's first row in it)."""
+        if proj == "down_proj":
+            return self.down_proj[expert], 0
+        return self.gate_up_proj[expert], PROJECTIONS.index(proj) * self.intermediate_size
+
     def shard_views(self, expert: int, proj: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, scale grid or None) of one expert's HF projection: views into the stacked storage."""
         if proj == "down_proj":
@@ -67,7 +73,8 @@ class FusedMoE(nn.Module):
                 and parts[1] in PROJECTIONS and parts[2] in ("weight", "weight_scale_inv")):
             weight, scale = self.shard_views(int(parts[0]), parts[1])
             if parts[2] == "weight" and self.is_fp8:
-                return Target(name, "fp8_weight", weight, scale, self.scale_fmt)
+                matrix, row0 = self.fp8_matrix(int(parts[0]), parts[1])
+                return Target(name, "fp8_weight", weight, scale, self.scale_fmt, matrix=matrix, row0=row0)
             if parts[2] == "weight":
                 return Target(name, "dense", weight)
             if self.is_fp8:
@@ -88,8 +95,9 @@ class FusedMoE(nn.Module):
             for shard, proj in enumerate(projs):
                 weight, scale = self.shard_views(e, proj)
                 index = (e,) if attr == "down_proj" else (e, slice(shard * i, (shard + 1) * i))
+                matrix, row0 = self.fp8_matrix(e, proj)
                 parts.append((index, Target(f"{prefix}{e}.{proj}.weight", "fp8_weight", weight, scale,
-                                            self.scale_fmt)))
+                                            self.scale_fmt, matrix=matrix, row0=row0)))
         return Target(name, "split", stacked.data, parts=parts)
 
     # ------------------------------------------------------------------ compute

@@ -1,0 +1,98 @@
+"""The nt16 layout of FP8 weights: how a batch-invariant CPU engine stores its E4M3 codes.
+
+The batch-invariant linears put 16 weight rows in the lanes of a vector and walk K one bf16 pair at a time
+(csrc/linear_common.h, "nt"). Read from rows, every K block of 16 rows needs a transposition, which cost a
+batch-1 decode step a quarter of its time. In the nt16 layout each whole group of 16 rows of a [N, K] weight is
+stored as K / 4 lines of 64 bytes, line c holding columns 4c .. 4c+3 of the 16 rows in the order the kernel's
+E4M3 -> bf16 conversion turns into pair 2c and pair 2c+1 of rows 0..15 (byte 16 L + 8 h + 2 i + b of line c is
+row 4 L + i, column 4 c + 2 h + b): the transposition is gone, and the group occupies the same 16 K bytes it
+did as rows. Rows past the last whole group stay rows, and so does a whole weight whose K is not a multiple of
+4 (the kernels treat it as rows too). Only the codes move; scale grids are unchanged.
+
+A parameter in the layout is marked (`mark`). The loader's targets of FP8 weights name the matrix a linear reads
+(the layer's weight, or one expert of a stacked tensor) and their rows in it: writers take those rows back to rows
+around their write (`as_rows`), readers read a row-major copy (`rows_of`), so that loads, weight updates and
+`get_weights_by_name` see rows as everywhere else.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+GROUP = 16
+_MARK = "fp8_nt16"
+
+
+def mark(param: torch.Tensor) -> None:
+    """Declare that `param` (an FP8 weight, [N, K] or stacked [E, N, K]) holds its codes in the nt16 layout."""
+    setattr(param, _MARK, True)
+
+
+def is_marked(t: torch.Tensor) -> bool:
+    """Whether `t` is a marked weight or a view of one."""
+    root = t if t._base is None else t._base
+    return bool(getattr(root, _MARK, False))
+
+
+def applies(k: int) -> bool:
+    """Whether a weight with k columns is stored in the layout (else as rows)."""
+    return k % 4 == 0
+
+
+def _permute_groups(matrix: torch.Tensor, g0: int, g1: int, to_nt16: bool) -> None:
+    """Groups g0..g1 of a [N, K] matrix (in place) from rows into the layout, or back."""
+    if g1 <= g0:
+        return
+    k = matrix.shape[1]
+    block = matrix[g0 * GROUP:g1 * GROUP].view(torch.uint8)
+    n = g1 - g0
+    if to_nt16:  # [g, L, i, c, h, b] -> [g, c, L, h, i, b]
+        moved = block.view(n, 4, 4, k // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    else:  # [g, c, L, h, i, b] -> [g, L, i, c, h, b]
+        moved = block.view(n, k // 4, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5)
+    block.copy_(moved.reshape(n * GROUP, k))
+
+
+def _groups(matrix: torch.Tensor, row0: int, rows: int) -> tuple[int, int]:
+    """The whole groups of the matrix that rows row0 .. row0 + rows touch."""
+    return row0 // GROUP, min((row0 + rows + GROUP - 1) // GROUP, matrix.shape[0] // GROUP)
+
+
+def _in_layout(matrix: torch.Tensor | None) -> bool:
+    return matrix is not None and is_marked(matrix) and applies(matrix.shape[-1])
+
+
+def to_nt16_(matrix: torch.Tensor) -> torch.Tensor:
+    """A row-major [N, K] matrix into the layout, in place (returns it)."""
+    if applies(matrix.shape[-1]):
+        _permute_groups(matrix, 0, matrix.shape[0] // GROUP, True)
+    return matrix
+
+
+@contextmanager
+def as_rows(matrix: torch.Tensor | None, row0: int, rows: int) -> Iterator[None]:
+    """Rows row0 .. row0 + rows of a [N, K] matrix that a linear reads (and the rows they share groups with) as
+    rows for the duration, in the layout again after: write them inside. A no-op unless the matrix is a marked
+    weight (or a view of one, an expert of a stacked tensor) in the layout."""
+    if not _in_layout(matrix):
+        yield
+        return
+    g0, g1 = _groups(matrix, row0, rows)
+    _permute_groups(matrix, g0, g1, False)
+    try:
+        yield
+    finally:
+        _permute_groups(matrix, g0, g1, True)
+
+
+def rows_of(matrix: torch.Tensor, row0: int, rows: int) -> torch.Tensor:
+    """Rows row0 .. row0 + rows of a [N, K] matrix as rows: a copy for a marked weight in the layout, a view
+    otherwise."""
+    if not _in_layout(matrix):
+        return matrix[row0:row0 + rows]
+    g0, g1 = _groups(matrix, row0, rows)
+    span = matrix[g0 * GROUP:max(g1 * GROUP, row0 + rows)].clone()
+    _permute_groups(span, 0, g1 - g0, False)
+    start = row0 - g0 * GROUP
+    return span[start:start + rows]

@@ -1,0 +1,99 @@
+"""The nt16 layout (weights/layout.py): a batch-invariant engine on the AVX-512 BF16 kernels stores its FP8 codes
+with whole groups of 16 rows interleaved, so that its small-batch kernel reads them without transposing. It is a
+storage layout only: the engine decodes the bits of the same engine with its weights as rows, through loads,
+BF16 and pre-quantized updates, and reads its weights back (`get_weights_by_name`) as rows."""
+
+import pytest
+import torch
+
+from fp8engine import SamplingParams
+from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
+from fp8engine.weights import layout
+from tests.checkpoints import perturbed_state, prequantized_items, write_checkpoint
+from tests.conftest import make_engine, require_cpu_op
+from tests.hf_reference import load_hf
+from tests.prompts import PROMPTS
+from tests.tiny_models import tiny_dir  # noqa: F401 (a fixture)
+
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2, logprobs_mode="raw"),
+          SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, ignore_eos=True, seed=5, n=2, logprobs=1)]
+NAMES = ["model.layers.0.self_attn.k_proj.weight", "model.layers.7.mlp.down_proj.weight",
+         "model.layers.29.self_attn.q_proj.weight"]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    require_cpu_op("fp8_block_linear")
+    if load_cpu_ops().fp8_linear_isa() != "avx512bf16":
+        pytest.skip("the nt16 layout is read by the AVX-512 BF16 kernels")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FP8ENGINE_FP8_GEMM", "avx512")  # on an AMX machine too: batch invariant on AVX-512, not tiles
+        built = {}
+        for flag in ("1", "0"):
+            mp.setenv("FP8ENGINE_NT16", flag)
+            built[flag] = make_engine(quantization="fp8", batch_invariant=True, num_kv_blocks=96)
+    return built["1"], built["0"]
+
+
+def _decode(engine):
+    out = []
+    for params in PARAMS:
+        for request in engine.generate(PROMPTS[:3], params):
+            out += [(o.token_ids, o.logprobs, o.top_logprobs) for o in request.outputs]
+    return out
+
+
+def test_nt16_engine_decodes_the_bits_of_rows(engines):
+    nt16, rows = engines
+    assert nt16.runner.kernel_names["fp8_weights"] == "nt16" and rows.runner.kernel_names["fp8_weights"] == "rows"
+    gate_up = [e.runner.model.model.layers[3].mlp.gate_up_proj.weight for e in engines]
+    assert layout.is_marked(gate_up[0]) and not layout.is_marked(gate_up[1])
+    assert not torch.equal(gate_up[0].view(torch.uint8), gate_up[1].view(torch.uint8))  # stored differently
+    assert torch.equal(layout.rows_of(gate_up[0], 0, gate_up[0].shape[0]).view(torch.uint8), gate_up[1].view(torch.uint8))
+    for name in NAMES:
+        assert torch.equal(nt16.get_weights_by_name(name), rows.get_weights_by_name(name)), name
+    assert _decode(nt16) == _decode(rows)
+
+
+@pytest.mark.parametrize("how", ["bf16", "prequantized"])
+def test_nt16_engine_updates_to_the_bits_of_rows(engines, default_dir, how):
+    state = perturbed_state(default_dir, seed=11)
+    items = list(state.items()) if how == "bf16" else list(prequantized_items(state))
+    for engine in engines:
+        engine.update_weights(items)
+    nt16, rows = engines
+    for name in NAMES:
+        assert torch.equal(nt16.get_weights_by_name(name), rows.get_weights_by_name(name)), name
+    assert _decode(nt16) == _decode(rows)
+    q = state["model.layers.29.self_attn.q_proj.weight"].float()
+    assert (nt16.get_weights_by_name("model.layers.29.self_attn.q_proj.weight").float() - q).abs().max() < 0.05 * q.abs().max()
+
+
+def test_nt16_moe_experts_decode_and_update_to_the_bits_of_rows(tiny_dir, monkeypatch, tmp_path):
+    """Qwen3-MoE: each expert's matrices are in the layout on their own (the kernel reads one expert at a time);
+    per-expert and transformers-5 stacked names load, update and read back as rows."""
+    require_cpu_op("fp8_block_linear")
+    if load_cpu_ops().fp8_linear_isa() != "avx512bf16":
+        pytest.skip("the nt16 layout is read by the AVX-512 BF16 kernels")
+    monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "avx512")
+    model = tiny_dir("qwen3_moe")
+    built = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FP8ENGINE_NT16", flag)
+        built.append(make_engine(model, quantization="fp8", batch_invariant=True, num_kv_blocks=64))
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=3, logprobs=0,
+                            return_routed_experts=True)
+
+    def decode(engine):
+        outs = engine.generate(PROMPTS[:3], params)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.outputs[0].routed_experts.tolist()) for o in outs]
+    experts = built[0].runner.model.model.layers[0].mlp.experts
+    assert layout.is_marked(experts.gate_up_proj) and built[0].runner.kernel_names["fp8_weights"] == "nt16"
+    assert decode(built[0]) == decode(built[1])
+    state = perturbed_state(model, seed=5, scale=0.3)
+    stacked = load_hf(write_checkpoint(model, tmp_path, state), torch.bfloat16).state_dict()
+    for engine in built:
+        engine.update_weights(stacked)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert torch.equal(built[0].get_weights_by_name(name), built[1].get_weights_by_name(name))
+    assert decode(built[0]) == decode(built[1])
