@@ -14,6 +14,7 @@ from fp8engine.model_executor import kernel_set
 from fp8engine.model_executor.kernels import bf16_linear_cpu
 from fp8engine.model_executor.kernels.cpu_ops import load_cpu_ops
 from fp8engine.model_executor.layers.linear import Linear
+from fp8engine.weights import layout
 from tests.conftest import cpu_flags, ops_without, require_cpu_op
 
 BF16 = torch.bfloat16
@@ -349,3 +350,31 @@ def test_nt_kernel_does_not_read_past_k(ops, m):
     y = ops.bf16_linear(x, w, None, False, False, "avx512-nt")
     assert not y.isnan().any()
     _assert_one_rounding(y, x, w, None)
+
+
+@pytest.mark.parametrize("k, n", [(576, 96), (576, 40), (130, 64), (512, 48), (31, 33), (2, 16)])
+def test_nt16_weights_give_the_bits_of_rows_at_every_m(ops, k, n):
+    """A BF16 weight in the nt16 layout (weights/layout.py: line q of a whole group of 16 rows is pair q of the 16
+    rows; rows past the groups, and an odd K, as rows) gives bit for bit the batch-invariant result of the same
+    weight as rows, through nt (straight from the lines at 1-2 rows, copied lines above) and the GEMM, with ragged
+    N and K and a bias; a plain call takes nt too, and forcing the gemv on it is an error."""
+    if ops.fp8_linear_isa() != "avx512bf16":
+        pytest.skip("the nt16 layout is read by the AVX-512 BF16 kernels")
+    gen = torch.Generator().manual_seed(k * 5 + n)
+    w = torch.randn(n, k, generator=gen).to(BF16)
+    grouped = layout.to_nt16_(w.clone())
+    if k % 2 == 0:
+        assert torch.equal(grouped.flatten()[:32].view(torch.int32), w[:16, :2].contiguous().view(torch.int32).flatten())
+    bias = torch.randn(n, generator=gen).to(BF16)
+    for m in (1, 2, 3, 5, 8, 9, 64, 65, 80):
+        x = torch.randn(m, k, generator=gen).to(BF16)
+        for b in (None, bias):
+            expected = ops.bf16_linear(x, w, b, True, False, "avx512")
+            for bi in (True, False):
+                assert torch.equal(ops.bf16_linear(x, grouped, b, bi, False, "avx512", True), expected), (m, bi)
+            for kernel in ("avx512-nt", "avx512-gemm"):
+                assert torch.equal(ops.bf16_linear(x, grouped, b, False, False, kernel, True),
+                                   ops.bf16_linear(x, w, b, False, False, kernel)), (m, kernel)
+    if k % 2 == 0:
+        with pytest.raises(RuntimeError, match="the gemv reads weight rows, not nt16 groups"):
+            ops.bf16_linear(x, grouped, None, False, False, "avx512-gemv", True)

@@ -1,7 +1,8 @@
 """The nt16 layout (weights/layout.py): a batch-invariant engine on the AVX-512 BF16 kernels stores its FP8 codes
-with whole groups of 16 rows interleaved, so that its small-batch kernel reads them without transposing. It is a
-storage layout only: the engine decodes the bits of the same engine with its weights as rows, through loads,
-BF16 and pre-quantized updates, and reads its weights back (`get_weights_by_name`) as rows."""
+and its BF16 LM head (here tied to the embedding) with whole groups of 16 rows interleaved, so that its small-batch
+kernels read them without transposing. It is a storage layout only: the engine decodes the bits of the same engine
+with its weights as rows, through loads, BF16 and pre-quantized updates, and reads its weights back
+(`get_weights_by_name`) as rows."""
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from tests.tiny_models import tiny_dir  # noqa: F401 (a fixture)
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2, logprobs_mode="raw"),
           SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, ignore_eos=True, seed=5, n=2, logprobs=1)]
 NAMES = ["model.layers.0.self_attn.k_proj.weight", "model.layers.7.mlp.down_proj.weight",
-         "model.layers.29.self_attn.q_proj.weight"]
+         "model.layers.29.self_attn.q_proj.weight", "model.embed_tokens.weight", "lm_head.weight"]
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,7 @@ def engines():
         pytest.skip("the nt16 layout is read by the AVX-512 BF16 kernels")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FP8ENGINE_FP8_GEMM", "avx512")  # on an AMX machine too: batch invariant on AVX-512, not tiles
+        mp.setenv("FP8ENGINE_BF16_GEMM", "avx512")
         built = {}
         for flag in ("1", "0"):
             mp.setenv("FP8ENGINE_NT16", flag)
@@ -46,6 +48,12 @@ def _decode(engine):
 def test_nt16_engine_decodes_the_bits_of_rows(engines):
     nt16, rows = engines
     assert nt16.runner.kernel_names["fp8_weights"] == "nt16" and rows.runner.kernel_names["fp8_weights"] == "rows"
+    assert nt16.runner.kernel_names["lm_head_weights"] == "nt16" and "lm_head_weights" not in rows.runner.kernel_names
+    heads = [e.runner.model.lm_head.weight for e in engines]
+    assert heads[0] is nt16.runner.model.model.embed_tokens.weight and layout.is_marked(heads[0])
+    assert not torch.equal(heads[0], heads[1]) and torch.equal(layout.rows_of(heads[0], 0, heads[0].shape[0]), heads[1])
+    ids = torch.tensor([[0, 5, 49151], [17, 16, 32]])
+    assert torch.equal(nt16.runner.model.model.embed_tokens(ids), rows.runner.model.model.embed_tokens(ids))
     gate_up = [e.runner.model.model.layers[3].mlp.gate_up_proj.weight for e in engines]
     assert layout.is_marked(gate_up[0]) and not layout.is_marked(gate_up[1])
     assert not torch.equal(gate_up[0].view(torch.uint8), gate_up[1].view(torch.uint8))  # stored differently
@@ -67,6 +75,24 @@ def test_nt16_engine_updates_to_the_bits_of_rows(engines, default_dir, how):
     assert _decode(nt16) == _decode(rows)
     q = state["model.layers.29.self_attn.q_proj.weight"].float()
     assert (nt16.get_weights_by_name("model.layers.29.self_attn.q_proj.weight").float() - q).abs().max() < 0.05 * q.abs().max()
+
+
+def test_nt16_bf16_engine_decodes_the_bits_of_rows(monkeypatch):
+    """A BF16 engine: its linears and LM head in the layout, through the Python layers and the decoder plan."""
+    require_cpu_op("bf16_linear")
+    if load_cpu_ops().fp8_linear_isa() != "avx512bf16":
+        pytest.skip("the nt16 layout is read by the AVX-512 BF16 kernels")
+    monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "avx512")
+    out = {}
+    for flag, fused in (("1", "1"), ("1", "0"), ("0", "1")):
+        monkeypatch.setenv("FP8ENGINE_NT16", flag)
+        monkeypatch.setenv("FP8ENGINE_FUSED_DECODER", fused)
+        engine = make_engine(batch_invariant=True, num_kv_blocks=64)
+        assert engine.runner.kernel_names.get("lm_head_weights") == ("nt16" if flag == "1" else None)
+        assert engine.runner.kernel_names.get("dense_weights") == ("nt16" if flag == "1" else None)
+        assert layout.is_marked(engine.runner.model.model.layers[4].mlp.down_proj.weight) == (flag == "1")
+        out[flag, fused] = _decode(engine)
+    assert out["1", "1"] == out["0", "1"] == out["1", "0"]
 
 
 def test_nt16_moe_experts_decode_and_update_to_the_bits_of_rows(tiny_dir, monkeypatch, tmp_path):

@@ -67,7 +67,12 @@ struct Problem {
   int64_t ldw;
   const float* bias;  // [N] or nullptr
   int64_t terms = 1;  // AMX only: x holds `terms` groups of m rows (m a multiple of 16), y[i] = sum of their rows i
+  bool nt16 = false;  // w in the nt16 layout (weights/layout.py): whole groups of 16 rows as lines of one pair each
   float bias_at(int64_t row) const { return bias ? bias[row] : 0.f; }
+  // Whether the 16 rows from row0 (a multiple of 16) are an nt16 group: line q (64 bytes) of the group holds pair q
+  // of its 16 rows, lane r row r, the vectors nt's chains take; rows past the last whole group are stored as rows.
+  bool grouped(int64_t row0) const { return nt16 && row0 + 16 <= n; }
+  const uint16_t* line(int64_t row0, int64_t q) const { return w + row0 * k + 32 * q; }
 };
 
 // ---- small M ---------------------------------------------------------------------------------------
@@ -241,12 +246,81 @@ void nt_transpose(const uint16_t* const (&rows)[kNtRows], int64_t pair_chunks, f
 }
 
 // K block k0 of the task's rows n0.. into wt, pair_chunks chunks of 16 pairs (nt_rows, then nt_transpose).
+// Lines ahead that nt16_blocks prefetches into L1 in each stream (beside the next task's lines into L2). The
+// default model's head (49152 x 576) at one row, three copies cycled from L3 (this Xeon's 260 MiB), 2 threads,
+// against the gemv in the same process: next task into L2 alone 0.88-1.02x the gemv's time, with 8 lines into L1
+// 0.83-0.93x, neither 1.31-1.65x.
+constexpr int64_t kNt16L1Lines = 8;
+
+// An nt16 group's pairs are its lines: copied (zero past K) instead of transposed.
 void nt_block_pairs(const Problem& p, int64_t n0, int64_t k0, int64_t pair_chunks, uint16_t* pad, float* wt) {
-  const uint16_t* rows[kNtRows];
-  const char *l1[kNtRows], *l2[kNtRows];
-  nt_rows(p, n0, k0, pad, rows, l1, l2);
-  nt_transpose(rows, pair_chunks, wt, l1, l2);
+  bool grouped[kNtVecs], all = true;
+  for (int v = 0; v < kNtVecs; ++v) all = (grouped[v] = p.grouped(n0 + 16 * v)) && all;
+  if (!all) {
+    const uint16_t* rows[kNtRows];
+    const char *l1[kNtRows], *l2[kNtRows];
+    nt_rows(p, n0, k0, pad, rows, l1, l2);
+    nt_transpose(rows, pair_chunks, wt, l1, l2);
+  }
+  const int64_t lines = std::min(16 * pair_chunks, (p.k - k0) / 2), ahead = kNtRows * p.k;
+  for (int v = 0; v < kNtVecs; ++v)
+    for (int64_t q = 0; grouped[v] && q < 16 * pair_chunks; ++q) {
+      const uint16_t* src = p.line(n0 + 16 * v, k0 / 2 + q);
+      if (q < lines) {  // prefetched as nt16_blocks does (below)
+        _mm_prefetch(reinterpret_cast<const char*>(src + ahead), _MM_HINT_T2);
+        _mm_prefetch(reinterpret_cast<const char*>(src + 32 * kNt16L1Lines), _MM_HINT_T0);
+      }
+      _mm512_store_si512(wt + (q * kNtVecs + v) * 16, q < lines ? _mm512_loadu_si512(src) : _mm512_setzero_si512());
+    }
 }
+
+// nt_blocks on a task of two nt16 groups at a row or two, straight from the lines (no copy into wt): G blocks of K
+// from k0, the last one possibly partial (its chain over its pairs, as nt_block's). Each block's chain in pair
+// order, the blocks' sums added in block order: nt_blocks' bits. The next task's lines are prefetched into L2.
+template <int G, int MR>
+void nt16_blocks(const Problem& p, int64_t n0, int64_t k0, const uint16_t* xb, int64_t ldx, float* tot, bool first) {
+  static_assert(kNtVecs == 2, "a task is two groups");
+  const int64_t last_pairs = cdiv(std::min(kBlockK, p.k - (k0 + (G - 1) * kBlockK)), 2), ahead = kNtRows * p.k;
+  __m512 acc[G][MR][kNtVecs];
+  for (auto& block : acc)
+    for (auto& row : block)
+      for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t q = 0; q < kBlockK / 2; ++q)
+    for (int g = 0; g < G; ++g) {
+      if (g == G - 1 && q >= last_pairs) continue;
+      const int64_t line = (k0 + g * kBlockK) / 2 + q;
+      __m512bh wv[kNtVecs];
+      for (int v = 0; v < kNtVecs; ++v) {
+        const uint16_t* src = p.line(n0 + 16 * v, line);
+        _mm_prefetch(reinterpret_cast<const char*>(src + ahead), _MM_HINT_T2);
+        _mm_prefetch(reinterpret_cast<const char*>(src + 32 * kNt16L1Lines), _MM_HINT_T0);
+        wv[v] = as_bh(_mm512_loadu_si512(src));
+      }
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xb + i * ldx + g * kBlockK + 2 * q, 4);
+        const __m512bh xv = as_bh(_mm512_set1_epi32(pair));
+        for (int v = 0; v < kNtVecs; ++v) acc[g][i][v] = _mm512_dpbf16_ps(acc[g][i][v], wv[v], xv);
+      }
+    }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < kNtVecs; ++v) {
+        float* t = tot + (i * kNtVecs + v) * 16;
+        const __m512 prev = first && g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(t);
+        _mm512_store_ps(t, _mm512_add_ps(acc[g][i][v], prev));
+      }
+}
+
+using Nt16BlocksFn = void (*)(const Problem&, int64_t, int64_t, const uint16_t*, int64_t, float*, bool);
+constexpr Nt16BlocksFn kNt16Blocks[4][kNtGroupMaxM + 1] = {{nullptr, nullptr, nullptr},
+                                                          {nullptr, nt16_blocks<1, 1>, nt16_blocks<1, 2>},
+                                                          {nullptr, nt16_blocks<2, 1>, nt16_blocks<2, 2>},
+                                                          {nullptr, nt16_blocks<3, 1>, nt16_blocks<3, 2>}};
+// Above two rows one block a call (the rows' chains are enough to overlap), up to a register tile of rows.
+constexpr Nt16BlocksFn kNt16Block[kNtMaxRows + 1] = {
+    nullptr, nt16_blocks<1, 1>, nt16_blocks<1, 2>, nt16_blocks<1, 3>, nt16_blocks<1, 4>,
+    nt16_blocks<1, 5>, nt16_blocks<1, 6>, nt16_blocks<1, 7>, nt16_blocks<1, 8>};
 
 constexpr int64_t kWtFloats = kBlockK / 2 * kNtRows;  // one block's transposed pairs (nt_transpose)
 constexpr int kNtGroup = 2;                            // K blocks nt_blocks takes at once
@@ -268,6 +342,22 @@ void linear_nt(const Problem& p, OutT* y) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kNtRows;
       int64_t k0 = 0;
+      if (p.m <= kNtGroupMaxM && p.grouped(n0) && p.grouped(n0 + 16)) {  // two blocks a call, three for the last
+        const int64_t blocks = cdiv(p.k, kBlockK);
+        for (int64_t b = 0; b < blocks;) {
+          const int64_t g = blocks - b == 3 ? 3 : std::min<int64_t>(2, blocks - b);
+          kNt16Blocks[g][p.m](p, n0, b * kBlockK, x.get() + b * kBlockK, kpad, tot.get(), b == 0);
+          b += g;
+        }
+        nt_write(p.m, p.n, n0, p.bias, tot.get(), y);
+        continue;
+      }
+      if (p.m <= kNtMaxRows && p.grouped(n0) && p.grouped(n0 + 16)) {
+        for (int64_t b0 = 0; b0 < p.k; b0 += kBlockK)
+          kNt16Block[p.m](p, n0, b0, x.get() + b0, kpad, tot.get(), b0 == 0);
+        nt_write(p.m, p.n, n0, p.bias, tot.get(), y);
+        continue;
+      }
       if (p.m <= kNtGroupMaxM)  // whole blocks kNtGroup at a time (nt_blocks)
         for (; k0 + kNtGroup * kBlockK <= p.k; k0 += kNtGroup * kBlockK) {
           for (int g = 0; g < kNtGroup; ++g)
@@ -336,7 +426,18 @@ PackedX pack_activations(const Problem& p, bool tiles) {
 // wb[r][c] = w[n0 + r, k0 + c], zero past K; rows past N keep the zeros the caller wrote.
 void copy_weight_block(const Problem& p, int64_t n0, int64_t k0, uint16_t* wb) {
   const int64_t rows = std::min(kTileN, p.n - n0);
-  for (int64_t r = 0; r < rows; ++r) {
+  int64_t r = 0;
+  for (; r + 16 <= rows && p.grouped(n0 + r); r += 16)  // an nt16 group: 16 lines of 16 pairs, transposed
+    for (int64_t j0 = 0; j0 < kBlockK / 2; j0 += 16) {
+      __m512 t[16];
+      for (int j = 0; j < 16; ++j) {
+        const int64_t q = k0 / 2 + j0 + j;
+        t[j] = 2 * q < p.k ? _mm512_castsi512_ps(_mm512_loadu_si512(p.line(n0 + r, q))) : _mm512_setzero_ps();
+      }
+      transpose16x16(t);
+      for (int i = 0; i < 16; ++i) _mm512_store_ps(reinterpret_cast<float*>(wb + (r + i) * kBlockK + 2 * j0), t[i]);
+    }
+  for (; r < rows; ++r) {
     const uint16_t* src = p.w + (n0 + r) * p.ldw + k0;
     for (int64_t c = 0; c < kBlockK; c += 32)
       _mm512_store_si512(wb + r * kBlockK + c, _mm512_maskz_loadu_epi16(tail_mask32(p.k - k0 - c), src + c));
@@ -537,14 +638,19 @@ constexpr int64_t kSmallMAmx = 1;
 
 template <typename OutT>
 void linear_impl(const Problem& p, OutT* out, bool batch_invariant, GemmChoice g) {
+  TORCH_CHECK(!p.nt16 || !g.amx, "bf16_linear: nt16 weights are for the AVX-512 kernels, not AMX tiles");
   if (g.kernel == Avx512Kernel::kByM && g.amx) {
 #ifdef FP8E_AMX
     if (batch_invariant || p.m > kSmallMAmx) return linear_amx(p, out);
 #endif
     return linear_small_m(p, out);
   }
-  const Avx512Kernel kernel = g.avx512_kernel(p.m, batch_invariant, kGemvMaxM, kNtMaxM);
-  if (kernel == Avx512Kernel::kGemv) return linear_small_m(p, out);
+  // nt16 weights never take the gemv (it reads rows): nt
+  const Avx512Kernel kernel = g.avx512_kernel(p.m, batch_invariant || p.nt16, kGemvMaxM, kNtMaxM);
+  if (kernel == Avx512Kernel::kGemv) {
+    TORCH_CHECK(!p.nt16, "bf16_linear: the gemv reads weight rows, not nt16 groups");
+    return linear_small_m(p, out);
+  }
   if (kernel == Avx512Kernel::kNt) return linear_nt(p, out);
   linear_large_m(p, out);
 }
@@ -554,15 +660,16 @@ void linear_impl(const Problem& p, OutT* out, bool batch_invariant, GemmChoice g
 // linear_common.h): batch_invariant takes nt then the AVX-512 GEMM by M, or AMX tiles for every M (chosen by
 // `gemm`, never by M). float32_out: y in float32, the sums not rounded to bf16.
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                       bool batch_invariant, bool float32_out, const std::string& gemm) {
+                       bool batch_invariant, bool float32_out, const std::string& gemm, bool nt16) {
   const GemmChoice choice = choose_gemm(gemm, "bf16_linear");
   const Bf16Args a = check_bf16_linear(x, w, bias, float32_out);
   const int64_t m = a.m, k = a.k, n = a.n;
   at::Tensor y = a.y;
   if (m == 0 || n == 0) return y;
+  TORCH_CHECK(!nt16 || w.is_contiguous(), "bf16_linear: nt16 weights must be contiguous");
   const Problem p{m, n, k, static_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
                   static_cast<const uint16_t*>(w.data_ptr()), w.stride(0),
-                  a.bias_f.defined() ? a.bias_f.data_ptr<float>() : nullptr};
+                  a.bias_f.defined() ? a.bias_f.data_ptr<float>() : nullptr, 1, nt16 && k % 2 == 0};
   if (float32_out) {
     linear_impl(p, y.data_ptr<float>(), batch_invariant, choice);
   } else {
@@ -611,8 +718,9 @@ using namespace fp8e;
 
 // The AVX2 kernel for every M (batch_invariant as it stands; `gemm` is validated, there is nothing to choose).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                       bool /*batch_invariant*/, bool float32_out, const std::string& gemm) {
+                       bool /*batch_invariant*/, bool float32_out, const std::string& gemm, bool nt16) {
   choose_gemm(gemm, "bf16_linear");
+  TORCH_CHECK(!nt16, "bf16_linear: nt16 weights need the AVX-512 BF16 kernels");
   const Bf16Args a = check_bf16_linear(x, w, bias, float32_out);
   const int64_t m = a.m, k = a.k, n = a.n;
   at::Tensor y = a.y;
@@ -648,7 +756,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
 #if defined(FP8E_BF16_KERNELS) || defined(FP8E_AVX2_KERNELS)
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.def("bf16_linear(Tensor x, Tensor w, Tensor? bias, bool batch_invariant=False, bool float32_out=False, "
-        "str gemm='auto') -> Tensor");
+        "str gemm='auto', bool nt16=False) -> Tensor");
   m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
 }
 #endif

@@ -44,9 +44,9 @@ struct Ops {
       fp8_linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
                                       const OptTensor&, bool, const std::string&, bool)>("fp8engine::fp8_block_linear");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool,
-                                      const std::string&)>
+                                      const std::string&, bool)>
       bf16_linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool,
-                                       const std::string&)>("fp8engine::bf16_linear");
+                                       const std::string&, bool)>("fp8engine::bf16_linear");
   c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
       rotary = find_op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
           "fp8engine::rotary_embedding_");
@@ -76,7 +76,7 @@ struct Ops {
 // (bf16_linear_cpu.kernel_takes, decided in Python for each call).
 struct ProjPath {
   bool batch_invariant;
-  bool nt16;  // the FP8 weights are in the nt16 layout (weights/layout.py)
+  bool nt16;  // the projections' weights (all FP8 or all BF16) are in the nt16 layout (weights/layout.py)
   const std::string& fp8_gemm;
   const std::string& bf16_gemm;
   bool bf16_kernel;
@@ -94,7 +94,7 @@ struct Proj {
     at::Tensor y = scale ? ops.fp8_linear.call(x, weight, *scale, bias, ue8m0, scale_rows, path.batch_invariant,
                                                path.fp8_gemm, path.nt16)
                          : path.bf16_kernel ? ops.bf16_linear.call(x, weight, bias, path.batch_invariant, false,
-                                                                   path.bf16_gemm)
+                                                                   path.bf16_gemm, path.nt16)
                                             : at::linear(x, weight, bias);
     if (lora && lora_a) ops.lora_add.call(y, x.contiguous(), *lora_a, *lora_b, *lora_segments);
     return y;

@@ -881,22 +881,21 @@ void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_
     for (int g = 0; g < G; ++g) {
       const bool last = g == G - 1;
       if (last && j >= last_slot_pairs) continue;
-      __m512bh xv[MR][2];
-      for (int i = 0; i < MR; ++i) {
-        int32_t pair[2];
-        std::memcpy(pair, xb + i * ldx + g * kBlock + 4 * j, 8);
-        xv[i][0] = as_bh(_mm512_set1_epi32(pair[0]));
-        xv[i][1] = as_bh(_mm512_set1_epi32(pair[1]));
-      }
+      __m512i w[kNtVecs][2];
       for (int v = 0; v < kNtVecs; ++v) {
-        __m512i w0 = _mm512_setzero_si512(), w1 = _mm512_setzero_si512();
+        w[v][0] = w[v][1] = _mm512_setzero_si512();
         if (!last || line < last_lines) {
           const uint8_t* src = base[v] + g * kBlock * 16 + 64 * line;
           _mm_prefetch(reinterpret_cast<const char*>(src + ahead), _MM_HINT_T2);
-          cvt(_mm512_loadu_si512(src), w0, w1);
+          cvt(_mm512_loadu_si512(src), w[v][0], w[v][1]);
         }
-        for (int i = 0; i < MR; ++i)
-          acc[g][i][v] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g][i][v], as_bh(w0), xv[i][0]), as_bh(w1), xv[i][1]);
+      }
+      for (int i = 0; i < MR; ++i) {  // each row's two pairs broadcast as it goes (few registers at 8 rows)
+        int32_t pair[2];
+        std::memcpy(pair, xb + i * ldx + g * kBlock + 4 * j, 8);
+        const __m512bh x0 = as_bh(_mm512_set1_epi32(pair[0])), x1 = as_bh(_mm512_set1_epi32(pair[1]));
+        for (int v = 0; v < kNtVecs; ++v)
+          acc[g][i][v] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g][i][v], as_bh(w[v][0]), x0), as_bh(w[v][1]), x1);
       }
     }
   }
@@ -921,16 +920,23 @@ constexpr Nt16BlocksFn kNt16Blocks[kNt16MaxG + 1][kNtGroupMaxM + 1] = {
     {nullptr, nt16_blocks<3, 1>, nt16_blocks<3, 2>},
     {nullptr, nt16_blocks<4, 1>, nt16_blocks<4, 2>},
     {nullptr, nt16_blocks<5, 1>, nt16_blocks<5, 2>}};
+// Above two rows one block a call (the rows' chains are enough to overlap), up to a register tile of rows.
+constexpr Nt16BlocksFn kNt16Block[kNtMaxRows + 1] = {
+    nullptr, nt16_blocks<1, 1>, nt16_blocks<1, 2>, nt16_blocks<1, 3>, nt16_blocks<1, 4>,
+    nt16_blocks<1, 5>, nt16_blocks<1, 6>, nt16_blocks<1, 7>, nt16_blocks<1, 8>};
 
-// A task of two nt16 groups at a row or two: every K block through nt16_blocks, kNtGroup at a time (the last call
-// takes one more rather than leave one block alone on its two chains).
+// A task of two nt16 groups at up to kNtMaxRows rows: every K block through nt16_blocks, at a row or two kNtGroup
+// at a time (the last call takes one more rather than leave one block alone on its two chains), above one at a time.
 template <typename OutT>
 void nt16_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* tot, OutT* y) {
   for (int64_t b = 0; b < p.nkb;) {
-    const int g = p.nkb - b == kNt16MaxG ? kNt16MaxG : static_cast<int>(std::min<int64_t>(kNtGroup, p.nkb - b));
+    const int g = p.m > kNtGroupMaxM        ? 1
+                  : p.nkb - b == kNt16MaxG ? kNt16MaxG
+                                           : static_cast<int>(std::min<int64_t>(kNtGroup, p.nkb - b));
     __m512 sw[kNt16MaxG][kNtVecs];
     for (int i = 0; i < g; ++i) nt_scales(p, n0, b + i, sw[i]);
-    kNt16Blocks[g][p.m](p, cvt, n0, b, x.x.get() + b * kBlock, x.kp, x.scale.get() + b, p.nkb, sw, tot, b == 0);
+    (p.m > kNtGroupMaxM ? kNt16Block[p.m] : kNt16Blocks[g][p.m])(p, cvt, n0, b, x.x.get() + b * kBlock, x.kp,
+                                                                 x.scale.get() + b, p.nkb, sw, tot, b == 0);
     b += g;
   }
   nt_write(p.m, p.n, n0, p.bias, tot, y);
@@ -939,7 +945,7 @@ void nt16_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64
 // wt holds kNtGroup blocks' room (nt_blocks takes whole K blocks kNtGroup at a time at one or two rows).
 template <typename OutT>
 void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* wt, float* tot, OutT* y) {
-  if (p.m <= kNtGroupMaxM && p.grouped(n0) && p.grouped(n0 + 16)) return nt16_task(p, cvt, x, n0, tot, y);
+  if (p.m <= kNtMaxRows && p.grouped(n0) && p.grouped(n0 + 16)) return nt16_task(p, cvt, x, n0, tot, y);
   const int64_t per_pass = nt_rows_per_pass(p.m);
   int64_t b = 0;
   if (p.m <= kNtGroupMaxM)

@@ -44,7 +44,7 @@ class FusedDecoder:
             tensors, first.rotary.cos, first.rotary.sin,
             [first.num_heads, first.num_kv_heads, first.head_dim, kernels.attention_partition],
             layers[0].input_layernorm.eps, first.attn.scale, scale_fmt == "ue8m0", kernels.batch_invariant,
-            kernels.fp8_nt16, list(kernels.gemms))
+            kernels.fp8_nt16 if first.qkv_proj.is_fp8 else kernels.dense_nt16 is not None, list(kernels.gemms))
         self.attn = [layer.self_attn.attn for layer in layers]
         norm = model.model.norm  # its tensors and the embedding's, held like the layers' (updated in place)
         self.embed, self.norm_weight, self.norm_eps = model.model.embed_tokens.weight, norm.weight, norm.eps

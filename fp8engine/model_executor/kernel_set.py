@@ -70,6 +70,8 @@ class KernelSet:
     fp8_scale_rows: bool  # fp8_linear maps output rows to stacked scale grids (scale_rows) in one call
     huge_pages: bool  # the weights may move onto transparent huge pages (model_executor/host_memory.py)
     fp8_nt16: bool  # FP8 weights are stored in the nt16 layout, which fp8_linear reads (weights/layout.py)
+    head_nt16: bool  # the (BF16) LM head's weight is stored in the nt16 layout, which lm_head reads
+    dense_nt16: Callable | None  # dense_linear for a Linear layer's weight in the nt16 layout (None: rows only)
     names: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -141,6 +143,18 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
         lm_head, names["lm_head"] = layer_ops_ref.float32_linear_ref, "fp32-torch"
     else:
         lm_head, names["lm_head"] = (lambda x, w: dense(x, w, None)), names["dense_linear"]
+    # Batch invariant on the AVX-512 BF16 kernels: the BF16 linears' and the head's weights in the nt16 layout,
+    # which nt reads as it loads them (weights/layout.py)
+    bf16_nt16 = (bi and bf16 and bf16_gemm == "avx512" and has("bf16_linear") and ops.fp8_linear_isa() == "avx512bf16"
+                 and not chunked and envs.flag("FP8ENGINE_NT16"))
+    dense_nt16 = functools.partial(bf16_linear_cpu.bf16_linear, batch_invariant=True, gemm=bf16_gemm,
+                                   nt16=True) if bf16_nt16 else None
+    head_nt16 = bf16_nt16 and not config.lm_head_fp32 and not config.lm_head_fp8
+    if head_nt16:
+        lm_head = functools.partial(dense_nt16, bias=None)
+        names["lm_head_weights"] = "nt16"
+    if bf16_nt16:
+        names["dense_weights"] = "nt16"
 
     layer_ops = has("rms_norm") and has("rotary_embedding_") and has("silu_and_mul")
     if layer_ops:
@@ -180,7 +194,7 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
         lora_add, names["lora"] = functools.partial(layer_ops_ref.lora_add_dense, dense), "dense-linear"
     return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm, rotary, silu, lora_add,
                      write_kv, attend, None, sample_rows, quantize_into, block_scales, partition,
-                     (fp8_gemm, bf16_gemm), decoder_plan, True, huge_pages, nt16, names)
+                     (fp8_gemm, bf16_gemm), decoder_plan, True, huge_pages, nt16, head_nt16, dense_nt16, names)
 
 
 def fp8_linear_ref(x, w_q, w_scale_inv, bias=None, scale_fmt=None, scale_rows=None) -> torch.Tensor:
@@ -225,7 +239,7 @@ def _cuda(config: EngineConfig) -> KernelSet:
                      layer_ops_ref.rotary_ref, layer_ops_ref.silu_and_mul_ref,
                      dense_triton.lora_add_triton, attention_triton.write_kv_cache_triton,
                      attend, functools.partial(moe_triton.fused_moe_triton, batch_invariant=bi), None, quantize_into,
-                     None, 0, ("", ""), False, False, False, False, names)
+                     None, 0, ("", ""), False, False, False, False, False, None, names)
 
 
 def _probed(library: str, probe, device: torch.device) -> bool:

@@ -11,6 +11,8 @@ from fp8engine.model_executor import cuda_graphs, fused_decoder, host_memory, ke
 from fp8engine.model_executor.kernels import cpu_ops
 from fp8engine.model_executor.kernels.attention_ref import quantize_fp8
 from fp8engine.model_executor.layers.attention import AttentionMetadata
+from fp8engine.model_executor.layers.embedding import LMHead
+from fp8engine.model_executor.layers.linear import Linear
 from fp8engine.model_executor.layers.lora import LoRA
 from fp8engine.model_executor.models import model_class
 from fp8engine.model_executor.models.llama import LinearFactory
@@ -70,6 +72,13 @@ class ModelRunner:
             for param in self.model.parameters():
                 if param.dtype == FP8_DTYPE:
                     layout.mark(param)
+        head = getattr(self.model, "lm_head", None)
+        if self.kernels.head_nt16 and isinstance(head, LMHead) and head.weight.dtype == torch.bfloat16:
+            layout.mark(head.weight)  # a tied embedding's too: it looks its rows up through layout.embedding
+        if self.kernels.dense_nt16 is not None:
+            for module in self.model.modules():
+                if isinstance(module, Linear) and not module.is_fp8 and module.weight.dtype == torch.bfloat16:
+                    layout.mark(module.weight)
         if config.load_format == "dummy":
             load_dummy(self.model, self.kernels.quantize_into, config.seed)
         else:

@@ -9,6 +9,11 @@ row 4 L + i, column 4 c + 2 h + b): the transposition is gone, and the group occ
 did as rows. Rows past the last whole group stay rows, and so does a whole weight whose K is not a multiple of
 4 (the kernels treat it as rows too). Only the codes move; scale grids are unchanged.
 
+A BF16 weight (the LM head of a batch-invariant BF16-head engine, csrc/bf16_linear.cpp) has the same layout one
+level simpler: line q of a group is bf16 pair q (columns 2q, 2q+1) of its 16 rows, row r in 32-bit lane r, which
+the kernel feeds to its dot products as it loads them (K even; a tied embedding looks its rows up with
+`embedding`).
+
 A parameter in the layout is marked (`mark`). The loader's targets of FP8 weights name the matrix a linear reads
 (the layer's weight, or one expert of a stacked tensor) and their rows in it: writers take those rows back to rows
 around their write (`as_rows`), readers read a row-major copy (`rows_of`), so that loads, weight updates and
@@ -35,23 +40,30 @@ def is_marked(t: torch.Tensor) -> bool:
     return bool(getattr(root, _MARK, False))
 
 
-def applies(k: int) -> bool:
-    """Whether a weight with k columns is stored in the layout (else as rows)."""
-    return k % 4 == 0
+def applies(matrix: torch.Tensor) -> bool:
+    """Whether a weight of this shape and dtype is stored in the layout (else as rows): E4M3 with K a multiple of
+    4, bf16 with K even."""
+    return matrix.shape[-1] % (4 if matrix.element_size() == 1 else 2) == 0
 
 
 def _permute_groups(matrix: torch.Tensor, g0: int, g1: int, to_nt16: bool) -> None:
     """Groups g0..g1 of a [N, K] matrix (in place) from rows into the layout, or back."""
     if g1 <= g0:
         return
-    k = matrix.shape[1]
-    block = matrix[g0 * GROUP:g1 * GROUP].view(torch.uint8)
-    n = g1 - g0
+    n, k = g1 - g0, matrix.shape[1]
+    rows = matrix[g0 * GROUP:g1 * GROUP]
+    if matrix.element_size() == 2:  # bf16: line q of a group is pair q of its 16 rows, [g, r, q] -> [g, q, r]
+        block = rows.view(torch.int32)
+        shape = (n, GROUP, k // 2) if to_nt16 else (n, k // 2, GROUP)
+        moved = block.view(shape).transpose(1, 2).clone(memory_format=torch.contiguous_format)
+        block.copy_(moved.view(n * GROUP, k // 2))
+        return
+    block = rows.view(torch.uint8)
     if to_nt16:  # [g, L, i, c, h, b] -> [g, c, L, h, i, b]
         moved = block.view(n, 4, 4, k // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     else:  # [g, c, L, h, i, b] -> [g, L, i, c, h, b]
         moved = block.view(n, k // 4, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5)
-    block.copy_(moved.reshape(n * GROUP, k))
+    block.copy_(moved.clone(memory_format=torch.contiguous_format).view(n * GROUP, k))
 
 
 def _groups(matrix: torch.Tensor, row0: int, rows: int) -> tuple[int, int]:
@@ -60,12 +72,12 @@ def _groups(matrix: torch.Tensor, row0: int, rows: int) -> tuple[int, int]:
 
 
 def _in_layout(matrix: torch.Tensor | None) -> bool:
-    return matrix is not None and is_marked(matrix) and applies(matrix.shape[-1])
+    return matrix is not None and is_marked(matrix) and applies(matrix)
 
 
 def to_nt16_(matrix: torch.Tensor) -> torch.Tensor:
     """A row-major [N, K] matrix into the layout, in place (returns it)."""
-    if applies(matrix.shape[-1]):
+    if applies(matrix):
         _permute_groups(matrix, 0, matrix.shape[0] // GROUP, True)
     return matrix
 
@@ -84,6 +96,24 @@ def as_rows(matrix: torch.Tensor | None, row0: int, rows: int) -> Iterator[None]
         yield
     finally:
         _permute_groups(matrix, g0, g1, True)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.embedding(ids, weight) for a weight in the layout (a tied LM head's): each row gathered from its group's
+    lines, rows past the groups read as rows."""
+    if not _in_layout(weight):
+        return torch.nn.functional.embedding(ids, weight)
+    n, k = weight.shape
+    groups = n // GROUP
+    flat = ids.reshape(-1)
+    out = torch.empty(flat.shape[0], k, dtype=weight.dtype, device=weight.device)
+    lines = weight[:groups * GROUP].view(torch.int32).view(groups, k // 2, GROUP)
+    inside = flat < groups * GROUP
+    picked = flat[inside]
+    out[inside] = lines[picked // GROUP, :, picked % GROUP].view(weight.dtype)
+    if not bool(inside.all()):
+        out[~inside] = weight[flat[~inside]]
+    return out.view(*ids.shape, k)
 
 
 def rows_of(matrix: torch.Tensor, row0: int, rows: int) -> torch.Tensor:

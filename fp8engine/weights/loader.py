@@ -34,7 +34,8 @@ class Target:
     """Where one HF tensor lands. kind: 'dense', 'fp8_weight', 'fp8_scale', or 'split': parts holds
     (index into the incoming tensor, the target of that piece) and view the whole storage. mirror: a second
     target that every write also fills from the same tensor (a tied embedding's FP8 LM head). matrix, row0: for an
-    FP8 weight, the [N, K] matrix a linear reads that holds `view`, and the view's first row in it (layout.py)."""
+    FP8 weight or a whole 2-D parameter, the [N, K] matrix a linear reads that holds `view`, and the view's first
+    row in it (layout.py: where the matrix is in the nt16 layout, writes and reads go through it)."""
 
     name: str
     kind: str
@@ -102,7 +103,7 @@ def _resolve(model: torch.nn.Module, name: str) -> Target:
     if name == "model.embed_tokens.weight" and tied and getattr(model.lm_head, "is_fp8", False):
         embedding = model.get_submodule("model.embed_tokens").weight
         head = _linear_target("lm_head.weight", model.lm_head, 0, "weight")
-        return Target(name, "dense", embedding.data, mirror=head)
+        return Target(name, "dense", embedding.data, mirror=head, matrix=embedding)
     for path, owner in _name_owners(model).items():
         if name.startswith(path + "."):
             return owner.hf_target(name, name[len(path) + 1:])
@@ -121,7 +122,7 @@ def _resolve(model: torch.nn.Module, name: str) -> Target:
     param = getattr(module, attr, None)
     if not isinstance(param, torch.Tensor):
         raise ValueError(f"unknown weight name {name!r}: {module_path!r} has no tensor {attr!r}")
-    return Target(name, "dense", param.data)
+    return Target(name, "dense", param.data, matrix=param if param.dim() == 2 else None)
 
 
 _OWNERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]]" = weakref.WeakKeyDictionary()
@@ -144,7 +145,7 @@ def _linear_target(name: str, layer, shard: int, attr: str) -> Target:
         if layer.is_fp8:
             return Target(name, "fp8_weight", weight.data, scale.data, layer.scale_fmt, matrix=layer.weight,
                           row0=layer.shard_offsets[shard])
-        return Target(name, "dense", weight.data)
+        return Target(name, "dense", weight.data, matrix=layer.weight, row0=layer.shard_offsets[shard])
     if attr == "weight_scale_inv" and layer.is_fp8:
         return Target(name, "fp8_scale", scale.data)
     raise ValueError(f"unknown weight name {name!r}: this linear layer has no {attr!r}"
@@ -315,4 +316,6 @@ def read(target: Target, dtype: torch.dtype) -> torch.Tensor:
     if target.kind == "fp8_weight":
         codes = target.view if target.matrix is None else layout.rows_of(target.matrix, target.row0, target.shape[0])
         return dequantize_weight_blockwise(codes, target.scale_view, dtype)
+    if target.matrix is not None:
+        return layout.rows_of(target.matrix, target.row0, target.shape[0]).clone()
     return target.view.clone()

@@ -48,12 +48,17 @@ def kernel_takes(m: int, batch_invariant: bool, gemm: str) -> bool:
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                batch_invariant: bool = False, gemm: str = "avx512") -> torch.Tensor:
+                batch_invariant: bool = False, gemm: str = "avx512", nt16: bool = False) -> torch.Tensor:
     """y = x @ weight^T + bias; x: [..., K] bf16, weight: [N, K] bf16 (read in place), y: [..., N] bf16.
 
     The C++ kernel where kernel_takes(M), torch's F.linear elsewhere. batch_invariant: the kernel's GEMM for
-    every M, whose row results do not depend on the batch (torch picks its blocking by shape)."""
+    every M, whose row results do not depend on the batch (torch picks its blocking by shape). nt16: the weight is
+    in the nt16 layout (weights/layout.py), which only the kernel reads."""
     n, k = weight.shape
+    if nt16:
+        x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+        return torch.ops.fp8engine.bf16_linear(x2, weight, bias, batch_invariant, False, gemm, True).reshape(
+            *x.shape[:-1], n)
     if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.stride(-1) != 1 or x.numel() == 0
             or not kernel_takes(x.numel() // k, batch_invariant, gemm)):
         return F.linear(x, weight, bias)

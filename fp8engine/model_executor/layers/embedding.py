@@ -7,6 +7,7 @@ from torch.nn import functional as F
 
 from fp8engine.model_executor.kernel_set import KernelSet
 from fp8engine.model_executor.layers.linear import Linear
+from fp8engine.weights import layout
 
 
 class VocabEmbedding(nn.Module):
@@ -15,7 +16,13 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.in_layout:  # tied to a head stored in the nt16 layout
+            return layout.embedding(input_ids, self.weight)
         return F.embedding(input_ids, self.weight)
+
+    @property
+    def in_layout(self) -> bool:
+        return layout.is_marked(self.weight)
 
 
 class LMHead(nn.Module):

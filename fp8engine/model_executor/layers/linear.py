@@ -12,6 +12,7 @@ from torch import nn
 
 from fp8engine.model_executor.kernel_set import KernelSet
 from fp8engine.model_executor.layers.lora import LoRA
+from fp8engine.weights import layout
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
 
 
@@ -58,6 +59,8 @@ class Linear(nn.Module):
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_fp8:
+            if self.kernels.dense_nt16 is not None and layout.is_marked(self.weight):
+                return self.kernels.dense_nt16(x, self.weight, self.bias)
             return self.kernels.dense_linear(x, self.weight, self.bias)
         fp8_linear = self.kernels.fp8_linear
         if self.fused_scales:

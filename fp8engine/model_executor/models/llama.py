@@ -142,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         fused = self.fused if self.fused is not None and self.fused.usable() else None
-        if fused is not None and not self.lm_head.fp32:
+        if fused is not None and not self.lm_head.fp32 and not self.model.embed_tokens.in_layout:
             return fused.from_tokens(input_ids, positions, meta)
         x = self.model.embed_tokens(input_ids)
         if fused is not None:
