@@ -1,4 +1,4 @@
-"""The nt16 layout of FP8 weights: how a batch-invariant CPU engine stores its E4M3 codes.
+"""The nt16 layout: how a batch-invariant CPU engine on the AVX-512 BF16 kernels stores its linears' weights.
 
 The batch-invariant linears put 16 weight rows in the lanes of a vector and walk K one bf16 pair at a time
 (csrc/linear_common.h, "nt"). Read from rows, every K block of 16 rows needs a transposition, which cost a
@@ -9,15 +9,14 @@ row 4 L + i, column 4 c + 2 h + b): the transposition is gone, and the group occ
 did as rows. Rows past the last whole group stay rows, and so does a whole weight whose K is not a multiple of
 4 (the kernels treat it as rows too). Only the codes move; scale grids are unchanged.
 
-A BF16 weight (the LM head of a batch-invariant BF16-head engine, csrc/bf16_linear.cpp) has the same layout one
-level simpler: line q of a group is bf16 pair q (columns 2q, 2q+1) of its 16 rows, row r in 32-bit lane r, which
-the kernel feeds to its dot products as it loads them (K even; a tied embedding looks its rows up with
-`embedding`).
+A BF16 weight (a BF16 linear's, the LM head's; csrc/bf16_linear.cpp) has the same layout one level simpler: line
+q of a group is bf16 pair q (columns 2q, 2q+1) of its 16 rows, row r in 32-bit lane r, which the kernel feeds to
+its dot products as it loads them (K even; a tied embedding looks its rows up with `embedding`).
 
-A parameter in the layout is marked (`mark`). The loader's targets of FP8 weights name the matrix a linear reads
-(the layer's weight, or one expert of a stacked tensor) and their rows in it: writers take those rows back to rows
-around their write (`as_rows`), readers read a row-major copy (`rows_of`), so that loads, weight updates and
-`get_weights_by_name` see rows as everywhere else.
+A parameter in the layout is marked (`mark`, model_executor/model_runner.py, as the kernel set says). The loader's
+targets name the matrix a linear reads (the layer's weight, one expert of a stacked tensor, a 2-D parameter) and
+their rows in it: writers take those rows back to rows around their write (`as_rows`), readers read a row-major
+copy (`rows_of`), so that loads, weight updates and `get_weights_by_name` see rows as everywhere else.
 """
 
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ _MARK = "fp8_nt16"
 
 
 def mark(param: torch.Tensor) -> None:
-    """Declare that `param` (an FP8 weight, [N, K] or stacked [E, N, K]) holds its codes in the nt16 layout."""
+    """Declare that `param` (a weight [N, K], or stacked [E, N, K]: each expert's matrix) is in the nt16 layout."""
     setattr(param, _MARK, True)
 
 
