@@ -123,3 +123,25 @@ def test_nt16_moe_experts_decode_and_update_to_the_bits_of_rows(tiny_dir, monkey
     name = "model.layers.0.mlp.experts.gate_up_proj"
     assert torch.equal(built[0].get_weights_by_name(name), built[1].get_weights_by_name(name))
     assert decode(built[0]) == decode(built[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16])
+def test_writes_through_the_layout_keep_every_other_row(dtype):
+    """as_rows around a write of some rows (whole groups, rows inside groups, the row-major tail past the last
+    group) leaves the matrix, read back as rows, with those rows new and every other row as it was."""
+    gen = torch.Generator().manual_seed(2)
+
+    def draw():
+        return (torch.randint(0, 255, (40, 24), generator=gen, dtype=torch.uint8) if dtype == torch.uint8
+                else torch.randn(40, 24, generator=gen).bfloat16())
+    ref = draw()
+    weight = torch.nn.Parameter(ref.clone(), requires_grad=False)
+    layout.to_nt16_(weight.data)
+    layout.mark(weight)
+    assert torch.equal(layout.rows_of(weight, 0, 40), ref) and torch.equal(layout.rows_of(weight, 8, 30), ref[8:38])
+    new = draw()
+    for row0, rows in ((16, 16), (8, 12), (32, 8), (0, 40)):
+        with layout.as_rows(weight, row0, rows):
+            weight.data[row0:row0 + rows].copy_(new[row0:row0 + rows])
+        ref[row0:row0 + rows] = new[row0:row0 + rows]
+        assert torch.equal(layout.rows_of(weight, 0, 40), ref), (row0, rows)
