@@ -245,14 +245,14 @@ void nt_transpose(const uint16_t* const (&rows)[kNtRows], int64_t pair_chunks, f
     }
 }
 
-// K block k0 of the task's rows n0.. into wt, pair_chunks chunks of 16 pairs (nt_rows, then nt_transpose).
 // Lines ahead that nt16_blocks prefetches into L1 in each stream (beside the next task's lines into L2). The
 // default model's head (49152 x 576) at one row, three copies cycled from L3 (this Xeon's 260 MiB), 2 threads,
 // against the gemv in the same process: next task into L2 alone 0.88-1.02x the gemv's time, with 8 lines into L1
 // 0.83-0.93x, neither 1.31-1.65x.
 constexpr int64_t kNt16L1Lines = 8;
 
-// An nt16 group's pairs are its lines: copied (zero past K) instead of transposed.
+// K block k0 of the task's rows n0.. into wt, pair_chunks chunks of 16 pairs (nt_rows, then nt_transpose); an
+// nt16 group's pairs are its lines, copied (zero past K) instead.
 void nt_block_pairs(const Problem& p, int64_t n0, int64_t k0, int64_t pair_chunks, uint16_t* pad, float* wt) {
   bool grouped[kNtVecs], all = true;
   for (int v = 0; v < kNtVecs; ++v) all = (grouped[v] = p.grouped(n0 + 16 * v)) && all;
