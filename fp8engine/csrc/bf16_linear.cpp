@@ -342,19 +342,15 @@ void linear_nt(const Problem& p, OutT* y) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kNtRows;
       int64_t k0 = 0;
-      if (p.m <= kNtGroupMaxM && p.grouped(n0) && p.grouped(n0 + 16)) {  // two blocks a call, three for the last
+      if (p.m <= kNtMaxRows && p.grouped(n0) && p.grouped(n0 + 16)) {
+        // at a row or two two blocks a call (three for the last rather than leave one alone), above one at a time
         const int64_t blocks = cdiv(p.k, kBlockK);
         for (int64_t b = 0; b < blocks;) {
-          const int64_t g = blocks - b == 3 ? 3 : std::min<int64_t>(2, blocks - b);
-          kNt16Blocks[g][p.m](p, n0, b * kBlockK, x.get() + b * kBlockK, kpad, tot.get(), b == 0);
+          const int64_t g = p.m > kNtGroupMaxM ? 1 : blocks - b == 3 ? 3 : std::min<int64_t>(2, blocks - b);
+          (p.m > kNtGroupMaxM ? kNt16Block[p.m] : kNt16Blocks[g][p.m])(p, n0, b * kBlockK, x.get() + b * kBlockK,
+                                                                       kpad, tot.get(), b == 0);
           b += g;
         }
-        nt_write(p.m, p.n, n0, p.bias, tot.get(), y);
-        continue;
-      }
-      if (p.m <= kNtMaxRows && p.grouped(n0) && p.grouped(n0 + 16)) {
-        for (int64_t b0 = 0; b0 < p.k; b0 += kBlockK)
-          kNt16Block[p.m](p, n0, b0, x.get() + b0, kpad, tot.get(), b0 == 0);
         nt_write(p.m, p.n, n0, p.bias, tot.get(), y);
         continue;
       }

@@ -110,14 +110,15 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
     fp32_tiles = envs.get("FP8ENGINE_FP32_HEAD") == "tiles"
     fused = envs.flag("FP8ENGINE_FUSED_DECODER")
     names = {}
+    # Batch invariant on the AVX-512 BF16 kernels (not AMX, which runs every M as tiles): nt at every small M, which
+    # reads weights in the nt16 layout without transposing them (weights/layout.py)
+    nt16_kernels = (bi and has("fp8_linear_isa") and ops.fp8_linear_isa() == "avx512bf16"
+                    and envs.flag("FP8ENGINE_NT16"))
 
     fp8_linear, nt16 = None, False
     if config.quantization == "fp8":
         if has("fp8_block_linear"):
-            # Batch invariant on the AVX-512 BF16 kernels (not AMX, which runs every M as tiles): nt at every small
-            # M, which reads weights in the nt16 layout without transposing them (weights/layout.py)
-            nt16 = (bi and ops.fp8_linear_isa() == "avx512bf16" and fp8_gemm == "avx512"
-                    and envs.flag("FP8ENGINE_NT16"))
+            nt16 = nt16_kernels and fp8_gemm == "avx512"
             fp8_linear = functools.partial(fp8_linear_cpu.fp8_block_linear_cpu, batch_invariant=bi, gemm=fp8_gemm,
                                            nt16=nt16)
             names["fp8_linear"] = "cpp-amx" if fp8_gemm == "amx" else f"cpp-{ops.fp8_linear_isa()}"
@@ -143,10 +144,8 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
         lm_head, names["lm_head"] = layer_ops_ref.float32_linear_ref, "fp32-torch"
     else:
         lm_head, names["lm_head"] = (lambda x, w: dense(x, w, None)), names["dense_linear"]
-    # Batch invariant on the AVX-512 BF16 kernels: the BF16 linears' and the head's weights in the nt16 layout,
-    # which nt reads as it loads them (weights/layout.py)
-    bf16_nt16 = (bi and bf16 and bf16_gemm == "avx512" and has("bf16_linear") and ops.fp8_linear_isa() == "avx512bf16"
-                 and not chunked and envs.flag("FP8ENGINE_NT16"))
+    # The BF16 linears' and the head's weights in the nt16 layout too, which nt reads as it loads them
+    bf16_nt16 = nt16_kernels and bf16 and bf16_gemm == "avx512" and has("bf16_linear") and not chunked
     dense_nt16 = functools.partial(bf16_linear_cpu.bf16_linear, batch_invariant=True, gemm=bf16_gemm,
                                    nt16=True) if bf16_nt16 else None
     head_nt16 = bf16_nt16 and not config.lm_head_fp32 and not config.lm_head_fp8
