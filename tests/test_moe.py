@@ -13,6 +13,7 @@ from fp8engine import EngineConfig, SamplingParams
 from fp8engine.model_executor.kernels.moe_ref import fused_moe_ref
 from fp8engine.model_executor.layers.moe import FusedMoE, route
 from fp8engine.rl import RolloutEngine
+from fp8engine.weights import layout
 from fp8engine.weights.quant import quantize_weight_blockwise
 from tests.checkpoints import perturbed_state, prequantized_items, write_checkpoint
 from tests.conftest import cpu_kernels, make_engine, require_cpu_op
@@ -49,14 +50,20 @@ def same_tensors(a: dict, b: dict) -> bool:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_cpp_experts_match_the_torch_reference(inter, fp8):
     require_cpu_op("fp8_block_linear" if fp8 else "bf16_linear")
-    layer = FusedMoE(8, 256, inter, torch.bfloat16, cpu_kernels(quantization="fp8" if fp8 else None), fp8)
+    kernels = cpu_kernels(quantization="fp8" if fp8 else None)
+    layer = FusedMoE(8, 256, inter, torch.bfloat16, kernels, fp8)
     load_random_experts(layer)
+    rows = layer.gate_up_proj.detach().clone(), layer.down_proj.detach().clone()
+    if fp8 and kernels.fp8_nt16:  # as the runner stores them for these kernels: each expert's matrix in the layout
+        for stacked in (layer.gate_up_proj, layer.down_proj):
+            for matrix in stacked.data:
+                layout.to_nt16_(matrix)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(37, 256, generator=gen).bfloat16()
     ids, weights = route(torch.randn(37, 8, generator=gen).bfloat16(), 3, normalize=True)
     got = layer(x, ids, weights)
     scales = (layer.gate_up_proj_scale_inv, layer.down_proj_scale_inv, layer.scale_rows) if fp8 else ()
-    want = fused_moe_ref(x, ids, weights, layer.gate_up_proj, layer.down_proj, *scales)
+    want = fused_moe_ref(x, ids, weights, *rows, *scales)
     assert got.shape == (37, 256) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-2)
 
@@ -274,7 +281,9 @@ def test_prequantized_fp8_moe_checkpoint_loads_as_is(tiny_dir, state_b, fresh_b,
                                      "weight_block_size": [128, 128]}
     (path / "config.json").write_text(json.dumps(config))
     engine = make_engine(str(path), quantization="fp8")
-    weight, scale = engine.runner.model.model.layers[1].mlp.experts.shard_views(7, "up_proj")
+    experts = engine.runner.model.model.layers[1].mlp.experts
+    _, scale = experts.shard_views(7, "up_proj")
+    weight = layout.rows_of(*experts.fp8_matrix(7, "up_proj"), state[EXPERT].shape[0])  # (nt16 where the kernels say)
     assert torch.equal(weight.view(torch.uint8), state[EXPERT].view(torch.uint8))
     assert torch.equal(scale, state[EXPERT + "_scale_inv"])
     assert same_tensors(snapshot(engine), snapshot(fresh_b[1])) and rollout(engine) == fresh_b[0]

@@ -145,3 +145,59 @@ def test_writes_through_the_layout_keep_every_other_row(dtype):
             weight.data[row0:row0 + rows].copy_(new[row0:row0 + rows])
         ref[row0:row0 + rows] = new[row0:row0 + rows]
         assert torch.equal(layout.rows_of(weight, 0, 40), ref), (row0, rows)
+
+
+@pytest.mark.parametrize("dtype, shape", [(torch.uint8, (3 * 16 + 5, 24)), (torch.uint8, (64, 1536)),
+                                          (torch.bfloat16, (2 * 16 + 3, 6)), (torch.bfloat16, (48, 576))])
+def test_the_permutation_op_moves_the_bytes_torch_moves(dtype, shape):
+    """csrc/layout.cpp (in place, a group's buffer a thread) against the torch permutation: every group range, into
+    the layout and back; rows past the groups untouched."""
+    require_cpu_op("nt16_permute_")
+    gen = torch.Generator().manual_seed(4)
+    ref = (torch.randint(0, 255, shape, generator=gen, dtype=torch.uint8) if dtype == torch.uint8
+           else torch.randn(shape, generator=gen).bfloat16())
+    groups = shape[0] // 16
+    for g0, g1 in ((0, groups), (1, groups), (0, 1), (1, 1)):
+        op, torch_way = ref.clone(), ref.clone()
+        torch.ops.fp8engine.nt16_permute_(op, g0, g1, True)
+        layout._permute_groups_torch(torch_way, g0, g1, True)
+        assert torch.equal(op, torch_way), (g0, g1)
+        assert torch.equal(op[:g0 * 16], ref[:g0 * 16]) and torch.equal(op[g1 * 16:], ref[g1 * 16:])
+        if g1 > g0:
+            assert not torch.equal(op, ref)
+        torch.ops.fp8engine.nt16_permute_(op, g0, g1, False)
+        assert torch.equal(op, ref), (g0, g1)
+
+
+def test_the_permutation_op_names_what_it_cannot_move():
+    require_cpu_op("nt16_permute_")
+    with pytest.raises(RuntimeError, match="K = 6 is not a multiple of 4"):
+        torch.ops.fp8engine.nt16_permute_(torch.zeros(16, 6, dtype=torch.uint8), 0, 1, True)
+    with pytest.raises(RuntimeError, match="outside a matrix of 16 rows"):
+        torch.ops.fp8engine.nt16_permute_(torch.zeros(16, 8, dtype=torch.uint8), 0, 2, True)
+    with pytest.raises(RuntimeError, match="1- or 2-byte elements"):
+        torch.ops.fp8engine.nt16_permute_(torch.zeros(16, 8), 0, 1, True)
+    with pytest.raises(RuntimeError, match="contiguous 2-D"):
+        torch.ops.fp8engine.nt16_permute_(torch.zeros(16, 8, dtype=torch.uint8)[:, :4], 0, 1, True)
+
+
+def test_a_plain_engine_is_in_the_layout_and_decodes_the_rows_bits_past_the_gemv(monkeypatch):
+    """A plain (not batch-invariant) engine on the AVX-512 BF16 kernels stores its weights in the layout too and so
+    gives up the gemv at 1-4 rows for nt: from 5 rows, where the rows engine takes nt as well, the same bits."""
+    require_cpu_op("fp8_block_linear")
+    if load_cpu_ops().fp8_linear_isa() != "avx512bf16":
+        pytest.skip("the nt16 layout is read by the AVX-512 BF16 kernels")
+    monkeypatch.setenv("FP8ENGINE_FP8_GEMM", "avx512")
+    monkeypatch.setenv("FP8ENGINE_BF16_GEMM", "avx512")
+    params = SamplingParams(temperature=1.0, top_k=20, max_tokens=6, ignore_eos=True, seed=9, logprobs=2)
+    out, names = {}, {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("FP8ENGINE_NT16", flag)
+        engine = make_engine(quantization="fp8", num_kv_blocks=96)
+        names[flag] = engine.runner.kernel_names
+        requests = engine.generate(PROMPTS[:6], params)  # 6 rows to sample in every step, the first included
+        out[flag] = [(o.token_ids, o.logprobs, o.top_logprobs) for r in requests for o in r.outputs]
+        del engine
+    assert names["1"]["fp8_weights"] == names["1"]["lm_head_weights"] == "nt16"
+    assert names["0"]["fp8_weights"] == "rows" and "lm_head_weights" not in names["0"]
+    assert len(out["1"]) == 6 and out["1"] == out["0"]

@@ -52,6 +52,8 @@ class FusedDecoder:
                       layer.mlp.gate_up_proj, layer.mlp.down_proj) if linear.lora is not None]
         self.batch_invariant = kernels.batch_invariant
         self.bf16_gemm = kernels.gemms[1]
+        # BF16 weights in the nt16 layout: the kernel for every M (torch's linear reads rows)
+        self.dense_nt16 = not first.qkv_proj.is_fp8 and kernels.dense_nt16 is not None
 
     def usable(self) -> bool:
         """Not while KV scales calibrate (the observer is Python's): the Python layers run those steps."""
@@ -60,7 +62,7 @@ class FusedDecoder:
     def _args(self, rows: int, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
         caches = [c for a in self.attn for c in (a.k_cache, a.v_cache)]
         scales = [float(s) for a in self.attn for s in (a.k_scale, a.v_scale, a.q_scale)]
-        bf16_kernel = bf16_linear_cpu.kernel_takes(rows, self.batch_invariant, self.bf16_gemm)
+        bf16_kernel = self.dense_nt16 or bf16_linear_cpu.kernel_takes(rows, self.batch_invariant, self.bf16_gemm)
         lora = any(lora.active for lora in self.loras)
         return (positions, caches, scales, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 bf16_kernel, lora)

@@ -110,10 +110,11 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
     fp32_tiles = envs.get("FP8ENGINE_FP32_HEAD") == "tiles"
     fused = envs.flag("FP8ENGINE_FUSED_DECODER")
     names = {}
-    # Batch invariant on the AVX-512 BF16 kernels (not AMX, which runs every M as tiles): nt at every small M, which
-    # reads weights in the nt16 layout without transposing them (weights/layout.py)
-    nt16_kernels = (bi and has("fp8_linear_isa") and ops.fp8_linear_isa() == "avx512bf16"
-                    and envs.flag("FP8ENGINE_NT16"))
+    # On the AVX-512 BF16 kernels (not AMX tiles, not AVX2) the weights are stored in the nt16 layout, which nt reads
+    # without transposing them (weights/layout.py): nt at every M up to 64, the GEMM above, batch invariant or not
+    # (a plain engine then gives up the gemv at 1-4 rows, which nt16 matches, for nt16's 5-35% at 4-8 rows:
+    # docs/exact-rollouts.md)
+    nt16_kernels = has("fp8_linear_isa") and ops.fp8_linear_isa() == "avx512bf16" and envs.flag("FP8ENGINE_NT16")
 
     fp8_linear, nt16 = None, False
     if config.quantization == "fp8":

@@ -1,8 +1,8 @@
-"""The nt16 layout: how a batch-invariant CPU engine on the AVX-512 BF16 kernels stores its linears' weights.
+"""The nt16 layout: how a CPU engine on the AVX-512 BF16 kernels (no AMX tiles) stores its linears' weights.
 
-The batch-invariant linears put 16 weight rows in the lanes of a vector and walk K one bf16 pair at a time
-(csrc/linear_common.h, "nt"). Read from rows, every K block of 16 rows needs a transposition, which cost a
-batch-1 decode step a quarter of its time. In the nt16 layout each whole group of 16 rows of a [N, K] weight is
+The small-batch linears put 16 weight rows in the lanes of a vector and walk K one bf16 pair at a time
+(csrc/linear_common.h, "nt"); batch invariance takes them at every M up to 64. Read from rows, every K block of
+16 rows needs a transposition, which cost a batch-1 decode step a quarter of its time. In the nt16 layout each whole group of 16 rows of a [N, K] weight is
 stored as K / 4 lines of 64 bytes, line c holding columns 4c .. 4c+3 of the 16 rows in the order the kernel's
 E4M3 -> bf16 conversion turns into pair 2c and pair 2c+1 of rows 0..15 (byte 16 L + 8 h + 2 i + b of line c is
 row 4 L + i, column 4 c + 2 h + b): the transposition is gone, and the group occupies the same 16 K bytes it
@@ -13,7 +13,9 @@ A BF16 weight (a BF16 linear's, the LM head's; csrc/bf16_linear.cpp) has the sam
 q of a group is bf16 pair q (columns 2q, 2q+1) of its 16 rows, row r in 32-bit lane r, which the kernel feeds to
 its dot products as it loads them (K even; a tied embedding looks its rows up with `embedding`).
 
-A parameter in the layout is marked (`mark`, model_executor/model_runner.py, as the kernel set says). The loader's
+Plain engines store their weights so too (model_executor/kernel_set.py): nt16 weights never take the gemv, which
+reads rows, and nt reads them as fast at 1-4 rows and faster from 4 on (docs/exact-rollouts.md). A parameter in
+the layout is marked (`mark`, model_executor/model_runner.py, as the kernel set says). The loader's
 targets name the matrix a linear reads (the layer's weight, one expert of a stacked tensor, a 2-D parameter) and
 their rows in it: writers take those rows back to rows around their write (`as_rows`), readers read a row-major
 copy (`rows_of`), so that loads, weight updates and `get_weights_by_name` see rows as everywhere else.
@@ -46,9 +48,22 @@ def applies(matrix: torch.Tensor) -> bool:
 
 
 def _permute_groups(matrix: torch.Tensor, g0: int, g1: int, to_nt16: bool) -> None:
-    """Groups g0..g1 of a [N, K] matrix (in place) from rows into the layout, or back."""
+    """Groups g0..g1 of a [N, K] matrix (in place) from rows into the layout, or back: with the C++ op
+    (csrc/layout.cpp: a group's worth of buffer a thread, ~3x faster) where the extension is loaded, else in torch
+    (`_permute_groups_torch`, which clones the span it moves)."""
     if g1 <= g0:
         return
+    if matrix.is_contiguous() and matrix.device.type == "cpu" and _has_op():
+        torch.ops.fp8engine.nt16_permute_(matrix, g0, g1, to_nt16)
+        return
+    _permute_groups_torch(matrix, g0, g1, to_nt16)
+
+
+def _has_op() -> bool:
+    return hasattr(torch.ops.fp8engine, "nt16_permute_")
+
+
+def _permute_groups_torch(matrix: torch.Tensor, g0: int, g1: int, to_nt16: bool) -> None:
     n, k = g1 - g0, matrix.shape[1]
     rows = matrix[g0 * GROUP:g1 * GROUP]
     if matrix.element_size() == 2:  # bf16: line q of a group is pair q of its 16 rows, [g, r, q] -> [g, q, r]
