@@ -91,7 +91,8 @@ def test_default_model_decode_matches(default_dir):
     calls = counting(engine)
     one = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=5, logprobs=0)]
     fused = run(engine, True, PROMPTS[:1], one)
-    assert calls == {"forward_tokens": 6}  # the prefill and 5 decode steps
+    # the prefill and 5 decode steps; a tied embedding in the nt16 layout is looked up in Python (layout.embedding)
+    assert calls == {"forward" if engine.runner.model.model.embed_tokens.in_layout else "forward_tokens": 6}
     assert run(engine, False, PROMPTS[:1], one) == fused
 
 

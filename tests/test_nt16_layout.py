@@ -201,3 +201,22 @@ def test_a_plain_engine_is_in_the_layout_and_decodes_the_rows_bits_past_the_gemv
     assert names["1"]["fp8_weights"] == names["1"]["lm_head_weights"] == "nt16"
     assert names["0"]["fp8_weights"] == "rows" and "lm_head_weights" not in names["0"]
     assert len(out["1"]) == 6 and out["1"] == out["0"]
+
+
+def test_a_plain_prefill_sized_call_on_nt16_bf16_weights_is_torchs_gemm_on_the_rows():
+    """Without batch invariance, from 512 rows the BF16 kernel gives torch's GEMM a rows copy of an nt16 weight
+    (csrc/bf16_linear.cpp: oneDNN is faster there); below, and batch invariant at any M, it reads the groups."""
+    require_cpu_op("bf16_linear")
+    if load_cpu_ops().fp8_linear_isa() != "avx512bf16":
+        pytest.skip("the nt16 layout is read by the AVX-512 BF16 kernels")
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(3 * 16 + 5, 96, generator=gen).bfloat16()
+    bias = torch.randn(3 * 16 + 5, generator=gen).bfloat16()
+    grouped = layout.to_nt16_(w.clone())
+    kernel = torch.ops.fp8engine.bf16_linear
+    for m in (511, 512, 600):
+        x = torch.randn(m, 96, generator=gen).bfloat16()
+        plain, invariant = (kernel(x, grouped, bias, bi, False, "avx512", True) for bi in (False, True))
+        assert torch.equal(invariant, kernel(x, w, bias, True, False, "avx512", False)), m
+        assert torch.equal(plain, torch.nn.functional.linear(x, w, bias) if m >= 512 else invariant), m
+    assert torch.equal(grouped, layout.to_nt16_(w.clone()))  # the weight itself untouched

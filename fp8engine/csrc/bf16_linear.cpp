@@ -17,6 +17,7 @@
 #include <string>
 
 #include "amx.h"
+#include "layout.h"
 #include "linear_common.h"
 
 #if defined(FP8E_BF16_KERNELS) || defined(FP8E_AVX2_KERNELS)
@@ -655,6 +656,12 @@ void linear_impl(const Problem& p, OutT* out, bool batch_invariant, GemmChoice g
 // same arithmetic whatever M is and wherever the row sits (nt and the AVX-512 GEMM the same bits, see
 // linear_common.h): batch_invariant takes nt then the AVX-512 GEMM by M, or AMX tiles for every M (chosen by
 // `gemm`, never by M). float32_out: y in float32, the sums not rounded to bf16.
+// Rows from which a plain (not batch-invariant) call on an nt16 weight goes to torch's GEMM (oneDNN) with the
+// weight taken back to rows into a temporary: the AVX-512 GEMM takes 1.16x oneDNN's time on a prefill of 128 x
+// 32 tokens (the default model in BF16, 2 threads of a Xeon without AMX), level with it at 128 rows, where the
+// copy (212 MB for the model's BF16 layers) would cost what the GEMM saves.
+constexpr int64_t kNt16TorchMinM = 512;
+
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                        bool batch_invariant, bool float32_out, const std::string& gemm, bool nt16) {
   const GemmChoice choice = choose_gemm(gemm, "bf16_linear");
@@ -663,6 +670,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   at::Tensor y = a.y;
   if (m == 0 || n == 0) return y;
   TORCH_CHECK(!nt16 || w.is_contiguous(), "bf16_linear: nt16 weights must be contiguous");
+  if (nt16 && !batch_invariant && !float32_out && m >= kNt16TorchMinM && k % 2 == 0 &&
+      (!bias || bias->scalar_type() == x.scalar_type())) {
+    at::Tensor rows = w.clone();
+    fp8e_layout::permute_groups(static_cast<uint8_t*>(rows.data_ptr()), n / fp8e_layout::kGroup, k, 2, false);
+    return at::linear(x, rows, bias);
+  }
   const Problem p{m, n, k, static_cast<const uint16_t*>(x.data_ptr()), x.stride(0),
                   static_cast<const uint16_t*>(w.data_ptr()), w.stride(0),
                   a.bias_f.defined() ? a.bias_f.data_ptr<float>() : nullptr, 1, nt16 && k % 2 == 0};

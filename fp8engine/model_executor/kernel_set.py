@@ -147,7 +147,7 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
         lm_head, names["lm_head"] = (lambda x, w: dense(x, w, None)), names["dense_linear"]
     # The BF16 linears' and the head's weights in the nt16 layout too, which nt reads as it loads them
     bf16_nt16 = nt16_kernels and bf16 and bf16_gemm == "avx512" and has("bf16_linear") and not chunked
-    dense_nt16 = functools.partial(bf16_linear_cpu.bf16_linear, batch_invariant=True, gemm=bf16_gemm,
+    dense_nt16 = functools.partial(bf16_linear_cpu.bf16_linear, batch_invariant=bi, gemm=bf16_gemm,
                                    nt16=True) if bf16_nt16 else None
     head_nt16 = bf16_nt16 and not config.lm_head_fp32 and not config.lm_head_fp8
     if head_nt16:

@@ -53,7 +53,8 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
     The C++ kernel where kernel_takes(M), torch's F.linear elsewhere. batch_invariant: the kernel's GEMM for
     every M, whose row results do not depend on the batch (torch picks its blocking by shape). nt16: the weight is
-    in the nt16 layout (weights/layout.py), which only the kernel reads."""
+    in the nt16 layout (weights/layout.py): the kernel for every M (without batch_invariant, from prefill-sized M
+    it gives torch's GEMM a rows copy of the weight, csrc/bf16_linear.cpp)."""
     n, k = weight.shape
     if nt16:
         x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
