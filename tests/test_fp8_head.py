@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from fp8engine import EngineConfig, SamplingParams
-from fp8engine.weights import quant
+from fp8engine.weights import layout, quant
 from tests.conftest import make_engine
 
 EMBED = "model.embed_tokens.weight"
@@ -26,6 +26,11 @@ def head_of(engine):
     return engine.runner.model.lm_head
 
 
+def codes_of(head) -> torch.Tensor:
+    """The head's E4M3 codes as rows (stored in the nt16 layout where the kernel set reads it), as bytes."""
+    return layout.rows_of(head.weight, 0, head.weight.shape[0]).view(torch.uint8)
+
+
 def test_options_that_cannot_hold_are_refused_by_name():
     with pytest.raises(ValueError, match="lm_head_fp8=True needs quantization='fp8'"):
         EngineConfig(lm_head_fp8=True)
@@ -39,7 +44,7 @@ def test_the_head_holds_the_quantized_embedding_and_runs_the_fp8_linear(engine):
     # 576 = 4.5 x 128: the last column of blocks is partial
     assert tuple(head.weight.shape) == (49152, 576) and tuple(head.weight_scale_inv.shape) == (384, 5)
     codes, scales = quant.quantize_weight_blockwise(embedding)
-    assert torch.equal(head.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(codes_of(head), codes.view(torch.uint8))
     assert torch.equal(head.weight_scale_inv, scales)
     assert engine.runner.kernels.names["lm_head"] == "fp8:" + engine.runner.kernels.names["fp8_linear"]
     hidden = torch.randn(3, 576, generator=torch.Generator().manual_seed(0)).bfloat16()
@@ -64,7 +69,7 @@ def test_an_update_requantizes_the_head_in_place_and_equals_a_fresh_load(engine,
         engine.update_weights({EMBED: new})
         assert (head.weight.data_ptr(), head.weight_scale_inv.data_ptr()) == pointers
         codes, scales = quant.quantize_weight_blockwise(new)
-        assert torch.equal(head.weight.view(torch.uint8), codes.view(torch.uint8))
+        assert torch.equal(codes_of(head), codes.view(torch.uint8))
         assert torch.equal(head.weight_scale_inv, scales)
         updated = engine.generate(PROMPTS, greedy)
         # a bad update (a NaN in the embedding) writes neither the embedding nor the head
@@ -96,13 +101,13 @@ def test_an_untied_head_loads_and_updates_under_its_own_name(tiny_qwen3_dir):
     engine = make_engine(tiny_qwen3_dir, quantization="fp8", lm_head_fp8=True, num_kv_blocks=32)
     head, embedding = head_of(engine), engine.runner.model.model.embed_tokens.weight
     codes, scales = quant.quantize_weight_blockwise(state["lm_head.weight"])
-    assert torch.equal(head.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(codes_of(head), codes.view(torch.uint8))
     assert torch.equal(head.weight_scale_inv, scales)
     assert torch.equal(embedding, state[EMBED]) and not torch.equal(state[EMBED], state["lm_head.weight"])
     new = state["lm_head.weight"].flip(0).contiguous()
     engine.update_weights({"lm_head.weight": new})
     codes, scales = quant.quantize_weight_blockwise(new)
-    assert torch.equal(head.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(codes_of(head), codes.view(torch.uint8))
     assert torch.equal(embedding, state[EMBED])  # the embedding is not the head's here
     assert torch.equal(engine.get_weights_by_name("lm_head.weight"),
                        quant.dequantize_weight_blockwise(codes, scales, torch.bfloat16))

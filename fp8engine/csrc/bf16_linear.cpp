@@ -657,9 +657,10 @@ void linear_impl(const Problem& p, OutT* out, bool batch_invariant, GemmChoice g
 // linear_common.h): batch_invariant takes nt then the AVX-512 GEMM by M, or AMX tiles for every M (chosen by
 // `gemm`, never by M). float32_out: y in float32, the sums not rounded to bf16.
 // Rows from which a plain (not batch-invariant) call on an nt16 weight goes to torch's GEMM (oneDNN) with the
-// weight taken back to rows into a temporary: the AVX-512 GEMM takes 1.16x oneDNN's time on a prefill of 128 x
-// 32 tokens (the default model in BF16, 2 threads of a Xeon without AMX), level with it at 128 rows, where the
-// copy (212 MB for the model's BF16 layers) would cost what the GEMM saves.
+// weight taken back to rows into a temporary: with the AVX-512 GEMM a prefill of 128 x 32 tokens took 1.16x as
+// long as with oneDNN (the default model in BF16, 2 threads of a Xeon without AMX; 1.05-1.09x with the copies), a
+// decode step of 128 rows as long, where the copies (212 MB for the model's BF16 layers) would cost more than
+// oneDNN saves.
 constexpr int64_t kNt16TorchMinM = 512;
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,

@@ -13,7 +13,6 @@
 
 namespace fp8e_layout {
 
-
 constexpr int64_t kGroup = 16;
 
 // One group of E4M3 codes (16 rows of `pairs` 16-bit pairs): rows -> lines, or back.

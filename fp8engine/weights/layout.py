@@ -2,12 +2,12 @@
 
 The small-batch linears put 16 weight rows in the lanes of a vector and walk K one bf16 pair at a time
 (csrc/linear_common.h, "nt"); batch invariance takes them at every M up to 64. Read from rows, every K block of
-16 rows needs a transposition, which cost a batch-1 decode step a quarter of its time. In the nt16 layout each whole group of 16 rows of a [N, K] weight is
-stored as K / 4 lines of 64 bytes, line c holding columns 4c .. 4c+3 of the 16 rows in the order the kernel's
-E4M3 -> bf16 conversion turns into pair 2c and pair 2c+1 of rows 0..15 (byte 16 L + 8 h + 2 i + b of line c is
-row 4 L + i, column 4 c + 2 h + b): the transposition is gone, and the group occupies the same 16 K bytes it
-did as rows. Rows past the last whole group stay rows, and so does a whole weight whose K is not a multiple of
-4 (the kernels treat it as rows too). Only the codes move; scale grids are unchanged.
+16 rows needs a transposition, which cost a batch-1 decode step a quarter of its time. In the nt16 layout each whole
+group of 16 rows of a [N, K] weight is stored as K / 4 lines of 64 bytes, line c holding columns 4c .. 4c+3 of the
+16 rows in the order the kernel's E4M3 -> bf16 conversion turns into pair 2c and pair 2c+1 of rows 0..15 (byte
+16 L + 8 h + 2 i + b of line c is row 4 L + i, column 4 c + 2 h + b): the transposition is gone, and the group occupies
+the same 16 K bytes it did as rows. Rows past the last whole group stay rows, and so does a whole weight whose K is
+not a multiple of 4 (the kernels treat it as rows too). Only the codes move; scale grids are unchanged.
 
 A BF16 weight (a BF16 linear's, the LM head's; csrc/bf16_linear.cpp) has the same layout one level simpler: line
 q of a group is bf16 pair q (columns 2q, 2q+1) of its 16 rows, row r in 32-bit lane r, which the kernel feeds to
