@@ -118,10 +118,12 @@ def test_a_float32_head_keeps_its_final_norm_in_python(tiny_dir):  # noqa: F811
 
 def test_bf16_rows_past_the_kernel_take_torch_in_the_plan_too(tiny_dir, monkeypatch):  # noqa: F811
     """Where the Python layer gives a BF16 projection's rows to torch's GEMM (bf16_linear_cpu.kernel_takes), the
-    plan calls the same op for them: every step takes the plan, bit for bit the Python layers."""
+    plan calls the same op for them: every step takes the plan, bit for bit the Python layers. (Weights as rows:
+    in the nt16 layout the kernel takes every M.)"""
+    monkeypatch.setenv("FP8ENGINE_NT16", "0")
     engine = make_engine(tiny_dir("qwen2"))
     monkeypatch.setattr("fp8engine.model_executor.kernels.bf16_linear_cpu.kernel_takes",
-                        lambda m, batch_invariant, gemm: m <= 2)
+                        lambda m, batch_invariant, gemm, nt16=False: nt16 or m <= 2)
     python = run(engine, fused=False)
     calls = counting(engine)
     assert run(engine, fused=True) == python

@@ -673,8 +673,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   TORCH_CHECK(!nt16 || w.is_contiguous(), "bf16_linear: nt16 weights must be contiguous");
   if (nt16 && !batch_invariant && !float32_out && m >= kNt16TorchMinM && k % 2 == 0 &&
       (!bias || bias->scalar_type() == x.scalar_type())) {
-    at::Tensor rows = w.clone();
-    fp8e_layout::permute_groups(static_cast<uint8_t*>(rows.data_ptr()), n / fp8e_layout::kGroup, k, 2, false);
+    const int64_t grouped = n / fp8e_layout::kGroup * fp8e_layout::kGroup;  // rows past the groups are rows
+    at::Tensor rows = at::empty_like(w);
+    fp8e_layout::bf16_groups_to_rows(static_cast<const uint16_t*>(w.data_ptr()),
+                                     static_cast<uint16_t*>(rows.data_ptr()), grouped / fp8e_layout::kGroup, k);
+    rows.narrow(0, grouped, n - grouped).copy_(w.narrow(0, grouped, n - grouped));
     return at::linear(x, rows, bias);
   }
   const Problem p{m, n, k, static_cast<const uint16_t*>(x.data_ptr()), x.stride(0),

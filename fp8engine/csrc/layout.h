@@ -31,16 +31,21 @@ inline void permute_e4m3_group(uint16_t* g, uint16_t* buf, int64_t pairs, bool t
         }
 }
 
-// One group of bf16 values (16 rows of `pairs` 32-bit pairs): rows -> lines, or back.
-inline void permute_bf16_group(uint32_t* g, uint32_t* buf, int64_t pairs, bool to_nt16) {
-  std::memcpy(buf, g, sizeof(uint32_t) * kGroup * pairs);
+// One group of bf16 values (16 rows of `pairs` 32-bit pairs) from `from` to `to` (distinct): rows -> lines, or back.
+inline void move_bf16_group(const uint32_t* from, uint32_t* to, int64_t pairs, bool to_nt16) {
   for (int64_t q = 0; q < pairs; ++q)
     for (int64_t r = 0; r < kGroup; ++r) {
       if (to_nt16)
-        g[q * kGroup + r] = buf[r * pairs + q];
+        to[q * kGroup + r] = from[r * pairs + q];
       else
-        g[r * pairs + q] = buf[q * kGroup + r];
+        to[r * pairs + q] = from[q * kGroup + r];
     }
+}
+
+// The same in place, through `buf`.
+inline void permute_bf16_group(uint32_t* g, uint32_t* buf, int64_t pairs, bool to_nt16) {
+  std::memcpy(buf, g, sizeof(uint32_t) * kGroup * pairs);
+  move_bf16_group(buf, g, pairs, to_nt16);
 }
 
 // Groups [0, groups) of a [N, K] matrix at `base` (element size esize: 1 for E4M3, 2 for bf16), each thread
@@ -56,6 +61,17 @@ inline void permute_groups(uint8_t* base, int64_t groups, int64_t k, int64_t esi
       else
         permute_bf16_group(reinterpret_cast<uint32_t*>(p), buf.data(), k / 2, to_nt16);
     }
+  });
+}
+
+// Groups [0, groups) of a bf16 [N, K] matrix in the layout at `src`, as rows at `dst` (another matrix): one pass,
+// no buffer.
+inline void bf16_groups_to_rows(const uint16_t* src, uint16_t* dst, int64_t groups, int64_t k) {
+  const int64_t group = kGroup * k;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      move_bf16_group(reinterpret_cast<const uint32_t*>(src + g * group), reinterpret_cast<uint32_t*>(dst + g * group),
+                      k / 2, false);
   });
 }
 

@@ -40,11 +40,12 @@ class FusedDecoder:
                         None if attn.k_norm is None else attn.k_norm.weight]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 tensors += _proj(linear)
+        nt16 = kernels.fp8_nt16 if first.qkv_proj.is_fp8 else kernels.dense_nt16 is not None  # (weights/layout.py)
         self.plan = torch.classes.fp8engine.DecoderPlan(
             tensors, first.rotary.cos, first.rotary.sin,
             [first.num_heads, first.num_kv_heads, first.head_dim, kernels.attention_partition],
-            layers[0].input_layernorm.eps, first.attn.scale, scale_fmt == "ue8m0", kernels.batch_invariant,
-            kernels.fp8_nt16 if first.qkv_proj.is_fp8 else kernels.dense_nt16 is not None, list(kernels.gemms))
+            layers[0].input_layernorm.eps, first.attn.scale, scale_fmt == "ue8m0", kernels.batch_invariant, nt16,
+            list(kernels.gemms))
         self.attn = [layer.self_attn.attn for layer in layers]
         norm = model.model.norm  # its tensors and the embedding's, held like the layers' (updated in place)
         self.embed, self.norm_weight, self.norm_eps = model.model.embed_tokens.weight, norm.weight, norm.eps
@@ -52,8 +53,7 @@ class FusedDecoder:
                       layer.mlp.gate_up_proj, layer.mlp.down_proj) if linear.lora is not None]
         self.batch_invariant = kernels.batch_invariant
         self.bf16_gemm = kernels.gemms[1]
-        # BF16 weights in the nt16 layout: the kernel for every M (torch's linear reads rows)
-        self.dense_nt16 = not first.qkv_proj.is_fp8 and kernels.dense_nt16 is not None
+        self.dense_nt16 = nt16 and not first.qkv_proj.is_fp8  # BF16 projections in the layout
 
     def usable(self) -> bool:
         """Not while KV scales calibrate (the observer is Python's): the Python layers run those steps."""
@@ -62,7 +62,7 @@ class FusedDecoder:
     def _args(self, rows: int, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
         caches = [c for a in self.attn for c in (a.k_cache, a.v_cache)]
         scales = [float(s) for a in self.attn for s in (a.k_scale, a.v_scale, a.q_scale)]
-        bf16_kernel = self.dense_nt16 or bf16_linear_cpu.kernel_takes(rows, self.batch_invariant, self.bf16_gemm)
+        bf16_kernel = bf16_linear_cpu.kernel_takes(rows, self.batch_invariant, self.bf16_gemm, self.dense_nt16)
         lora = any(lora.active for lora in self.loras)
         return (positions, caches, scales, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                 bf16_kernel, lora)

@@ -39,12 +39,13 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out[:m].reshape(*x.shape[:-1], weight.shape[0])
 
 
-def kernel_takes(m: int, batch_invariant: bool, gemm: str) -> bool:
-    """Whether bf16_linear gives m rows to the C++ kernel: every M when batch invariant (its kernels are, torch's
-    GEMM is not) or on AVX2 (no BF16 dot products: torch's GEMM converts and runs 3-5x slower from 4 rows on), else
+def kernel_takes(m: int, batch_invariant: bool, gemm: str, nt16: bool = False) -> bool:
+    """Whether bf16_linear gives m rows to the C++ kernel: every M for a weight in the nt16 layout (which only the
+    kernel reads; it hands prefill-sized M to torch itself), when batch invariant (its kernels are, torch's GEMM is
+    not) or on AVX2 (no BF16 dot products: torch's GEMM converts and runs 3-5x slower from 4 rows on), else
     decode-sized batches (M <= 32), and up to 256 rows where its GEMM runs on AMX tiles. The decoder plan
     (model_executor/fused_decoder.py) calls the kernel directly, so it runs only where this holds."""
-    return batch_invariant or gemm == "avx2" or m <= (_AMX_MAX_M if gemm == "amx" else _STREAM_MAX_M)
+    return nt16 or batch_invariant or gemm == "avx2" or m <= (_AMX_MAX_M if gemm == "amx" else _STREAM_MAX_M)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
