@@ -436,9 +436,62 @@ def test_nt16_weights_give_the_bits_of_rows_at_every_m(ops, k, n):
     if k % 4 == 0:
         with pytest.raises(RuntimeError, match="the gemv reads weight rows, not nt16 groups"):
             ops.fp8_block_linear(x, grouped, w_s, None, False, None, False, "avx512-gemv", True)
-    if AMX:
-        with pytest.raises(RuntimeError, match="nt16 weights are for the AVX-512 kernels, not AMX tiles"):
-            ops.fp8_block_linear(x, grouped, w_s, None, False, None, True, "amx", True)
+    if AMX:  # the tiles read the groups too; up to 6 rows nt16 in the tiles' order gives their bits without them
+        for m in (1, 2, 5, 6, 7, 33):
+            x = (torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, k)).bfloat16()
+            expected = ops.fp8_block_linear(x, w_q, w_s, bias, False, rows, True, "amx")
+            for bi in (True, False):
+                assert torch.equal(ops.fp8_block_linear(x, grouped, w_s, bias, False, rows, bi, "amx", True),
+                                   expected), (m, bi)
+
+
+def _spread(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """Values whose products stress the order of a sum: magnitudes 2^-8 .. 2^8 within every 128-wide group, which
+    E4M3 keeps (products then span 32 bits, more than float32 holds), and exact cancellation (each eighth column
+    the negation of the one before)."""
+    x = torch.randn(*shape, generator=gen) * torch.exp2(torch.randint(-8, 9, shape, generator=gen).float())
+    x[..., 1::8] = -x[..., 0::8][..., : x[..., 1::8].shape[-1]]
+    return x
+
+
+@pytest.mark.skipif(not AMX, reason="the tiles' order is checked against the tiles")
+def test_nt16_in_the_tiles_order_gives_the_tiles_bits(ops):
+    """TDPBF16PS adds each 32-k step into C as C + (even + odd) (csrc/fp8_linear.cpp, nt16_blocks): the nt16
+    kernel in that order gives the tiles' bits, at 1-6 rows where it replaces them, with ragged K (a partial last
+    block, a single 64-k chunk), on inputs that tell sums in other orders apart (the plain nt kernel, one vdpbf16ps
+    chain, differs on them)."""
+    differs = 0
+    for k, n in ((576, 960), (1536, 576), (192, 64), (64, 32)):
+        gen = torch.Generator().manual_seed(k + 7 * n)
+        w_q, w_s = quant.quantize_weight_blockwise(_spread(gen, n, k))
+        grouped = layout.to_nt16_(w_q.clone())
+        for m in range(1, 7):
+            x = _spread(gen, m, k)  # float32 out: a bf16 output would round most differences away
+            tiles = ops.fp8_block_linear(x, w_q, w_s, None, False, None, True, "amx")
+            got = ops.fp8_block_linear(x, grouped, w_s, None, False, None, True, "amx", True)
+            assert torch.equal(got, tiles), (k, n, m)
+            differs += int((ops.fp8_block_linear(x, w_q, w_s, None, False, None, True, "avx512") != tiles).sum())
+    assert differs > 100, differs  # the inputs tell the orders apart
+
+
+@pytest.mark.skipif(not AMX, reason="AMX tiles")
+def test_nt16_on_amx_rows_do_not_depend_on_the_batch_at_1_to_130_rows(ops):
+    """A batch-invariant engine on AMX stores its FP8 weights as nt16: a row's bits are the same alone and at
+    every batch size from 1 to 130 rows (nt16 in the tiles' order up to 6 rows, the tiles above), in the last
+    position and in the first."""
+    gen = torch.Generator().manual_seed(130)
+    k, n = 576, 192
+    w_q, w_s = quant.quantize_weight_blockwise(torch.randn(n, k, generator=gen))
+    grouped = layout.to_nt16_(w_q)
+    x = torch.randn(130, k, generator=gen).bfloat16()
+    alone = ops.fp8_block_linear(x[:1], grouped, w_s, None, False, None, True, "amx", True)
+    last = [ops.fp8_block_linear(x[m - 1:m], grouped, w_s, None, False, None, True, "amx", True) for m in (2, 6, 7)]
+    for m in range(1, 131):
+        y = ops.fp8_block_linear(x[:m], grouped, w_s, None, False, None, True, "amx", True)
+        assert torch.equal(y[0], alone[0]), m
+        for size, row in zip((2, 6, 7), last):
+            if m >= size:
+                assert torch.equal(y[size - 1], row[0]), (m, size)
 
 
 def fp8_linear_cpu_isa(ops) -> str:

@@ -856,6 +856,22 @@ void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, i
 constexpr int64_t kNtWtFloats = kBlock / 2 * kNtRows;  // one converted K block of a task (nt_convert_block)
 constexpr int kNtGroup = 4;  // K blocks nt_blocks takes at once
 
+// The float32 values of a bf16 pair's two halves (k even: the low half), for one pair or 16 in the lanes.
+inline float pair_even(int32_t pair) {
+  const uint32_t bits = static_cast<uint32_t>(pair) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline float pair_odd(int32_t pair) {
+  const uint32_t bits = static_cast<uint32_t>(pair) & 0xFFFF0000u;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline __m512 pairs_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline __m512 pairs_odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536))); }
+
 // The line of a K block that holds slots 2 j and 2 j + 1 (nt16_pair_slot's inverse).
 constexpr int64_t nt16_line_of(int64_t j) { return (j & 0x11) | ((j >> 3) & 1) << 1 | ((j >> 1) & 3) << 2; }
 
@@ -864,7 +880,15 @@ constexpr int64_t nt16_line_of(int64_t j) { return (j & 0x11) | ((j >> 3) & 1) <
 // (the chains' order), so the sums are nt_blocks' bits. The G blocks from b0 may end with the partial last block of
 // K, whose chain runs over whole 64-k chunks as nt_block's (zero weights past K). The next task's lines are
 // prefetched into L2 as nt16's conversion does.
-template <int G, int MR>
+//
+// kTiles sums in the AMX tiles' order instead, so that the outputs are linear_amx's bits: TDPBF16PS adds each 32-k
+// step of A x B into C as C + (even + odd), where even is the float32 sum of the step's 16 even-k products taken in
+// k order from zero and odd that of the 16 odd-k ones (products of bf16 values are exact in float32). Established on
+// an AMX Xeon against a million outputs of adversarial inputs (benchmarks/amx_order.cpp; tests/test_fp8_cpu_kernel.py
+// checks it on every AMX machine). The tiles' k is the lane-order slot here too (the converted weight rows and the
+// packed activations share it), so a step is 16 slots: two FMA chains per output over them, folded into the block's
+// sum as the tile does, then the block's scale and the running sum as amx_scale_tile applies them.
+template <int G, int MR, bool kTiles = false>
 void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_t b0, const uint16_t* xb,
                  int64_t ldx, const float* sx, int64_t sx_ld, const __m512 (*sw)[kNtVecs], float* tot, bool first) {
   static_assert(kNtVecs == 2, "a task is two groups");
@@ -872,10 +896,10 @@ void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_
   const uint8_t* base[kNtVecs] = {p.w + n0 * p.k + b0 * kBlock * 16, p.w + (n0 + 16) * p.k + b0 * kBlock * 16};
   const int64_t ahead = kNtRows * p.k, last_cols = std::min(kBlock, p.k - (b0 + G - 1) * kBlock);
   const int64_t last_lines = last_cols / 4, last_slot_pairs = cdiv(last_cols, 64) * 16;
-  __m512 acc[G][MR][kNtVecs];
-  for (auto& block : acc)
-    for (auto& row : block)
-      for (auto& a : row) a = _mm512_setzero_ps();
+  __m512 acc[G][MR][kNtVecs], even[G][MR][kNtVecs], odd[G][MR][kNtVecs];  // even, odd: kTiles' step chains
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < kNtVecs; ++v) acc[g][i][v] = even[g][i][v] = odd[g][i][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < kBlock / 4; ++j) {
     const int64_t line = nt16_line_of(j);
     for (int g = 0; g < G; ++g) {
@@ -893,9 +917,27 @@ void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_
       for (int i = 0; i < MR; ++i) {  // each row's two pairs broadcast as it goes (few registers at 8 rows)
         int32_t pair[2];
         std::memcpy(pair, xb + i * ldx + g * kBlock + 4 * j, 8);
-        const __m512bh x0 = as_bh(_mm512_set1_epi32(pair[0])), x1 = as_bh(_mm512_set1_epi32(pair[1]));
-        for (int v = 0; v < kNtVecs; ++v)
-          acc[g][i][v] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g][i][v], as_bh(w[v][0]), x0), as_bh(w[v][1]), x1);
+        if constexpr (kTiles) {
+          for (int h = 0; h < 2; ++h) {
+            const __m512 xe = _mm512_set1_ps(pair_even(pair[h])), xo = _mm512_set1_ps(pair_odd(pair[h]));
+            for (int v = 0; v < kNtVecs; ++v) {
+              even[g][i][v] = _mm512_fmadd_ps(pairs_even(w[v][h]), xe, even[g][i][v]);
+              odd[g][i][v] = _mm512_fmadd_ps(pairs_odd(w[v][h]), xo, odd[g][i][v]);
+            }
+          }
+        } else {
+          const __m512bh x0 = as_bh(_mm512_set1_epi32(pair[0])), x1 = as_bh(_mm512_set1_epi32(pair[1]));
+          for (int v = 0; v < kNtVecs; ++v)
+            acc[g][i][v] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g][i][v], as_bh(w[v][0]), x0), as_bh(w[v][1]), x1);
+        }
+      }
+      if constexpr (kTiles) {
+        if ((j & 7) == 7)  // the end of a 32-k step (16 slots)
+          for (int i = 0; i < MR; ++i)
+            for (int v = 0; v < kNtVecs; ++v) {
+              acc[g][i][v] = _mm512_add_ps(acc[g][i][v], _mm512_add_ps(even[g][i][v], odd[g][i][v]));
+              even[g][i][v] = odd[g][i][v] = _mm512_setzero_ps();
+            }
       }
     }
   }
@@ -925,18 +967,36 @@ constexpr Nt16BlocksFn kNt16Block[kNtMaxRows + 1] = {
     nullptr, nt16_blocks<1, 1>, nt16_blocks<1, 2>, nt16_blocks<1, 3>, nt16_blocks<1, 4>,
     nt16_blocks<1, 5>, nt16_blocks<1, 6>, nt16_blocks<1, 7>, nt16_blocks<1, 8>};
 
-// A task of two nt16 groups at up to kNtMaxRows rows: every K block through nt16_blocks, at a row or two kNtGroup
-// at a time (the last call takes one more rather than leave one block alone on its two chains), above one at a time.
-template <typename OutT>
+// In the tiles' order two chains per output instead of one: two blocks at once at a row or two fill the registers.
+constexpr int kTilesGroup = 2;
+constexpr Nt16BlocksFn kNt16TileBlocks[kTilesGroup + 1][kNtGroupMaxM + 1] = {
+    {nullptr, nullptr, nullptr},
+    {nullptr, nt16_blocks<1, 1, true>, nt16_blocks<1, 2, true>},
+    {nullptr, nt16_blocks<2, 1, true>, nt16_blocks<2, 2, true>}};
+// The most rows linear_amx hands to nt16 in the tiles' order: the default model's 30 FP8 layers from DRAM on a
+// 2-vCPU Xeon with AMX (benchmarks/linear_stream.py --kernels fp8-bi), at 1 row 6.3 ms against the tiles' 10.9 and the
+// gemv's 5.8; at 6 10.9 against 11.7; at 7 12.6 against 11.6.
+constexpr int64_t kTilesNtMaxM = 6;
+constexpr Nt16BlocksFn kNt16TileBlock[kTilesNtMaxM + 1] = {
+    nullptr, nt16_blocks<1, 1, true>, nt16_blocks<1, 2, true>, nt16_blocks<1, 3, true>, nt16_blocks<1, 4, true>,
+    nt16_blocks<1, 5, true>, nt16_blocks<1, 6, true>};
+
+// A task of two nt16 groups at up to kNtMaxRows rows (kTilesNtMaxM in the tiles' order): every K block through
+// nt16_blocks, at a row or two kNtGroup at a time (the last call takes one more rather than leave one block alone
+// on its two chains; kTilesGroup in the tiles' order), above one at a time.
+template <bool kTiles = false, typename OutT>
 void nt16_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* tot, OutT* y) {
   for (int64_t b = 0; b < p.nkb;) {
-    const int g = p.m > kNtGroupMaxM        ? 1
-                  : p.nkb - b == kNt16MaxG ? kNt16MaxG
-                                           : static_cast<int>(std::min<int64_t>(kNtGroup, p.nkb - b));
+    const int64_t left = p.nkb - b;
+    const int g = p.m > kNtGroupMaxM              ? 1
+                  : kTiles                        ? static_cast<int>(std::min<int64_t>(kTilesGroup, left))
+                  : left == kNt16MaxG             ? kNt16MaxG
+                                                  : static_cast<int>(std::min<int64_t>(kNtGroup, left));
     __m512 sw[kNt16MaxG][kNtVecs];
     for (int i = 0; i < g; ++i) nt_scales(p, n0, b + i, sw[i]);
-    (p.m > kNtGroupMaxM ? kNt16Block[p.m] : kNt16Blocks[g][p.m])(p, cvt, n0, b, x.x.get() + b * kBlock, x.kp,
-                                                                 x.scale.get() + b, p.nkb, sw, tot, b == 0);
+    const Nt16BlocksFn blocks = kTiles ? (p.m > kNtGroupMaxM ? kNt16TileBlock[p.m] : kNt16TileBlocks[g][p.m])
+                                       : (p.m > kNtGroupMaxM ? kNt16Block[p.m] : kNt16Blocks[g][p.m]);
+    blocks(p, cvt, n0, b, x.x.get() + b * kBlock, x.kp, x.scale.get() + b, p.nkb, sw, tot, b == 0);
     b += g;
   }
   nt_write(p.m, p.n, n0, p.bias, tot, y);
@@ -969,6 +1029,22 @@ void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t
                                                    b == 0);
   }
   nt_write(p.m, p.n, n0, p.bias, tot, y);
+}
+
+// linear_amx's bits at up to kTilesNtMaxM rows, from nt16 weights whose every task is two groups (N a multiple of
+// kNtRows), without the tiles: the chains in the tiles' order (nt16_blocks). At one row the tiles, which compute 16
+// activation rows whatever M is, took twice the gemv's time over the default model's 30 FP8 layers; this is what
+// lets a batch-invariant engine on AMX decode a sequence or a few at the gemv's speed (docs/exact-rollouts.md).
+bool tiles_nt_takes(const Problem& p) { return p.m <= kTilesNtMaxM && p.nt16 && p.n % kNtRows == 0; }
+
+template <typename T>
+void linear_tiles_nt(const Problem& p, const T* xin, bool ue8m0, T* y) {
+  const RowsBf16 x = quantize_rows(xin, p.m, p.k, p.nkb, ue8m0);
+  at::parallel_for(0, p.n / kNtRows, 1, [&](int64_t begin, int64_t end) {
+    const E4m3ToBf16 cvt;
+    auto tot = alloc_buffer<float>(p.m * kNtRows);
+    for (int64_t t = begin; t < end; ++t) nt16_task<true>(p, cvt, x, t * kNtRows, tot.get(), y);
+  });
 }
 
 template <typename T>
@@ -1082,7 +1158,13 @@ void amx_block(const uint16_t* a, const float* x0, const float* x1, int64_t step
 // runs on a 2-vCPU Xeon), the same bits.
 void convert_weight_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t rows, int64_t b,
                           uint16_t* dst) {
-  for (int64_t r = 0; r < rows; ++r) {
+  int64_t r = 0;
+  for (; r + 16 <= rows && p.grouped(n0 + r); r += 16) {  // an nt16 group's block b + 1 is one stretch of 2 KiB
+    const char* next = reinterpret_cast<const char*>(p.w + (n0 + r) * p.k + (b + 1) * kBlock * 16);
+    for (int line = 0; line < 32 && b + 1 < p.nkb; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+    nt16_convert_rows(p, cvt, n0 + r, b, dst + r * kBlock);
+  }
+  for (; r < rows; ++r) {
     const char* next = reinterpret_cast<const char*>(p.w + (n0 + r) * p.k + (b + 1) * kBlock);
     _mm_prefetch(next, _MM_HINT_T0);
     _mm_prefetch(next + 64, _MM_HINT_T0);
@@ -1167,10 +1249,10 @@ constexpr int64_t kSmallMAmx = 2;
 // AVX-512 GEMM by M, or AMX tiles for every M (which depends on the CPU, not on M).
 template <typename T>
 void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant, GemmChoice g) {
-  TORCH_CHECK(!p.nt16 || !g.amx, "fp8_block_linear: nt16 weights are for the AVX-512 kernels, not AMX tiles");
   if (g.kernel == Avx512Kernel::kByM && g.amx) {
 #ifdef FP8E_AMX
-    if (batch_invariant || p.m > kSmallMAmx) return linear_amx(p, x, ue8m0, y);
+    if (tiles_nt_takes(p)) return linear_tiles_nt(p, x, ue8m0, y);
+    if (batch_invariant || p.nt16 || p.m > kSmallMAmx) return linear_amx(p, x, ue8m0, y);
 #endif
     return linear_small_m(p, x, ue8m0, y);
   }

@@ -119,7 +119,9 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
     fp8_linear, nt16 = None, False
     if config.quantization == "fp8":
         if has("fp8_block_linear"):
-            nt16 = nt16_kernels and fp8_gemm == "avx512"
+            # On AMX a batch-invariant engine's FP8 weights are nt16 too: up to 6 rows nt16 gives the tiles' bits
+            # without the tiles (csrc/fp8_linear.cpp, linear_tiles_nt), at 1 row in 0.6x their time
+            nt16 = nt16_kernels and (fp8_gemm == "avx512" or (fp8_gemm == "amx" and bi))
             fp8_linear = functools.partial(fp8_linear_cpu.fp8_block_linear_cpu, batch_invariant=bi, gemm=fp8_gemm,
                                            nt16=nt16)
             names["fp8_linear"] = "cpp-amx" if fp8_gemm == "amx" else f"cpp-{ops.fp8_linear_isa()}"
