@@ -374,6 +374,79 @@ void linear_nt(const Problem& p, OutT* y) {
   });
 }
 
+// ---- small M in the AMX tiles' order (linear_common.h) ---------------------------------------------
+
+// One K block from k0 of a task of two nt16 groups in the tiles' order: the BF16 tiles keep one running C per output
+// over all of K, so tot carries it from block to block (`first`: C starts at zero), and each 32-k step adds its even
+// and odd chains (products and sums flushed as the tiles flush them: the caller holds TileDenormals). S steps' chains
+// run at once (8 chains at a row and S = 2, where one step's 4 wait on the adds' latency), folded in step order. A
+// ragged K's last step stops at K: the tiles' zero padding adds +0 to chains that are never -0.
+template <int MR, int S>
+void nt16_tiles_block(const Problem& p, int64_t n0, int64_t k0, const uint16_t* xb, int64_t ldx, float* tot,
+                      bool first) {
+  const int64_t pairs = std::min(kBlockK, p.k - k0) / 2, ahead = kNtRows * p.k;
+  __m512 c[MR][kNtVecs];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kNtVecs; ++v) c[i][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(tot + (i * kNtVecs + v) * 16);
+  for (int64_t s0 = 0; s0 * 16 < pairs; s0 += S) {
+    __m512 even[S][MR][kNtVecs], odd[S][MR][kNtVecs];
+    for (int h = 0; h < S; ++h)
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < kNtVecs; ++v) even[h][i][v] = odd[h][i][v] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < 16; ++q)
+      for (int h = 0; h < S; ++h) {
+        const int64_t pair = (s0 + h) * 16 + q;
+        if (pair >= pairs) continue;
+        __m512i wv[kNtVecs];
+        for (int v = 0; v < kNtVecs; ++v) {
+          const uint16_t* src = p.line(n0 + 16 * v, k0 / 2 + pair);
+          _mm_prefetch(reinterpret_cast<const char*>(src + ahead), _MM_HINT_T2);
+          _mm_prefetch(reinterpret_cast<const char*>(src + 32 * kNt16L1Lines), _MM_HINT_T0);
+          wv[v] = _mm512_loadu_si512(src);
+        }
+        for (int i = 0; i < MR; ++i) {
+          int32_t xp;
+          std::memcpy(&xp, xb + i * ldx + 2 * pair, 4);
+          const __m512 xe = _mm512_set1_ps(pair_even(xp)), xo = _mm512_set1_ps(pair_odd(xp));
+          for (int v = 0; v < kNtVecs; ++v) {  // mul, then add: a product below float32's normals is flushed first
+            even[h][i][v] = _mm512_add_ps(even[h][i][v], _mm512_mul_ps(pairs_even(wv[v]), xe));
+            odd[h][i][v] = _mm512_add_ps(odd[h][i][v], _mm512_mul_ps(pairs_odd(wv[v]), xo));
+          }
+        }
+      }
+    for (int h = 0; h < S && (s0 + h) * 16 < pairs; ++h)
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < kNtVecs; ++v) c[i][v] = _mm512_add_ps(c[i][v], _mm512_add_ps(even[h][i][v], odd[h][i][v]));
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kNtVecs; ++v) _mm512_store_ps(tot + (i * kNtVecs + v) * 16, c[i][v]);
+}
+
+// The most rows linear_amx hands to nt16 in the tiles' order: the default model's 30 BF16 layers and its head from
+// DRAM on a 2-vCPU Xeon with AMX (benchmarks/linear_stream.py --kernels bf16-bi,head-bi).
+constexpr int64_t kTilesNtMaxM = 4;
+using Nt16TilesBlockFn = void (*)(const Problem&, int64_t, int64_t, const uint16_t*, int64_t, float*, bool);
+constexpr Nt16TilesBlockFn kNt16TilesBlock[kTilesNtMaxM + 1] = {
+    nullptr, nt16_tiles_block<1, 2>, nt16_tiles_block<2, 2>, nt16_tiles_block<3, 1>, nt16_tiles_block<4, 1>};
+
+// linear_amx's bits at up to kTilesNtMaxM rows from nt16 weights whose every task is two groups, without the tiles.
+bool tiles_nt_takes(const Problem& p) { return p.m <= kTilesNtMaxM && p.nt16 && p.n % kNtRows == 0; }
+
+template <typename OutT>
+void linear_tiles_nt(const Problem& p, OutT* y) {
+  at::parallel_for(0, p.n / kNtRows, 1, [&](int64_t begin, int64_t end) {
+    auto tot = alloc_buffer<float>(p.m * kNtRows);
+    for (int64_t t = begin; t < end; ++t) {
+      {
+        const TileDenormals flush;
+        for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK)
+          kNt16TilesBlock[p.m](p, t * kNtRows, k0, p.x + k0, p.ldx, tot.get(), k0 == 0);
+      }
+      nt_write(p.m, p.n, t * kNtRows, p.bias, tot.get(), y);
+    }
+  });
+}
+
 // ---- large M ---------------------------------------------------------------------------------------
 //
 // A task owns kTileN weight rows and a range of 16-row activation vectors. Per kBlockK columns it
@@ -618,6 +691,115 @@ void linear_amx(const Problem& p, OutT* y) {
   });
 }
 
+// nt16 weights as B tiles: line q of a group (pair q of its 16 rows, row r in lane r) is row q of a B tile as it
+// lies in memory, so the tiles read a group's 16 lines of a 32-k step in place, with no copy or transposition, and
+// the activations are the A tiles (16 rows x 32 k, rows padded to whole steps and vectors). C rows are then
+// activation rows, written as they are. An output's sum is the same as with weights as A (each product is the same
+// two bf16 values, the steps' chains the same k): linear_amx's bits (tests/test_bf16_linear.py).
+struct RowsX {
+  int64_t ld, mpad;
+  Buffer<uint16_t> x;  // [mpad, ld] bf16, zero past M and K
+};
+
+RowsX pad_rows(const Problem& p) {
+  RowsX out{cdiv(p.k, 32) * 32, cdiv(p.m, 16) * 16, nullptr};
+  out.x = alloc_buffer<uint16_t>(out.mpad * out.ld);
+  for (int64_t m = 0; m < out.mpad; ++m) {
+    uint16_t* row = out.x.get() + m * out.ld;
+    const int64_t cols = m < p.m ? p.k : 0;
+    std::memcpy(row, p.x + m * p.ldx, sizeof(uint16_t) * cols);
+    std::memset(row + cols, 0, sizeof(uint16_t) * (out.ld - cols));
+  }
+  return out;
+}
+
+// A task's B operand, 16 lines (one 32-k step) of 16 weight rows at a time: a group's whole steps in place, its
+// ragged last step (the lines after a group's last are the next group's) and 16 rows past the groups (stored as
+// rows; zero past N) from buf.
+struct BTiles {
+  const uint16_t* base[2];
+  int64_t whole[2];
+  uint16_t* buf[2];
+  const uint16_t* at(int v, int64_t s) const { return s < whole[v] ? base[v] + 512 * s : buf[v] + 512 * (s - whole[v]); }
+};
+
+BTiles b_tiles(const Problem& p, int64_t n0, int64_t steps, uint16_t* buf) {
+  const int64_t pairs = p.k / 2;
+  BTiles b{};
+  for (int v = 0; v < 2; ++v) {
+    const int64_t row0 = n0 + 16 * v;
+    b.buf[v] = buf + v * steps * 512;
+    const bool grouped = p.grouped(row0);
+    b.base[v] = grouped ? p.line(row0, 0) : nullptr;
+    b.whole[v] = grouped ? pairs / 16 : 0;
+    auto* dst = reinterpret_cast<uint32_t*>(b.buf[v]);
+    for (int64_t q = 16 * b.whole[v]; q < 16 * steps; ++q)
+      for (int64_t r = 0; r < 16; ++r) {
+        uint32_t pair = 0;
+        if (q < pairs && row0 + r < p.n)
+          std::memcpy(&pair, grouped ? p.line(row0, q) + 2 * r : p.w + (row0 + r) * p.ldw + 2 * q, 4);
+        dst[(q - 16 * b.whole[v]) * 16 + r] = pair;
+      }
+  }
+  return b;
+}
+
+// A task's 32 weight rows over activation vectors [mv0, mv1), two at a time: 2 x 2 C tiles over all of K (tiles
+// 0-3 C, 4-5 A, 6-7 B).
+template <typename OutT>
+void amx_nt16_task(const Problem& p, const RowsX& x, const GemmTask& t, uint16_t* buf, OutT* y) {
+  const int64_t steps = x.ld / 32;
+  const BTiles b = b_tiles(p, t.n0, steps, buf);
+  alignas(64) float c[4][256];
+  for (int64_t mv = t.mv0; mv < t.mv1; mv += 2) {
+    const int nb = mv + 1 < t.mv1 ? 2 : 1;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* a = x.x.get() + mv * 16 * x.ld;
+    for (int64_t s = 0; s < steps; ++s) {
+      _tile_loadd(6, b.at(0, s), 64);
+      _tile_loadd(7, b.at(1, s), 64);
+      _tile_loadd(4, a + 32 * s, x.ld * 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (nb == 2) {
+        _tile_loadd(5, a + 16 * x.ld + 32 * s, x.ld * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    if (nb == 2) {
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+    }
+    for (int v = 0; v < 2 && t.n0 + 16 * v < p.n; ++v) {
+      const int64_t n = t.n0 + 16 * v;
+      const __mmask16 mask = tail_mask16(p.n - n);
+      const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n) : _mm512_setzero_ps();
+      for (int j = 0; j < nb; ++j)
+        for (int64_t r = 0; r < 16 && (mv + j) * 16 + r < p.m; ++r)
+          store_row(y + ((mv + j) * 16 + r) * p.n + n, _mm512_add_ps(_mm512_load_ps(c[2 * j + v] + 16 * r), bias), mask);
+    }
+  }
+}
+
+template <typename OutT>
+void linear_amx_nt16(const Problem& p, OutT* y) {
+  const RowsX x = pad_rows(p);
+  const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kAmxTileN);
+  const int64_t chunks = l2_chunks(n_tiles, mvecs, at::get_num_threads(), x.ld * 32, 2);
+  at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
+    const TileScope tiles;
+    auto buf = alloc_buffer<uint16_t>(2 * x.ld / 32 * 512);
+    for (int64_t i = begin; i < end; ++i)
+      amx_nt16_task(p, x, chunk_major_task(i, n_tiles, kAmxTileN, mvecs, chunks), buf.get(), y);
+  });
+}
+
 #endif  // FP8E_AMX
 
 // Which AVX-512 kernel M picks, measured with every layer's weights from DRAM (benchmarks/linear_stream.py, 2
@@ -635,9 +817,10 @@ constexpr int64_t kSmallMAmx = 1;
 
 template <typename OutT>
 void linear_impl(const Problem& p, OutT* out, bool batch_invariant, GemmChoice g) {
-  TORCH_CHECK(!p.nt16 || !g.amx, "bf16_linear: nt16 weights are for the AVX-512 kernels, not AMX tiles");
   if (g.kernel == Avx512Kernel::kByM && g.amx) {
 #ifdef FP8E_AMX
+    if (tiles_nt_takes(p)) return linear_tiles_nt(p, out);
+    if (p.nt16) return linear_amx_nt16(p, out);
     if (batch_invariant || p.m > kSmallMAmx) return linear_amx(p, out);
 #endif
     return linear_small_m(p, out);

@@ -856,22 +856,6 @@ void nt_convert_block(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, i
 constexpr int64_t kNtWtFloats = kBlock / 2 * kNtRows;  // one converted K block of a task (nt_convert_block)
 constexpr int kNtGroup = 4;  // K blocks nt_blocks takes at once
 
-// The float32 values of a bf16 pair's two halves (k even: the low half), for one pair or 16 in the lanes.
-inline float pair_even(int32_t pair) {
-  const uint32_t bits = static_cast<uint32_t>(pair) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline float pair_odd(int32_t pair) {
-  const uint32_t bits = static_cast<uint32_t>(pair) & 0xFFFF0000u;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline __m512 pairs_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-inline __m512 pairs_odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536))); }
-
 // The line of a K block that holds slots 2 j and 2 j + 1 (nt16_pair_slot's inverse).
 constexpr int64_t nt16_line_of(int64_t j) { return (j & 0x11) | ((j >> 3) & 1) << 1 | ((j >> 1) & 3) << 2; }
 
@@ -881,13 +865,11 @@ constexpr int64_t nt16_line_of(int64_t j) { return (j & 0x11) | ((j >> 3) & 1) <
 // K, whose chain runs over whole 64-k chunks as nt_block's (zero weights past K). The next task's lines are
 // prefetched into L2 as nt16's conversion does.
 //
-// kTiles sums in the AMX tiles' order instead, so that the outputs are linear_amx's bits: TDPBF16PS adds each 32-k
-// step of A x B into C as C + (even + odd), where even is the float32 sum of the step's 16 even-k products taken in
-// k order from zero and odd that of the 16 odd-k ones (products of bf16 values are exact in float32). Established on
-// an AMX Xeon against a million outputs of adversarial inputs (benchmarks/amx_order.cpp; tests/test_fp8_cpu_kernel.py
-// checks it on every AMX machine). The tiles' k is the lane-order slot here too (the converted weight rows and the
-// packed activations share it), so a step is 16 slots: two FMA chains per output over them, folded into the block's
-// sum as the tile does, then the block's scale and the running sum as amx_scale_tile applies them.
+// kTiles sums in the AMX tiles' order instead (linear_common.h), so that the outputs are linear_amx's bits: the
+// tiles' k is the lane-order slot here too (the converted weight rows and the packed activations share it), so a
+// 32-k step is 16 slots: two FMA chains per output over them (the products of E4M3 values are exact and never
+// denormal, so FMA rounds as the tiles add), folded into the block's sum as the tile does, then the block's scale
+// and the running sum as amx_scale_tile applies them.
 template <int G, int MR, bool kTiles = false>
 void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_t b0, const uint16_t* xb,
                  int64_t ldx, const float* sx, int64_t sx_ld, const __m512 (*sw)[kNtVecs], float* tot, bool first) {

@@ -290,6 +290,42 @@ template <int64_t KB, int G, bool kScaled>  // nt_blocks at m rows, m <= kNtGrou
 inline constexpr NtBlocksFn kNtBlocks[kNtGroupMaxM + 1] = {nullptr, nt_blocks<KB, G, 1, kScaled>,
                                                            nt_blocks<KB, G, 2, kScaled>};
 
+// ---- the AMX tiles' order on AVX-512 ------------------------------------------------------------
+//
+// TDPBF16PS adds each 32-k step of A x B into C as C + (even + odd): even is the float32 sum of the step's 16
+// even-k products taken in k order from zero, odd that of the 16 odd-k ones, products of bf16 values exact in
+// float32, denormal inputs read as zero and denormal results flushed (established on a Xeon with AMX against a
+// million outputs of adversarial inputs: benchmarks/amx_order.cpp). The nt16 kernels reproduce it at small M
+// (fp8_linear.cpp, bf16_linear.cpp: "tiles' order"), so that a batch-invariant engine gets the tiles' bits without
+// the tiles where they are slow. These give a bf16 pair's halves as float32 (k even: the low half).
+inline float pair_even(int32_t pair) {
+  const uint32_t bits = static_cast<uint32_t>(pair) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline float pair_odd(int32_t pair) {
+  const uint32_t bits = static_cast<uint32_t>(pair) & 0xFFFF0000u;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline __m512 pairs_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline __m512 pairs_odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536))); }
+
+// MXCSR's flush-to-zero and denormals-are-zero on for this scope on this thread, as the tiles compute; restored
+// after.
+class TileDenormals {
+ public:
+  TileDenormals() : csr_(_mm_getcsr()) { _mm_setcsr(csr_ | 0x8040u); }
+  ~TileDenormals() { _mm_setcsr(csr_); }
+  TileDenormals(const TileDenormals&) = delete;
+  TileDenormals& operator=(const TileDenormals&) = delete;
+
+ private:
+  unsigned csr_;
+};
+
 // Activation rows per register tile for m rows: as even as the tiles allow.
 inline int64_t nt_rows_per_pass(int64_t m) { return cdiv(m, cdiv(m, kNtMaxRows)); }
 

@@ -110,18 +110,19 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
     fp32_tiles = envs.get("FP8ENGINE_FP32_HEAD") == "tiles"
     fused = envs.flag("FP8ENGINE_FUSED_DECODER")
     names = {}
-    # On the AVX-512 BF16 kernels (not AMX tiles, not AVX2) the weights are stored in the nt16 layout, which nt reads
-    # without transposing them (weights/layout.py): nt at every M up to 64, the GEMM above, batch invariant or not
-    # (a plain engine then gives up the gemv at 1-4 rows, which nt16 matches, for nt16's 5-35% at 4-8 rows:
-    # docs/exact-rollouts.md)
+    # On the AVX-512 BF16 kernels (not AVX2) the weights are stored in the nt16 layout, which nt reads without
+    # transposing them (weights/layout.py): nt at every M up to 64, the GEMM above, batch invariant or not (a plain
+    # engine then gives up the gemv at 1-4 rows, which nt16 matches, for nt16's 5-35% at 4-8 rows:
+    # docs/exact-rollouts.md). On AMX tiles a batch-invariant engine's weights are nt16 too: up to a few rows nt16
+    # in the tiles' order gives their bits without them, at one row in 0.6x (FP8) and 0.85x (BF16) their time, and
+    # the tiles read the groups above (csrc/fp8_linear.cpp, bf16_linear.cpp); a plain one keeps rows and the gemv.
     nt16_kernels = has("fp8_linear_isa") and ops.fp8_linear_isa() == "avx512bf16" and envs.flag("FP8ENGINE_NT16")
+    nt16_for = (lambda gemm: nt16_kernels and (gemm == "avx512" or (gemm == "amx" and bi)))  # noqa: E731
 
     fp8_linear, nt16 = None, False
     if config.quantization == "fp8":
         if has("fp8_block_linear"):
-            # On AMX a batch-invariant engine's FP8 weights are nt16 too: up to 6 rows nt16 gives the tiles' bits
-            # without the tiles (csrc/fp8_linear.cpp, linear_tiles_nt), at 1 row in 0.6x their time
-            nt16 = nt16_kernels and (fp8_gemm == "avx512" or (fp8_gemm == "amx" and bi))
+            nt16 = nt16_for(fp8_gemm)
             fp8_linear = functools.partial(fp8_linear_cpu.fp8_block_linear_cpu, batch_invariant=bi, gemm=fp8_gemm,
                                            nt16=nt16)
             names["fp8_linear"] = "cpp-amx" if fp8_gemm == "amx" else f"cpp-{ops.fp8_linear_isa()}"
@@ -148,7 +149,7 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
     else:
         lm_head, names["lm_head"] = (lambda x, w: dense(x, w, None)), names["dense_linear"]
     # The BF16 linears' and the head's weights in the nt16 layout too, which nt reads as it loads them
-    bf16_nt16 = nt16_kernels and bf16 and bf16_gemm == "avx512" and has("bf16_linear") and not chunked
+    bf16_nt16 = nt16_for(bf16_gemm) and bf16 and has("bf16_linear") and not chunked
     dense_nt16 = functools.partial(bf16_linear_cpu.bf16_linear, batch_invariant=bi, gemm=bf16_gemm,
                                    nt16=True) if bf16_nt16 else None
     head_nt16 = bf16_nt16 and not config.lm_head_fp32 and not config.lm_head_fp8
