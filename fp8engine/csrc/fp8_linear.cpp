@@ -390,9 +390,13 @@ struct RowsBf16 {
   Buffer<float> scale;  // [M, nkb]
 };
 
+// mpad > m: rows m .. mpad zero (the AMX A tiles read whole vectors of 16 rows).
 template <typename T>
-RowsBf16 quantize_rows(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8m0) {
-  RowsBf16 out{nkb * kBlock, alloc_buffer<uint16_t>(m * nkb * kBlock), alloc_buffer<float>(m * nkb)};
+RowsBf16 quantize_rows(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8m0, int64_t mpad = 0) {
+  const int64_t rows = std::max(m, mpad);
+  RowsBf16 out{nkb * kBlock, alloc_buffer<uint16_t>(rows * nkb * kBlock), alloc_buffer<float>(rows * nkb)};
+  std::memset(out.x.get() + m * out.kp, 0, sizeof(uint16_t) * (rows - m) * out.kp);
+  std::fill_n(out.scale.get() + m * nkb, (rows - m) * nkb, 0.f);
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < nkb; ++b) {
@@ -580,22 +584,18 @@ void linear_small_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
 constexpr int64_t kTileN = 48;
 constexpr int64_t kPairs = kBlock / 2;
 
-// Activations packed for the GEMMs: 16-row vector mv of K block b, from at(b, mv), holds one bf16 pair of
-// each row per 32-bit lane, pairs ld() floats apart; sxp[b][m] are the group scales (0 for padding rows).
-// The AVX-512 kernel reads the pairs of all rows side by side; AMX (`tiles`) reads each vector's 64 pairs
-// as one stretch (dense B tiles).
+// Activations packed for the AVX-512 GEMM: 16-row vector mv of K block b, from at(b, mv), holds one bf16 pair of
+// each row per 32-bit lane, pairs ld() floats apart, all rows side by side; sxp[b][m] are the group scales (0 for
+// padding rows).
 struct PackedX {
   int64_t mpad = 0;
-  bool tiles = false;
   Buffer<float> xp;
   Buffer<float> sxp;
   // Side by side, one vector more than mpad: with M a multiple of 1024 the pairs would sit a multiple of
   // 4 KiB apart, all in the same few L1 sets, and the micro kernel's activation block (64 pairs x 64
   // rows) would evict itself between the weight rows that reuse it (M=2048: 10.2 -> 9.2 ms for 3072 x 576).
-  int64_t ld() const { return tiles ? 16 : mpad + 16; }
-  float* at(int64_t b, int64_t mv) const {
-    return xp.get() + (tiles ? (b * (mpad / 16) + mv) * kPairs * 16 : b * kPairs * ld() + mv * 16);
-  }
+  int64_t ld() const { return mpad + 16; }
+  float* at(int64_t b, int64_t mv) const { return xp.get() + b * kPairs * ld() + mv * 16; }
 };
 
 // Quantizes a 16-row x 1-block tile of activations straight into the packed layout.
@@ -631,9 +631,9 @@ void pack_tile(const T* src, int64_t ld, int64_t rows, int64_t cols, bool ue8m0,
 }
 
 template <typename T>
-PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8m0, bool tiles) {
-  PackedX out{cdiv(m, 16) * 16, tiles, nullptr, nullptr};
-  out.xp = alloc_buffer<float>(nkb * kPairs * (tiles ? out.mpad : out.ld()));
+PackedX pack_activations(const T* x, int64_t m, int64_t k, int64_t nkb, bool ue8m0) {
+  PackedX out{cdiv(m, 16) * 16, nullptr, nullptr};
+  out.xp = alloc_buffer<float>(nkb * kPairs * out.ld());
   out.sxp = alloc_buffer<float>(nkb * out.mpad);
   const int64_t mvecs = out.mpad / 16;
   at::parallel_for(0, mvecs * nkb, 4, [&](int64_t begin, int64_t end) {
@@ -713,7 +713,7 @@ void gemm_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const 
 
 template <typename T>
 void linear_large_m(const Problem& p, const T* xin, bool ue8m0, T* y) {
-  const PackedX x = pack_activations(xin, p.m, p.k, p.nkb, ue8m0, false);
+  const PackedX x = pack_activations(xin, p.m, p.k, p.nkb, ue8m0);
   const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kTileN);
   const int64_t chunks = l2_chunks(n_tiles, mvecs, at::get_num_threads(), 32 * p.k, 4);
   at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
@@ -1042,171 +1042,80 @@ void linear_nt(const Problem& p, const T* xin, bool ue8m0, T* y) {
 
 #ifdef FP8E_AMX
 
-// ---- AMX: the large-M operands as tiles -------------------------------------------------------------
+// ---- AMX: tiles from M = 7 on (nt16 in the tiles' order below) --------------------------------------
 //
-// A converted weight tile's rows (128 bf16 per K block, lane order) are A tiles of 16 weight rows x 32 k;
-// the packed activations (bf16 pairs by column) are B tiles of 16 pairs x 16 activation rows. TDPBF16PS
-// multiplies the E4M3 values exactly and sums in float32, so a K block's C tile holds the block's partial
-// sums, scaled into a float32 accumulator as in the AVX-512 kernel. An output's arithmetic depends only
-// on its weight row and activation row, so padding and grouping never change a row's result.
-//
-// A task owns kAmxTileN weight rows (converted once) and a range of activation vectors, and goes over
-// them in groups of 2 x 2 C tiles (32 x 32 outputs), all K blocks of a group before the next. The scaling
-// of each group-block's C tiles is interleaved with the next group-block's tile steps, where the core can
-// do it while the tile unit computes (a run of tile instructions fills the reorder buffer: work placed
-// after it waits for them all).
+// A task converts its 32 weight rows' K blocks once into nt's pair vectors (nt_convert_block: a bf16 pair of 16
+// weight rows in 64 bytes, the task's two vectors side by side, from rows or nt16 groups alike), which are B tiles
+// as they lie, rows 128 bytes apart; the quantized activation rows (lane order, as the weight's slots) are the A
+// tiles. TDPBF16PS multiplies the E4M3 values exactly and sums in float32 (in the order linear_common.h gives), so a
+// K block's C tile holds the block's partial sums, scaled into a float32 accumulator as in the AVX-512 kernel; C rows
+// are activation rows, written as they are. An output's arithmetic depends only on its weight row and activation
+// row, so padding and grouping never change a row's result. It replaced weights as A tiles (converted rows) and
+// activations packed as B tiles, with the same bits: the default model's 30 FP8 layers at M = 16 14.8 -> 12.0 ms,
+// 64 25.6 -> 20.4, 512 136 -> 121 (2 vCPUs of a Xeon with AMX, best of 6 alternating rounds).
 
-constexpr int64_t kAmxTileN = 32;  // weight rows per task: with fewer, larger tasks the threads split M
-                                   // and convert each tile once per M chunk
-
-// The C tiles of one group (16 na weight rows x 16 nb activation rows from vector mv) for K block b,
-// stored in c, waiting to be scaled into acc (32 x 32 floats, a row per weight row).
-struct AmxPending {
-  int64_t mv, b;
-  int na, nb;
-  const float (*c)[256];
-  float* acc;
-};
-
-// Scales C tile t of q into its accumulator. After the last K block it adds the bias and writes the 16 x 16
-// outputs (transposed: C rows are weight rows); the first weight half waits in stage for the second, so
-// that an output row's 32 values go out in one store (stores that miss the cache hold up the tile loads
-// behind them). sw: the task's weight scales, [block][row].
 template <typename OutT>
-void amx_scale_tile(const Problem& p, const PackedX& x, const float* sw, int64_t n0, const AmxPending& q, int t,
-                    float (*stage)[16][16], OutT* y) {
-  const int i = q.nb == 2 ? t >> 1 : t, j = q.nb == 2 ? t & 1 : 0;
-  const __m512 sx = _mm512_loadu_ps(x.sxp.get() + q.b * x.mpad + (q.mv + j) * 16);
-  const float* swr = sw + q.b * kAmxTileN + 16 * i;
-  float* acc = q.acc + 16 * i * 32 + 16 * j;
-  const bool first = q.b == 0, last = q.b == p.nkb - 1;
-  __m512 r[16];
-  for (int k = 0; k < 16; ++k) {
-    const __m512 prev = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + 32 * k);
-    r[k] = _mm512_fmadd_ps(_mm512_load_ps(q.c[t] + 16 * k), _mm512_mul_ps(sx, _mm512_set1_ps(swr[k])), prev);
-    if (!last) _mm512_store_ps(acc + 32 * k, r[k]);
-  }
-  if (!last) return;
-  transpose16x16(r);
-  const int64_t n = n0 + 16 * i, m = (q.mv + j) * 16;
-  const __mmask16 nmask = tail_mask16(p.n - n);
-  const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(nmask, p.bias + n) : _mm512_setzero_ps();
-  const int rows = static_cast<int>(std::min<int64_t>(16, p.m - m));
-  if (q.na == 1) {
-    for (int k = 0; k < rows; ++k) store_row(y + (m + k) * p.n + n, _mm512_add_ps(r[k], bias), nmask);
-  } else if (i == 0) {
-    for (int k = 0; k < rows; ++k) _mm512_store_ps(stage[j][k], _mm512_add_ps(r[k], bias));
-  } else {
-    for (int k = 0; k < rows; ++k)
-      store_rows(y + (m + k) * p.n + n - 16, _mm512_load_ps(stage[j][k]), _mm512_add_ps(r[k], bias), nmask);
-  }
-}
-
-// One K block of a group of NA x NB C tiles: A tiles of 16 weight rows from a (rows 128 bf16 apart), B
-// tiles of 16 activation rows from x0 and x1, C tiles stored to c; tiles 0-3 C, 4-5 A, 6-7 B. work(s)
-// runs after step s's dot products, while the tile unit computes them.
-template <int NA, int NB, typename Work>
-void amx_block(const uint16_t* a, const float* x0, const float* x1, int64_t steps, float (*c)[256], Work&& work) {
-  _tile_zero(0);
-  if constexpr (NB == 2) _tile_zero(1);
-  if constexpr (NA == 2) _tile_zero(2);
-  if constexpr (NA == 2 && NB == 2) _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(4, a + 32 * s, kBlock * 2);
-    _tile_loadd(6, x0 + 256 * s, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NB == 2) {
-      _tile_loadd(7, x1 + 256 * s, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (NA == 2) {
-      _tile_loadd(5, a + 16 * kBlock + 32 * s, kBlock * 2);
-      _tile_dpbf16ps(2, 5, 6);
-    }
-    if constexpr (NA == 2 && NB == 2) _tile_dpbf16ps(3, 5, 7);
-    work(s);
-  }
-  _tile_stored(0, c[0], 64);
-  if constexpr (NB == 2) _tile_stored(1, c[1], 64);
-  if constexpr (NA == 2) _tile_stored(2, c[NB], 64);
-  if constexpr (NA == 2 && NB == 2) _tile_stored(3, c[NB + 1], 64);
-}
-
-// Block b of the task's rows into dst ([kAmxTileN][kBlock] bf16), prefetching block b + 1's pieces: for a
-// task with one group of activation vectors (M <= 32), which uses each block once, converting it just before
-// its tile steps into one of two 8 KiB slots keeps the bf16 in L1, where the whole tile (40 KiB at K = 576,
-// 96 KiB at K = 1536) did not stay; with the prefetch the strided pieces stream. 30 layers of the default
-// model's shapes, weights from DRAM, batch invariant: M = 1 15-25% and M = 8 17-40% less time (alternating
-// runs on a 2-vCPU Xeon), the same bits.
-void convert_weight_block(const Problem& p, const E4m3ToBf16& cvt, int64_t n0, int64_t rows, int64_t b,
-                          uint16_t* dst) {
-  int64_t r = 0;
-  for (; r + 16 <= rows && p.grouped(n0 + r); r += 16) {  // an nt16 group's block b + 1 is one stretch of 2 KiB
-    const char* next = reinterpret_cast<const char*>(p.w + (n0 + r) * p.k + (b + 1) * kBlock * 16);
-    for (int line = 0; line < 32 && b + 1 < p.nkb; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);
-    nt16_convert_rows(p, cvt, n0 + r, b, dst + r * kBlock);
-  }
-  for (; r < rows; ++r) {
-    const char* next = reinterpret_cast<const char*>(p.w + (n0 + r) * p.k + (b + 1) * kBlock);
-    _mm_prefetch(next, _MM_HINT_T0);
-    _mm_prefetch(next + 64, _MM_HINT_T0);
-    convert_row_block(p, cvt, n0 + r, b, dst + r * kBlock);
-  }
-}
-
-// C tiles and accumulators have two buffers each: group-block i's tiles are scaled while i + 1 computes.
-template <typename OutT>
-void amx_task(const Problem& p, const PackedX& x, const E4m3ToBf16& cvt, const GemmTask& t, uint16_t* wb, float* sw,
-              OutT* y) {
-  const int64_t rows = std::min(kAmxTileN, p.n - t.n0);
-  const bool by_block = t.mv1 - t.mv0 <= 2;  // one group: convert block by block (convert_weight_block)
-  if (rows < kAmxTileN) std::memset(wb, 0, sizeof(uint16_t) * p.nkb * kAmxTileN * kBlock);  // rows past N: zero
-  if (!by_block) convert_weight_tile(p, cvt, t.n0, kAmxTileN, wb);
-  for (int64_t b = 0; b < p.nkb; ++b)
-    for (int64_t r = 0; r < kAmxTileN; ++r) sw[b * kAmxTileN + r] = p.sw_at(std::min(t.n0 + r, p.n - 1), b);
-  const int na = rows > 16 ? 2 : 1;
-  alignas(64) float c[2][4][256];
-  alignas(64) float acc[2][32 * 32];
-  alignas(64) float stage[2][16][16];
-  AmxPending pending{};
-  int units = 0;  // C tiles of pending
-  int64_t issued = 0;
-  for (int64_t mv = t.mv0; mv < t.mv1; mv += 2)
-    for (int64_t b = 0; b < p.nkb; ++b, ++issued) {
-      const int nb = mv + 1 < t.mv1 ? 2 : 1;
-      const int64_t steps = cdiv(std::min(kBlock, p.k - b * kBlock), 64) * 2;  // 32-k steps over whole 64-k chunks
-      int done = 0;
-      const auto work = [&](int64_t s) {
-        for (; done * steps < (s + 1) * units; ++done) amx_scale_tile(p, x, sw, t.n0, pending, done, stage, y);
-      };
-      uint16_t* a = wb + (by_block ? (b & 1) : b) * kAmxTileN * kBlock;
-      if (by_block) convert_weight_block(p, cvt, t.n0, rows, b, a);
-      const float* x0 = x.at(b, mv);
-      const float* x1 = x.at(b, mv + nb - 1);
-      float(*cb)[256] = c[issued & 1];
-      if (na == 2) {
-        nb == 2 ? amx_block<2, 2>(a, x0, x1, steps, cb, work) : amx_block<2, 1>(a, x0, x1, steps, cb, work);
-      } else {
-        nb == 2 ? amx_block<1, 2>(a, x0, x1, steps, cb, work) : amx_block<1, 1>(a, x0, x1, steps, cb, work);
+void amx_task(const Problem& p, const RowsBf16& x, const E4m3ToBf16& cvt, const GemmTask& t, float* wt,
+                   float* acc, OutT* y) {
+  for (int64_t b = 0; b < p.nkb; ++b) nt_convert_block(p, cvt, t.n0, b, wt + b * kNtWtFloats);
+  alignas(64) float c[4][256];
+  for (int64_t mv = t.mv0; mv < t.mv1; mv += 2) {
+    const int nb = mv + 1 < t.mv1 ? 2 : 1;
+    const uint16_t* a = x.x.get() + mv * 16 * x.kp;
+    for (int64_t b = 0; b < p.nkb; ++b) {
+      const int64_t steps = cdiv(std::min(kBlock, p.k - b * kBlock), 64) * 2;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s < steps; ++s) {
+        const float* w = wt + b * kNtWtFloats + s * 16 * kNtVecs * 16;
+        _tile_loadd(6, w, kNtVecs * 64);
+        _tile_loadd(7, w + 16, kNtVecs * 64);
+        _tile_loadd(4, a + b * kBlock + 32 * s, x.kp * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (nb == 2) {
+          _tile_loadd(5, a + 16 * x.kp + b * kBlock + 32 * s, x.kp * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
       }
-      pending = AmxPending{mv, b, na, nb, cb, acc[(mv - t.mv0) / 2 & 1]};
-      units = na * nb;
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      if (nb == 2) {
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+      }
+      __m512 sw[kNtVecs];
+      nt_scales(p, t.n0, b, sw);
+      for (int j = 0; j < nb; ++j)
+        for (int r = 0; r < 16; ++r) {
+          const __m512 sx = _mm512_set1_ps(x.scale[((mv + j) * 16 + r) * p.nkb + b]);
+          for (int v = 0; v < kNtVecs; ++v) {
+            float* out = acc + ((16 * j + r) * kNtVecs + v) * 16;
+            const __m512 prev = b == 0 ? _mm512_setzero_ps() : _mm512_load_ps(out);
+            _mm512_store_ps(out, _mm512_fmadd_ps(_mm512_load_ps(c[2 * j + v] + 16 * r), _mm512_mul_ps(sx, sw[v]), prev));
+          }
+        }
     }
-  for (int u = 0; u < units; ++u) amx_scale_tile(p, x, sw, t.n0, pending, u, stage, y);
+    const int64_t m0 = mv * 16;
+    nt_write(std::min<int64_t>(16 * nb, p.m - m0), p.n, t.n0, p.bias, acc, y + m0 * p.n);
+  }
 }
 
 template <typename T>
 void linear_amx(const Problem& p, const T* xin, bool ue8m0, T* y) {
-  const PackedX x = pack_activations(xin, p.m, p.k, p.nkb, ue8m0, true);
-  const int64_t mvecs = x.mpad / 16, n_tiles = cdiv(p.n, kAmxTileN);
-  const int64_t chunks = l2_chunks(n_tiles, mvecs, at::get_num_threads(), 32 * p.k, 4);
+  const int64_t mpad = cdiv(p.m, 16) * 16, mvecs = mpad / 16, n_tiles = cdiv(p.n, kNtRows);
+  const RowsBf16 x = quantize_rows(xin, p.m, p.k, p.nkb, ue8m0, mpad);
+  const int64_t chunks = l2_chunks(n_tiles, mvecs, at::get_num_threads(), 32 * x.kp, 4);
   at::parallel_for(0, n_tiles * chunks, 1, [&](int64_t begin, int64_t end) {
     const TileScope tiles;
     const E4m3ToBf16 cvt;
-    auto wb = alloc_buffer<uint16_t>(p.nkb * kAmxTileN * kBlock);
-    auto sw = alloc_buffer<float>(p.nkb * kAmxTileN);
+    auto wt = alloc_buffer<float>(p.nkb * kNtWtFloats);
+    auto acc = alloc_buffer<float>(32 * kNtRows);
     for (int64_t i = begin; i < end; ++i)
-      amx_task(p, x, cvt, chunk_major_task(i, n_tiles, kAmxTileN, mvecs, chunks), wb.get(), sw.get(), y);
+      amx_task(p, x, cvt, chunk_major_task(i, n_tiles, kNtRows, mvecs, chunks), wt.get(), acc.get(), y);
   });
 }
 
