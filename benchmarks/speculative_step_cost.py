@@ -10,7 +10,7 @@ import argparse
 import torch
 
 from fp8engine import EngineConfig, LLMEngine, SamplingParams
-from fp8engine.benchmarks.workloads import MODES
+from fp8engine.bench.workloads import MODES
 
 
 def median(values: list[float]) -> float:

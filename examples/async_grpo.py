@@ -43,7 +43,7 @@ from grpo_tiny import group_advantages
 from transformers import AutoModelForCausalLM
 
 from fp8engine import SamplingParams, default_model_path
-from fp8engine.benchmarks.serve_load import server_process
+from fp8engine.bench.serve_load import server_process
 from fp8engine.rl import RolloutBatch, RolloutClient, correction, response_logprobs
 from fp8engine.rl.batch import concat, micro_batches
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 
-from fp8engine.benchmarks import in_flight, llama_cpp, replicas, soak, throughput, vllm_baseline, vllm_runner
+from fp8engine.bench import in_flight, llama_cpp, replicas, soak, throughput, vllm_baseline, vllm_runner
 from fp8engine.entrypoints.cli import main
 from fp8engine.weights.loader import iter_safetensors
 
@@ -27,7 +27,7 @@ def test_rounds_alternate_order_and_report_the_median(monkeypatch):
     calls = []
     speeds = {"bf16": iter([100.0, 300.0, 200.0]), "fp8-kv": iter([150.0, 120.0, 400.0])}
 
-    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress, engines=None):
         calls.append(mode)
         return {"mode": mode, "output_tok_s": next(speeds[mode]), "preemptions_total": 0}
 
@@ -38,7 +38,48 @@ def test_rounds_alternate_order_and_report_the_median(monkeypatch):
     assert (bf16["output_tok_s"], fp8["output_tok_s"]) == (200.0, 150.0)
     assert bf16["output_tok_s_rounds"] == [100.0, 300.0, 200.0]
     assert fp8["ratio_vs_first"] == 0.75
-    assert "median of 3 rounds" in throughput.format_table(report)
+    assert (bf16["spread"], fp8["spread"]) == ((300 - 100) / 200, (400 - 120) / 150)
+    text = throughput.format_table(report)
+    assert "median of 3 rounds" in text and text.splitlines()[2].split()[3] == "spread"
+    assert [line.split()[3] for line in text.splitlines()[3:5]] == ["100.0%", "186.7%"]
+
+
+def test_each_mode_is_warmed_up_on_the_timed_batch_once_and_reused_every_round(monkeypatch, capsys):
+    """An engine is built and warmed up on the very prompts and sampling parameters it is then timed on, on its first
+    round only; every round then starts from a new weight version (prefix cache flushed, KV scales recalibrated)."""
+    built, generated, updates = [], [], []
+
+    class Counting(throughput.LLMEngine):
+        def __init__(self, config):
+            built.append(config.quantization)
+            super().__init__(config)
+
+        def generate(self, prompts, params=None, **kw):
+            generated.append((len(prompts), params.max_tokens, params.n))
+            return super().generate(prompts, params, **kw)
+
+        def update_weights(self, weights, **kw):
+            updates.append(self.weight_version)
+            return super().update_weights(weights, **kw)
+
+    monkeypatch.setattr(throughput, "LLMEngine", Counting)
+    spec = throughput.shaped("decode", output_len=6)
+    report = throughput.run(spec, ["bf16", "fp8-linear"], rounds=3, progress=False)
+    assert built == [None, "fp8"]
+    assert generated == [(1, 6, 1)] * 8  # per mode a warm-up, then three timed runs of the same batch
+    assert len(updates) == 6 and all(r["output_tokens"] == 6 for r in report["results"])
+    assert "what it means: one sequence decodes" in throughput.format_table(report)
+
+
+def test_vllm_runs_with_tcmalloc_preloaded_where_installed(monkeypatch, tmp_path):
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(vllm_baseline, "TCMALLOC", ("/nonexistent/libtcmalloc.so", str(lib)))
+    monkeypatch.setenv("LD_PRELOAD", "/other.so")
+    assert vllm_baseline.child_env([0])["LD_PRELOAD"] == f"{lib}:/other.so"
+    monkeypatch.setattr(vllm_baseline, "TCMALLOC", ("/nonexistent/libtcmalloc.so",))
+    monkeypatch.delenv("LD_PRELOAD")
+    assert "LD_PRELOAD" not in vllm_baseline.child_env([0])
 
 
 def test_reports_name_the_cpu_and_the_instruction_sets_the_kernels_choose_between(monkeypatch):
@@ -51,7 +92,7 @@ def test_reports_name_the_cpu_and_the_instruction_sets_the_kernels_choose_betwee
     assert throughput.machine_words({"cpu": "Xeon", "cpu_features": ["avx2", "avx512_bf16"],
                                      "processor": "x86_64"}) == "Xeon (avx2 avx512_bf16)"
     assert throughput.machine_words({"cpu": None, "cpu_features": [], "processor": "x86_64"}) == "x86_64"
-    monkeypatch.setattr(throughput, "run_engine", lambda mode, *args: {"mode": mode, "output_tok_s": 10.0})
+    monkeypatch.setattr(throughput, "run_engine", lambda mode, *args, **kw: {"mode": mode, "output_tok_s": 10.0})
     report = throughput.run("quick", ["bf16"], progress=False)
     assert throughput.machine_words(report["machine"]) in throughput.format_table(report).splitlines()[0]
 
@@ -61,7 +102,7 @@ def test_shape_flags_override_the_workload_and_reach_the_engine_and_the_report(m
                                                                                 tokenizer):
     seen = []
 
-    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress, engines=None):
         seen.append((spec, prompts, torch.get_num_threads()))
         return {"mode": mode, "output_tokens": 30, "seconds": 0.5, "output_tok_s": 60.0}
 
@@ -118,7 +159,7 @@ def test_chat_prompts_report_their_lengths_as_the_engine_renders_them(tokenizer)
 ])
 def test_bad_bench_flags_exit_2_naming_the_flag_before_any_model_loads(argv, message, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(throughput, "run_engine", lambda *args: pytest.fail("ran the engine"))
+    monkeypatch.setattr(throughput, "run_engine", lambda *args, **kw: pytest.fail("ran the engine"))
     monkeypatch.setattr(throughput, "prompt_ids", lambda *args: pytest.fail("loaded the tokenizer"))
     assert main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -211,7 +252,7 @@ def test_llama_cpp_comes_last_and_is_compared_with_the_first_mode(llama_bin, tmp
     """Two modes, one chat prompt x n=3: the three sequences share one prefill (-pps) of the prompt's length."""
     speeds = {"bf16": 100.0, "fp8-kv": 150.0}
 
-    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress, engines=None):
         return {"mode": mode, "output_tokens": 18, "seconds": 18 / speeds[mode], "output_tok_s": speeds[mode]}
 
     monkeypatch.setattr(throughput, "run_engine", fake_run_engine)
@@ -234,7 +275,7 @@ def test_llama_cpp_runs_in_every_round_alternating_with_the_modes(llama_bin, tmp
     it shifts the modes), and its row is its median round."""
     calls = []
 
-    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress, engines=None):
         calls.append(mode)
         return {"mode": mode, "output_tokens": 8, "seconds": 1.0, "output_tok_s": 8.0}
 
@@ -260,7 +301,7 @@ def test_the_ratio_to_the_best_peer_is_taken_round_by_round(llama_bin, tmp_path,
     speeds = {"bf16": iter([90.0, 150.0, 100.0]), "fp8-kv": iter([120.0, 100.0, 125.0]),
               "llama.cpp": iter([80.0, 60.0, 100.0])}
 
-    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress, engines=None):
         return {"mode": mode, "output_tokens": 8, "seconds": 1.0, "output_tok_s": next(speeds[mode])}
 
     def fake_llama(*args, **kwargs):
@@ -366,7 +407,7 @@ def test_vllm_row_comes_after_the_modes_with_the_engines_prompts_and_threads(vll
     the runner's figures, named by its version, compared with the first mode."""
     engine_prompts = []
 
-    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress, engines=None):
         engine_prompts.append(prompts)
         return {"mode": mode, "output_tokens": 30, "seconds": 0.5, "output_tok_s": 60.0}
 
@@ -405,7 +446,7 @@ def test_vllm_row_comes_after_the_modes_with_the_engines_prompts_and_threads(vll
 def test_both_subprocess_baselines_run_in_every_round_after_the_modes(vllm_python, llama_bin, tmp_path, monkeypatch):
     calls = []
 
-    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress):
+    def fake_run_engine(mode, spec, prompts, model, dtype, device, progress, engines=None):
         calls.append(mode)
         return {"mode": mode, "output_tokens": 8, "seconds": 1.0, "output_tok_s": 8.0}
 
@@ -428,7 +469,7 @@ def test_both_subprocess_baselines_run_in_every_round_after_the_modes(vllm_pytho
 
 
 def test_a_vllm_python_that_fails_is_refused_before_any_mode_runs(tmp_path, monkeypatch):
-    monkeypatch.setattr(throughput, "run_engine", lambda *args: pytest.fail("ran the engine"))
+    monkeypatch.setattr(throughput, "run_engine", lambda *args, **kw: pytest.fail("ran the engine"))
     spec = throughput.shaped("quick", num_prompts=1, n=1, output_len=2)
     text = tmp_path / "python"
     text.write_text("not a program\n")
@@ -503,11 +544,11 @@ def test_the_runner_reads_the_workload_and_counts_every_sample(tmp_path, monkeyp
     llm = _StubLLM.last
     assert llm.kwargs == dict(model="m", dtype="bfloat16", seed=0, max_num_seqs=64, kv_cache_memory_bytes=1 << 30)
     warm, reset, timed = llm.calls
-    assert warm == ("generate", [{"prompt_token_ids": [5, 6, 7]}], {"max_tokens": 2}, False)
+    batch = ("generate", [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}],
+             dict(n=3, temperature=0.7, top_p=1.0, top_k=0, max_tokens=4, min_tokens=4, ignore_eos=True, logprobs=0),
+             False)
+    assert warm == timed == batch  # warmed up on the batch it is timed on
     assert reset == ("reset_prefix_cache",)
-    assert timed == ("generate", [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}],
-                     dict(n=3, temperature=0.7, top_p=1.0, top_k=0, max_tokens=4, min_tokens=4, ignore_eos=True,
-                          logprobs=0), False)
     assert threads == [2] and pinned == [(0, [0, 1])]
     assert (out["vllm"], out["torch"], out["platform"]) == ("0.99.1", torch.__version__, "cpu")
     assert (out["output_tokens"], out["sequences"], out["cpus"], out["omp_threads_bind"]) == (24, 6, [0, 1], "0,1")

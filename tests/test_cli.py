@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fp8engine.benchmarks.serve_load import _flags
-from fp8engine.benchmarks.throughput import MODES
+from fp8engine.bench.serve_load import _flags
+from fp8engine.bench.throughput import MODES
 from fp8engine.config import EngineConfig
 from fp8engine.entrypoints import cli, options
 from fp8engine.entrypoints.cli import build_parser, main

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from fp8engine import EngineConfig, SamplingParams
-from fp8engine.benchmarks.serve_load import free_port, serving
+from fp8engine.bench.serve_load import free_port, serving
 from fp8engine.rl import RolloutClient, RolloutCluster, RolloutEngine
 from fp8engine.rl.cluster import assign
 from fp8engine.rl.episodes import rollout_episodes

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fp8engine import EngineConfig, SamplingParams
-from fp8engine.benchmarks.serve_load import serving
+from fp8engine.bench.serve_load import serving
 from fp8engine.rl import RolloutClient, RolloutEngine
 from fp8engine.rl.episodes import rollout_episodes
 from fp8engine.tools import continuation_ids, forced_call_grammar, render_ids

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from safetensors.torch import save
 from starlette.testclient import TestClient
 
-from fp8engine.benchmarks.serve_load import free_port, serving, wait_until_healthy
+from fp8engine.bench.serve_load import free_port, serving, wait_until_healthy
 from fp8engine.entrypoints.server import REQUEST_BODIES, ServerSettings, create_app
 from tests.conftest import make_engine
 from tests.prompts import CHATS, RAW

@@ -14,7 +14,7 @@ import pytest
 os.environ["HF_DATASETS_OFFLINE"] = "1"  # datasets reads it when imported: nothing may be downloaded
 
 from fp8engine import SamplingParams  # noqa: E402
-from fp8engine.benchmarks.serve_load import serving  # noqa: E402
+from fp8engine.bench.serve_load import serving  # noqa: E402
 from tests.conftest import make_engine  # noqa: E402
 
 lm_eval = pytest.importorskip("lm_eval", reason="pip install -e .[dev] installs lm-eval[api]")

@@ -203,7 +203,7 @@ def test_a_peft_model_syncs_its_adapter_alone_and_exact_logprobs_replay_it(model
 
 
 def test_over_http_a_peft_model_syncs_its_adapter_alone_and_samples_as_in_process(model):
-    from fp8engine.benchmarks.serve_load import serving
+    from fp8engine.bench.serve_load import serving
     from fp8engine.rl import RolloutClient, RolloutEngine
     policy = _peft_model(model, seed=0)
     local = RolloutEngine(EngineConfig(model=model, num_kv_blocks=96, batch_invariant=True, max_lora_rank=8))

@@ -329,7 +329,7 @@ def test_moe_requests_do_not_depend_on_their_batch(options, tiny_dir):
 
 
 def test_bench_runs_any_supported_directory_side_by_side(tiny_dir, tmp_path):
-    from fp8engine.benchmarks import throughput
+    from fp8engine.bench import throughput
     report = throughput.run("quick", ["bf16", "fp8-linear"], model=tiny_dir("qwen3_moe"), progress=False)
     assert [r["mode"] for r in report["results"]] == ["bf16", "fp8-linear"]
     assert all(r["output_tokens"] == 8 * 2 * 32 for r in report["results"])

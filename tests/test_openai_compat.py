@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fp8engine import SamplingParams
-from fp8engine.benchmarks.serve_load import serving
+from fp8engine.bench.serve_load import serving
 from fp8engine.entrypoints.protocol import TokenTable
 from fp8engine.model_executor.layers.sampler import SampleRow, adjust_logits
 from tests.conftest import make_engine

@@ -155,7 +155,7 @@ def test_a_refused_prompt_aborts_the_resumed_ones_too(rollouts):
 
 @pytest.fixture(scope="module")
 def client(model):
-    from fp8engine.benchmarks.serve_load import serving
+    from fp8engine.bench.serve_load import serving
     from fp8engine.rl import RolloutClient
     flags = ["--model", model, "--num-kv-blocks", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16"]
     with serving(flags, startup_timeout=600) as url:

@@ -331,7 +331,7 @@ def test_pause_keep_holds_in_flight_requests_until_resume(bf16_rollouts):
 @pytest.fixture(scope="module")
 def server_url():
     pytest.importorskip("fp8engine.entrypoints.server")
-    from fp8engine.benchmarks.serve_load import serving
+    from fp8engine.bench.serve_load import serving
     flags = ["--api-key", API_KEY, "--dtype", "float32", "--kv-cache-memory-bytes", str(SMALL_KV)]
     with serving(flags, startup_timeout=600) as url:  # waits on /health; fails with the server's log
         yield url

@@ -19,7 +19,7 @@ from transformers import AutoConfig
 
 import fp8engine
 from fp8engine import SamplingParams
-from fp8engine.benchmarks.serve_load import serving
+from fp8engine.bench.serve_load import serving
 from fp8engine.entrypoints.server import ServerSettings, create_app
 from fp8engine.weights.loader import iter_safetensors
 from tests.checkpoints import perturbed_state

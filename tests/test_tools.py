@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from fp8engine import tools
-from fp8engine.benchmarks.serve_load import serving
+from fp8engine.bench.serve_load import serving
 
 CALC = {"type": "function", "function": {"name": "calc", "description": "evaluate an arithmetic expression",
                                          "parameters": {"type": "object", "properties": {

@@ -242,7 +242,7 @@ def test_three_grpo_steps_on_fp8_rollouts(rollouts, default_dir, tmp_path, monke
 def test_rollout_func_over_http_equals_in_process(rollouts, default_dir, tmp_path):
     """RolloutClient against `fp8engine serve` with the same (batch-invariant FP8) engine: the same fields."""
     pytest.importorskip("fp8engine.entrypoints.server")
-    from fp8engine.benchmarks.serve_load import serving
+    from fp8engine.bench.serve_load import serving
     flags = ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--batch-invariant",
              "--kv-cache-memory-bytes", str(SMALL_KV)]
     params = SamplingParams(seed=9, stop=["\n"])

@@ -100,24 +100,24 @@ THROUGHPUT_FLAGS = {"num_prompts": "--num-prompts", "n": "--n", "input_len": "--
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fp8engine.benchmarks.workloads import WORKLOADS
+    from fp8engine.bench.workloads import WORKLOADS
     given = [flag for dest, flag in THROUGHPUT_FLAGS.items() if getattr(args, dest) is not None]
     if args.workload not in WORKLOADS and given:
         raise ValueError(f"{', '.join(given)}: for the throughput workloads ({', '.join(WORKLOADS)}), "
                          f"not --workload {args.workload}")
     if args.workload == "serve":
-        from fp8engine.benchmarks import serve_load
+        from fp8engine.bench import serve_load
         report = serve_load.run_side_by_side(concurrency=args.concurrency, num_requests=args.num_requests,
                                              max_tokens=args.max_tokens, model=args.model, dtype=args.dtype,
                                              engine_options=None, rounds=3)
         print(serve_load.format_table(report))
     elif args.workload == "soak":
-        from fp8engine.benchmarks import soak
+        from fp8engine.bench import soak
         report = soak.run(soak.SoakConfig(minutes=args.minutes, clients=args.concurrency, model=args.model,
                                           dtype=args.dtype, device=args.device))
         print(soak.format_table(report))
     elif args.workload == "sync":
-        from fp8engine.benchmarks import weight_sync
+        from fp8engine.bench import weight_sync
         report = weight_sync.run(model=args.model, modes=args.modes)
         print(weight_sync.format_table(report))
     else:
@@ -132,14 +132,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def bench_throughput(args: argparse.Namespace) -> dict:
     """A throughput workload in the shape the flags give: engine modes side by side (and baselines), or
     with --replicas the first mode through RolloutCluster at each replica count."""
-    from fp8engine.benchmarks import throughput
+    from fp8engine.bench import throughput
     spec = throughput.shaped(args.workload, args.num_prompts, args.n, args.input_len, args.output_len,
                              args.prompt_kind)
     if args.update_every is not None:
         if args.replicas is not None or args.baseline is not None or args.plot:
             raise ValueError("--update-every compares --in-flight policies of one mode; it takes neither "
                              "--replicas, --baseline nor --plot")
-        from fp8engine.benchmarks import in_flight
+        from fp8engine.bench import in_flight
         report = in_flight.run(spec, args.modes[0], args.update_every, args.in_flight, args.model, args.dtype,
                                args.device, threads=args.threads)
         print(in_flight.format_table(report))
@@ -147,7 +147,7 @@ def bench_throughput(args: argparse.Namespace) -> dict:
     if args.replicas is not None:
         if args.baseline is not None or args.plot:
             raise ValueError("--replicas compares replica counts of one mode; it takes neither --baseline nor --plot")
-        from fp8engine.benchmarks import replicas
+        from fp8engine.bench import replicas
         report = replicas.run(spec, args.modes[0], args.replicas, args.model, args.dtype, args.device,
                               threads=args.threads, rounds=args.rounds)
         print(replicas.format_table(report))
@@ -158,7 +158,7 @@ def bench_throughput(args: argparse.Namespace) -> dict:
                             speculative=args.speculative_list, num_speculative_tokens=args.num_speculative_tokens)
     print(throughput.format_table(report))
     if args.plot:
-        from fp8engine.benchmarks.plot import plot_report
+        from fp8engine.bench.plot import plot_report
         plot_report(report, args.plot)
     return report
 

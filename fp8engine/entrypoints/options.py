@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 
-from fp8engine.benchmarks.workloads import (
+from fp8engine.bench.workloads import (
     BASELINES,
     IN_FLIGHT_POLICIES,
     MODES,

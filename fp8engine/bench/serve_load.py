@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 
-from fp8engine.benchmarks.throughput import machine_info, rl_prompts
+from fp8engine.bench.throughput import machine_info, rl_prompts
 from fp8engine.config import EngineConfig
 from fp8engine.engine import LLMEngine
 from fp8engine.sampling_params import SamplingParams

@@ -6,7 +6,8 @@ samples of exactly --output-len tokens each (ignore_eos and min_tokens), the wor
 Hugging Face directory in the same dtype, the KV budget in bytes of the engine's BF16 mode and the same threads:
 torch's in the runner, and vLLM's CPU worker bound to the first `threads` CPUs this process may use
 (VLLM_CPU_OMP_THREADS_BIND), on which all of vLLM's processes run (its front end, engine core and worker are three
-processes; unpinned, the first two would take CPU time beyond `threads`). After a warm-up it times one generate of all B = num_prompts x n sequences: output
+processes; unpinned, the first two would take CPU time beyond `threads`), with tcmalloc preloaded as vLLM's CPU docs
+ask. After a warm-up generate of the same batch it times one generate of all B = num_prompts x n sequences: output
 tokens/s end to end, prefill and sampling included, as the engine rows count them.
 """
 
@@ -17,8 +18,8 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-from fp8engine.benchmarks.llama_cpp import output_tail
-from fp8engine.benchmarks.workloads import Workload
+from fp8engine.bench.llama_cpp import output_tail
+from fp8engine.bench.workloads import Workload
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 BUILD_HINT = "`make bench-baselines` builds a venv with vLLM's CPU build (see docs/benchmarks.md)"
@@ -36,14 +37,27 @@ def bound_cpus(threads: int) -> list[int]:
     return cpus[:threads]
 
 
+# vLLM's CPU docs ask for tcmalloc preloaded (its allocator under the engine's many small tensors): Debian's
+# libtcmalloc-minimal4, which `make bench-baselines` installs.
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+
+
+def tcmalloc() -> str | None:
+    """The tcmalloc to preload into vLLM's processes, or None where none is installed."""
+    return next((path for path in TCMALLOC if os.path.exists(path)), None)
+
+
 def child_env(cpus: list[int]) -> dict[str, str]:
-    """The runner's environment: vLLM's OpenMP threads bound to `cpus`, its log on stderr (stdout carries the
-    result), nothing fetched from the Hugging Face hub, no usage stats; PYTHONPATH dropped, so the venv sees its
-    own packages only."""
+    """The runner's environment, as vLLM's CPU docs recommend: its OpenMP threads bound to `cpus`, tcmalloc
+    preloaded (where installed); its log on stderr (stdout carries the result), nothing fetched from the Hugging
+    Face hub, no usage stats; PYTHONPATH dropped, so the venv sees its own packages only."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)), OMP_NUM_THREADS=str(len(cpus)),
                VLLM_LOGGING_STREAM="ext://sys.stderr", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+    preload = tcmalloc()
+    if preload is not None:
+        env["LD_PRELOAD"] = ":".join(p for p in (preload, env.get("LD_PRELOAD", "")) if p)
     return env
 
 

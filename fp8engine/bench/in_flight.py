@@ -21,7 +21,7 @@ from collections import deque
 
 import torch
 
-from fp8engine.benchmarks.throughput import (
+from fp8engine.bench.throughput import (
     engine_config,
     machine_info,
     model_dir,
@@ -31,7 +31,7 @@ from fp8engine.benchmarks.throughput import (
     table,
     torch_threads,
 )
-from fp8engine.benchmarks.workloads import IN_FLIGHT_POLICIES, Workload
+from fp8engine.bench.workloads import IN_FLIGHT_POLICIES, Workload
 from fp8engine.engine import LLMEngine
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights.loader import iter_safetensors

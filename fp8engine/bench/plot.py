@@ -1,7 +1,7 @@
 """`fp8engine bench --plot F.png`: speedup and preemptions per mode, side by side."""
 
 
-from fp8engine.benchmarks.throughput import machine_words, shape_words
+from fp8engine.bench.throughput import machine_words, shape_words
 
 
 def plot_report(report: dict, path: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import torch
 
-from fp8engine.benchmarks.throughput import (Workload, check_positive, engine_config, machine_info, median_run,
+from fp8engine.bench.throughput import (Workload, check_positive, engine_config, machine_info, median_run,
                                              model_dir, prompt_ids, sampling_params, shape_of, shape_words, table,
                                              workload_model)
 from fp8engine.sampling_params import SamplingParams

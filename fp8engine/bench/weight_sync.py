@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from fp8engine.benchmarks.throughput import MODES, machine_info
+from fp8engine.bench.throughput import MODES, machine_info
 from fp8engine.config import EngineConfig
 from fp8engine.engine import LLMEngine
 from fp8engine.weights.default_model import default_model_path

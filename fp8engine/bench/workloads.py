@@ -21,7 +21,7 @@ MODES = {**_BASE_MODES, **{f"{name}-bi": dict(options, batch_invariant=True) for
 
 
 PROMPT_KINDS = ("chat", "random")
-# --update-every: what each weight update does to the requests in flight (benchmarks/in_flight.py)
+# --update-every: what each weight update does to the requests in flight (bench/in_flight.py)
 IN_FLIGHT_POLICIES = ("none", "wait", "keep", "keep+recompute")
 BASELINES = ("hf", "llama.cpp", "vllm")
 # --speculative: each mode without speculation (off) and with these draft sources (EngineConfig.speculative)
@@ -79,6 +79,17 @@ WORKLOADS = {
     "moe": Workload("moe", 16, 4, 64, model="tiny-qwen3-moe"),
     # GRPO's shape: a few prompts, 8 samples each at T=1, long answers (the group's samples draft for each other)
     "grpo": Workload("grpo", 2, 8, 512),
+}
+
+
+# One line the table prints under a workload's figures: what its ratios measure.
+MEANING = {
+    "decode": "one sequence decodes, so each token reads every weight once and the CPU waits on memory: FP8 weights "
+              "(fp8-linear, full-fp8) read half the bytes of BF16, and their ratio is what that saves here; fp8-kv "
+              "halves only the KV cache, which one short sequence barely reads (its gain comes under KV pressure: "
+              "--workload rl-long)",
+    "rl-long": "the BF16 KV cache cannot hold every sequence and preempts (the preemption columns); an FP8 cache of the "
+               "same bytes holds twice the tokens, which is what the fp8-kv and full-fp8 ratios measure",
 }
 
 

@@ -14,8 +14,9 @@ from dataclasses import asdict
 
 import torch
 
-from fp8engine.benchmarks.workloads import (  # noqa: F401
+from fp8engine.bench.workloads import (  # noqa: F401
     BASELINES,
+    MEANING,
     MODES,
     SPECULATIVE_RUNS,
     WORKLOADS,
@@ -33,7 +34,7 @@ def workload_model(spec: Workload, model: str) -> str:
     """The directory a workload runs on: --model, or the workload's own model when that is the default."""
     if model != "default" or spec.model is None:
         return model
-    from fp8engine.benchmarks.moe_model import tiny_moe_path
+    from fp8engine.bench.moe_model import tiny_moe_path
     return {"tiny-qwen3-moe": tiny_moe_path}[spec.model]()
 
 
@@ -148,11 +149,20 @@ def sampling_params(workload: Workload) -> SamplingParams:
 
 
 def run_engine(mode: str, workload: Workload, prompts: list[list[int]], model: str, dtype: str, device: str,
-               progress: bool, speculative: str = "off", num_speculative_tokens: int = 4) -> dict:
-    engine = LLMEngine(engine_config(mode, workload, model, dtype, device, speculative, num_speculative_tokens))
+               progress: bool, speculative: str = "off", num_speculative_tokens: int = 4,
+               engines: dict | None = None) -> dict:
+    """One timed generate of the workload on the mode's engine: built, and warmed up on the exact batch it is then
+    timed on (every shape its kernels and caches see), on its first run; kept in `engines` for the next rounds.
+    Before each timed run a new weight version, as after an RL sync (KV scales recalibrate, prefix cache flushed)."""
+    engines = {} if engines is None else engines
     params = sampling_params(workload)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up: kernels built, caches touched
-    engine.update_weights({})  # a new weight version, as after an RL sync: KV scales recalibrate
+    name = run_name(mode, speculative)
+    engine = engines.get(name)
+    if engine is None:
+        engine = LLMEngine(engine_config(mode, workload, model, dtype, device, speculative, num_speculative_tokens))
+        engine.generate(prompts, params, use_tqdm=False)  # warm-up on the timed shape
+        engines[name] = engine
+    engine.update_weights({})
     recal_before = engine.kv_scales.seconds_total
     before = engine.get_stats()
     preempt_before = before.num_preemptions_total
@@ -218,10 +228,10 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
 
     workload: a WORKLOADS name or a Workload (see `shaped`). threads: torch threads for every run (None:
     as set). baseline, one or a list: "hf" adds Hugging Face generate, "llama.cpp" llama-batched-bench from
-    `llama_bin` on `gguf` (see benchmarks/llama_cpp.py), "vllm" vLLM through the python of its venv,
-    `vllm_python` (see benchmarks/vllm_baseline.py); each in every round after the modes like one more mode
+    `llama_bin` on `gguf` (see bench/llama_cpp.py), "vllm" vLLM through the python of its venv,
+    `vllm_python` (see bench/vllm_baseline.py); each in every round after the modes like one more mode
     (memory-bound decode on a shared machine drifts by tens of percent within minutes); ratios are against
-    the first mode. speculative: each mode once per entry, "off" (plain decoding; the row is the mode's name)
+    the first mode. Every mode and baseline is warmed up on the exact batch it is then timed on. speculative: each mode once per entry, "off" (plain decoding; the row is the mode's name)
     or a draft source ("ngram", "suffix"; the row is "mode+source")."""
     spec = WORKLOADS.get(workload) if isinstance(workload, str) else workload
     if spec is None:
@@ -245,8 +255,9 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
         from transformers import AutoTokenizer
         prompts = prompt_ids(spec, AutoTokenizer.from_pretrained(model_dir(model)))
         shape = shape_of(spec, prompts, threads)
+        engines: dict = {}
         runners = {run_name(m, s): functools.partial(
-            run_engine, m, spec, prompts, model, dtype, device, progress,
+            run_engine, m, spec, prompts, model, dtype, device, progress, engines=engines,
             **({} if s == "off" else dict(speculative=s, num_speculative_tokens=num_speculative_tokens)))
             for m in modes for s in speculative}
         for name in baselines:
@@ -295,10 +306,10 @@ def _checked_baselines(baselines: list[str], gguf: str | None, llama_bin: str | 
         raise ValueError("--vllm-python is for --baseline vllm")
     checked = {}
     if "llama.cpp" in baselines:
-        from fp8engine.benchmarks import llama_cpp
+        from fp8engine.bench import llama_cpp
         checked["llama.cpp"] = llama_cpp.runner(gguf, llama_bin)
     if "vllm" in baselines:
-        from fp8engine.benchmarks import vllm_baseline
+        from fp8engine.bench import vllm_baseline
         checked["vllm"] = vllm_baseline.runner(vllm_python, threads)
     return checked
 
@@ -320,6 +331,7 @@ def median_run(runs: list[dict]) -> dict:
     ordered = sorted(runs, key=lambda r: r["output_tok_s"])
     median = dict(ordered[(len(ordered) - 1) // 2])
     median["output_tok_s_rounds"] = [r["output_tok_s"] for r in runs]
+    median["spread"] = (ordered[-1]["output_tok_s"] - ordered[0]["output_tok_s"]) / median["output_tok_s"]
     return median
 
 
@@ -337,6 +349,8 @@ def format_table(report: dict) -> str:
             ("seconds", "{:.1f}")]
     if any("speculative" in r for r in report["results"]):
         cols[3:3] = [("spec_acceptance", "{:.1%}"), ("spec_tokens_per_verification", "{:.2f}")]
+    if report.get("rounds", 1) > 1:  # (max - min) / median of the mode's rounds
+        cols[3:3] = [("spread", "{:.1%}")]
     head = (f"workload {report['workload']['name']}: {shape_words(report['shape'])}, {report['dtype']}, "
             f"torch {report['machine']['torch']}, {machine_words(report['machine'])}")
     rounds = report.get("rounds", 1)
@@ -349,7 +363,8 @@ def format_table(report: dict) -> str:
         if versus:
             head += "\nbest mode / best peer, round by round: " + ", ".join(
                 f"{r['ratio']:.2f}x ({r['mode']} / {r['peer']})" for r in versus["rounds"])
-    notes = [_llama_cpp_note(r["llama_cpp"]) for r in report["results"] if "llama_cpp" in r]
+    notes = [f"what it means: {MEANING[report['workload']['name']]}"] if report["workload"]["name"] in MEANING else []
+    notes += [_llama_cpp_note(r["llama_cpp"]) for r in report["results"] if "llama_cpp" in r]
     notes += [_vllm_note(r["vllm"]) for r in report["results"] if "vllm" in r]
     return "\n".join([head, *table(report["results"], cols), *notes])
 
@@ -365,7 +380,9 @@ def _llama_cpp_note(run: dict) -> str:
 def _vllm_note(own: dict) -> str:
     return (f"vllm: {own['vllm']} on torch {own['torch']} ({own['platform']}), {own['sequences']} sequences of "
             f"{own['output_tokens'] // own['sequences']} tokens, compilation {own['compilation_mode']} "
-            f"({own['compilation_backend']}), its processes and OpenMP threads on CPUs {own['omp_threads_bind']}; "
+            f"({own['compilation_backend']}), its processes and OpenMP threads on CPUs {own['omp_threads_bind']}, "
+            f"KV cache {own['kv_cache_bytes'] / 2**30:.2f} GiB, LD_PRELOAD {own.get('ld_preload') or 'none (no tcmalloc)'}, "
+            f"warmed up on the timed batch; "
             f"output tok/s = "
             f"output tokens / one generate's seconds, prefill and sampling included")
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from fp8engine.benchmarks.serve_load import percentile, server_process
-from fp8engine.benchmarks.throughput import machine_info
+from fp8engine.bench.serve_load import percentile, server_process
+from fp8engine.bench.throughput import machine_info
 from fp8engine.weights.default_model import default_model_path
 
 WORDS = ("apple", "river", "seven", "green", "count", "light", "story", "prime", "table", "cloud", "quick",
