@@ -224,7 +224,8 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
         vllm_python: str | None = None, speculative: list[str] | tuple[str, ...] = ("off",),
         num_speculative_tokens: int = 4) -> dict:
     """Every mode once per round; rounds alternate the order (first to last, then last to first), and
-    each mode reports its median round, so a slow spell of the machine does not land on one mode.
+    each mode reports its median round, so a slow spell of the machine does not land on one mode; its ratio to the
+    first mode is the median of the rounds' ratios (each round's two runs side by side).
 
     workload: a WORKLOADS name or a Workload (see `shaped`). threads: torch threads for every run (None:
     as set). baseline, one or a list: "hf" adds Hugging Face generate, "llama.cpp" llama-batched-bench from
@@ -269,9 +270,8 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
                 runs[m].append(runners[m]())
         results = [median_run(runs[m]) for m in order]
         machine = machine_info()
-    first = results[0]["output_tok_s"]
-    for r in results:
-        r["ratio_vs_first"] = r["output_tok_s"] / first
+    for name, r in zip(order, results):  # paired: each round's ratio to the first mode in the same round, the median
+        r["ratio_vs_first"] = _median([a["output_tok_s"] / b["output_tok_s"] for a, b in zip(runs[name], runs[order[0]])])
     report = {"workload": asdict(spec), "shape": shape, "model": model, "dtype": dtype, "rounds": rounds,
               "machine": machine, "results": results}
     if baselines:
@@ -290,8 +290,12 @@ def versus_best_peer(runs: dict[str, list[dict]], modes: list[str], peers: list[
         best, rival = runs[mode][i], runs[peer][i]
         rounds.append({"mode": best["mode"], "peer": rival["mode"],
                        "ratio": best["output_tok_s"] / rival["output_tok_s"]})
-    ratios = sorted(r["ratio"] for r in rounds)
-    return {"rounds": rounds, "median": ratios[(len(ratios) - 1) // 2]}
+    return {"rounds": rounds, "median": _median([r["ratio"] for r in rounds])}
+
+
+def _median(values: list[float]) -> float:
+    """The middle value (the lower middle one for an even count, as the rows' medians)."""
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def _checked_baselines(baselines: list[str], gguf: str | None, llama_bin: str | None, vllm_python: str | None,
