@@ -43,9 +43,9 @@ VARIABLES = (
            "0: keep a CPU engine's weights on the allocator's pages instead of one mapping advised for "
            "transparent huge pages (model_executor/host_memory.py)"),
     EnvVar("FP8ENGINE_NT16", "1", ("0", "1"),
-           "0: a CPU engine on the AVX-512 BF16 kernels keeps its weights as rows instead of the nt16 layout its "
-           "small-batch kernel reads without transposing (weights/layout.py); batch invariant, the same bits either "
-           "way; plain, rows take the gemv at 1-4 rows (another summation order)"),
+           "0: a CPU engine on the AVX-512 BF16 kernels (or batch invariant on AMX tiles) keeps its weights as rows "
+           "instead of the nt16 layout its small-batch kernel reads without transposing (weights/layout.py); batch "
+           "invariant, the same bits either way; plain, rows take the gemv at 1-4 rows (another summation order)"),
     EnvVar("FP8ENGINE_FUSED_DECODER", "1", ("0", "1"),
            "0: never run the decoder layers as one C++ call (DecoderPlan); the Python layers run instead"),
 )

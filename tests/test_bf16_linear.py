@@ -378,3 +378,48 @@ def test_nt16_weights_give_the_bits_of_rows_at_every_m(ops, k, n):
     if k % 2 == 0:
         with pytest.raises(RuntimeError, match="the gemv reads weight rows, not nt16 groups"):
             ops.bf16_linear(x, grouped, None, False, False, "avx512-gemv", True)
+
+
+def _spread(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """bf16 values whose products stress a sum's order: magnitudes 2^-30 .. 2^30, each eighth column the negation
+    of the one before (exact cancellation), and values below bf16's normals (which the tiles read as zero)."""
+    x = torch.randn(*shape, generator=gen) * torch.exp2(torch.randint(-30, 31, shape, generator=gen).float())
+    x[..., 1::8] = -x[..., 0::8][..., : x[..., 1::8].shape[-1]]
+    x[..., 5::16] = 3e-39
+    return x.to(BF16)
+
+
+@pytest.mark.skipif(not AMX, reason="the tiles' order is checked against the tiles")
+@pytest.mark.parametrize("k, n", [(576, 96), (1536, 64), (130, 40), (34, 33), (576, 49152 // 64)])
+def test_nt16_on_amx_gives_the_tiles_bits(ops, k, n):
+    """A BF16 weight in the nt16 layout on AMX: at 1-4 rows nt16 in the tiles' order (csrc/linear_common.h: per
+    32-k step C + (even + odd), denormals flushed), above the tiles reading the groups as B tiles, give the tiles'
+    bits from rows, for float32 and bf16 outputs, with bias, ragged N and K, on inputs that tell other orders apart."""
+    gen = torch.Generator().manual_seed(k + 3 * n)
+    w = _spread(gen, n, k)
+    grouped = layout.to_nt16_(w.clone())
+    bias = torch.randn(n, generator=gen).to(BF16)
+    differs = 0
+    for m in (1, 2, 3, 4, 5, 17, 33):
+        x = _spread(gen, m, k)
+        for f32 in (True, False):
+            tiles = ops.bf16_linear(x, w, bias, True, f32, "amx")
+            for bi in (True, False):
+                assert torch.equal(ops.bf16_linear(x, grouped, bias, bi, f32, "amx", True), tiles), (m, f32, bi)
+            differs += int((ops.bf16_linear(x, w, bias, True, f32, "avx512") != tiles).sum())
+    assert differs > 50, differs
+
+
+@pytest.mark.skipif(not AMX, reason="AMX tiles")
+def test_nt16_on_amx_rows_do_not_depend_on_the_batch_at_1_to_130_rows(ops):
+    """A batch-invariant engine's BF16 weights on AMX are nt16: a row's bits are the same alone and at every batch
+    size from 1 to 130 (nt16 in the tiles' order up to 4 rows, the tiles above)."""
+    gen = torch.Generator().manual_seed(130)
+    w = layout.to_nt16_(torch.randn(96, 576, generator=gen).to(BF16))
+    x = torch.randn(130, 576, generator=gen).to(BF16)
+    last = {size: ops.bf16_linear(x[size - 1:size], w, None, True, False, "amx", True) for size in (1, 4, 5, 130)}
+    for m in range(1, 131):
+        y = ops.bf16_linear(x[:m], w, None, True, False, "amx", True)
+        for size, row in last.items():
+            if m >= size:
+                assert torch.equal(y[size - 1], row[0]), (m, size)

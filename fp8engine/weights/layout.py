@@ -1,4 +1,5 @@
-"""The nt16 layout: how a CPU engine on the AVX-512 BF16 kernels (no AMX tiles) stores its linears' weights.
+"""The nt16 layout: how a CPU engine on the AVX-512 BF16 kernels (and a batch-invariant one on AMX tiles) stores its
+linears' weights.
 
 The small-batch linears put 16 weight rows in the lanes of a vector and walk K one bf16 pair at a time
 (csrc/linear_common.h, "nt"); batch invariance takes them at every M up to 64. Read from rows, every K block of
@@ -13,7 +14,11 @@ A BF16 weight (a BF16 linear's, the LM head's; csrc/bf16_linear.cpp) has the sam
 q of a group is bf16 pair q (columns 2q, 2q+1) of its 16 rows, row r in 32-bit lane r, which the kernel feeds to
 its dot products as it loads them (K even; a tied embedding looks its rows up with `embedding`).
 
-Plain engines store their weights so too (model_executor/kernel_set.py): nt16 weights never take the gemv, which
+On AMX tiles the same lines are the tiles' B operand as they lie (csrc/bf16_linear.cpp; FP8 lines convert straight
+into them), and at a few rows the nt kernels reproduce the tiles' summation order (csrc/linear_common.h), so a
+batch-invariant engine there stores its weights in the layout too; a plain one keeps rows for the gemv at 1-2 rows.
+
+Plain engines on the AVX-512 kernels store their weights so too (model_executor/kernel_set.py): nt16 weights never take the gemv, which
 reads rows, and nt reads them as fast at 1-4 rows and faster from 4 on (docs/exact-rollouts.md). A parameter in
 the layout is marked (`mark`, model_executor/model_runner.py, as the kernel set says). The loader's
 targets name the matrix a linear reads (the layer's weight, one expert of a stacked tensor, a 2-D parameter) and
