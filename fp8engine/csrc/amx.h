@@ -67,6 +67,38 @@ struct TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
+// The GEMMs' 2 x 2 group with activations as A and weights as B (fp8_linear.cpp, bf16_linear.cpp): tiles 0-3 C, C
+// tile 2 j + v for activation vector j and weight vector v; 4-5 A, 6-7 B. `two`: a second activation vector.
+inline void amx_zero_group() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+// One 32-k step: A rows a (lda bytes apart, the second vector 16 rows on), B tiles b0 and b1 (ldb bytes apart).
+inline void amx_group_step(const void* a, int64_t lda, const void* b0, const void* b1, int64_t ldb, bool two) {
+  _tile_loadd(6, b0, ldb);
+  _tile_loadd(7, b1, ldb);
+  _tile_loadd(4, a, lda);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  if (two) {
+    _tile_loadd(5, static_cast<const char*>(a) + 16 * lda, lda);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+inline void amx_store_group(float (*c)[256], bool two) {
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  if (two) {
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+  }
+}
+
 }  // namespace fp8e
 
 #endif  // __AMX_TILE__ && __AMX_BF16__

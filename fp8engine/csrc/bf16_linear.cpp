@@ -753,29 +753,10 @@ void amx_nt16_task(const Problem& p, const RowsX& x, const GemmTask& t, uint16_t
   alignas(64) float c[4][256];
   for (int64_t mv = t.mv0; mv < t.mv1; mv += 2) {
     const int nb = mv + 1 < t.mv1 ? 2 : 1;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    amx_zero_group();
     const uint16_t* a = x.x.get() + mv * 16 * x.ld;
-    for (int64_t s = 0; s < steps; ++s) {
-      _tile_loadd(6, b.at(0, s), 64);
-      _tile_loadd(7, b.at(1, s), 64);
-      _tile_loadd(4, a + 32 * s, x.ld * 2);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if (nb == 2) {
-        _tile_loadd(5, a + 16 * x.ld + 32 * s, x.ld * 2);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-    if (nb == 2) {
-      _tile_stored(2, c[2], 64);
-      _tile_stored(3, c[3], 64);
-    }
+    for (int64_t s = 0; s < steps; ++s) amx_group_step(a + 32 * s, x.ld * 2, b.at(0, s), b.at(1, s), 64, nb == 2);
+    amx_store_group(c, nb == 2);
     for (int v = 0; v < 2 && t.n0 + 16 * v < p.n; ++v) {
       const int64_t n = t.n0 + 16 * v;
       const __mmask16 mask = tail_mask16(p.n - n);

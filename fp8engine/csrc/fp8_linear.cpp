@@ -1064,29 +1064,12 @@ void amx_task(const Problem& p, const RowsBf16& x, const E4m3ToBf16& cvt, const 
     const uint16_t* a = x.x.get() + mv * 16 * x.kp;
     for (int64_t b = 0; b < p.nkb; ++b) {
       const int64_t steps = cdiv(std::min(kBlock, p.k - b * kBlock), 64) * 2;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      amx_zero_group();
       for (int64_t s = 0; s < steps; ++s) {
         const float* w = wt + b * kNtWtFloats + s * 16 * kNtVecs * 16;
-        _tile_loadd(6, w, kNtVecs * 64);
-        _tile_loadd(7, w + 16, kNtVecs * 64);
-        _tile_loadd(4, a + b * kBlock + 32 * s, x.kp * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (nb == 2) {
-          _tile_loadd(5, a + 16 * x.kp + b * kBlock + 32 * s, x.kp * 2);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        amx_group_step(a + b * kBlock + 32 * s, x.kp * 2, w, w + 16, kNtVecs * 64, nb == 2);
       }
-      _tile_stored(0, c[0], 64);
-      _tile_stored(1, c[1], 64);
-      if (nb == 2) {
-        _tile_stored(2, c[2], 64);
-        _tile_stored(3, c[3], 64);
-      }
+      amx_store_group(c, nb == 2);
       __m512 sw[kNtVecs];
       nt_scales(p, t.n0, b, sw);
       for (int j = 0; j < nb; ++j)
