@@ -956,8 +956,8 @@ constexpr Nt16BlocksFn kNt16TileBlocks[kTilesGroup + 1][kNtGroupMaxM + 1] = {
     {nullptr, nt16_blocks<1, 1, true>, nt16_blocks<1, 2, true>},
     {nullptr, nt16_blocks<2, 1, true>, nt16_blocks<2, 2, true>}};
 // The most rows linear_amx hands to nt16 in the tiles' order: the default model's 30 FP8 layers from DRAM on a
-// 2-vCPU Xeon with AMX (benchmarks/linear_stream.py --kernels fp8-bi), at 1 row 6.3 ms against the tiles' 10.9 and the
-// gemv's 5.8; at 6 10.9 against 11.7; at 7 12.6 against 11.6.
+// 2-vCPU Xeon with AMX (benchmarks/linear_stream.py --kernels fp8-bi; the tiles then took their weights as A tiles),
+// at 1 row 6.3 ms against the tiles' 10.9 and the gemv's 5.8; at 6 10.9 against 11.7; at 7 12.6 against 11.6.
 constexpr int64_t kTilesNtMaxM = 6;
 constexpr Nt16BlocksFn kNt16TileBlock[kTilesNtMaxM + 1] = {
     nullptr, nt16_blocks<1, 1, true>, nt16_blocks<1, 2, true>, nt16_blocks<1, 3, true>, nt16_blocks<1, 4, true>,
