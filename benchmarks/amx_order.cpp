@@ -1,4 +1,6 @@
-// Establish TDPBF16PS arithmetic: compare against candidate emulations on adversarial inputs.
+// Establishes TDPBF16PS arithmetic on an AMX CPU: a million outputs of adversarial inputs (narrow and wide exponent
+// spread, a non-zero C, near-denormal values) against candidate orders; "C+(ev+od)" is the one with no mismatch
+// (csrc/linear_common.h). Build and run: g++ -O2 -march=native benchmarks/amx_order.cpp -o /tmp/amx_order && /tmp/amx_order
 #include <immintrin.h>
 #include <cstdio>
 #include <cstdint>
