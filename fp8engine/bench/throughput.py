@@ -172,7 +172,7 @@ def run_engine(mode: str, workload: Workload, prompts: list[list[int]], model: s
     stats = engine.get_stats()
     per_seq = [c.num_preemptions for o in outs for c in o.outputs]
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"mode": run_name(mode, speculative), "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+    return {"mode": name, "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
             "preemptions_total": stats.num_preemptions_total - preempt_before,
             "preemptions_per_seq_mean": sum(per_seq) / len(per_seq), "preemptions_per_seq_max": max(per_seq),
             "kv_capacity_tokens": stats.kv_cache_capacity_tokens,
