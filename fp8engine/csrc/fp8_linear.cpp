@@ -1015,28 +1015,25 @@ void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t
 
 // linear_amx's bits at up to kTilesNtMaxM rows, from nt16 weights whose every task is two groups (N a multiple of
 // kNtRows), without the tiles: the chains in the tiles' order (nt16_blocks). At one row the tiles, which compute 16
-// activation rows whatever M is, took twice the gemv's time over the default model's 30 FP8 layers; this is what
-// lets a batch-invariant engine on AMX decode a sequence or a few at the gemv's speed (docs/exact-rollouts.md).
+// activation rows whatever M is, took twice the gemv's time over the default model's 30 FP8 layers; this takes
+// 1.02-1.08x the gemv's there (docs/exact-rollouts.md). linear_nt<true> runs it.
 bool tiles_nt_takes(const Problem& p) { return p.m <= kTilesNtMaxM && p.nt16 && p.n % kNtRows == 0; }
 
-template <typename T>
-void linear_tiles_nt(const Problem& p, const T* xin, bool ue8m0, T* y) {
-  const RowsBf16 x = quantize_rows(xin, p.m, p.k, p.nkb, ue8m0);
-  at::parallel_for(0, p.n / kNtRows, 1, [&](int64_t begin, int64_t end) {
-    const E4m3ToBf16 cvt;
-    auto tot = alloc_buffer<float>(p.m * kNtRows);
-    for (int64_t t = begin; t < end; ++t) nt16_task<true>(p, cvt, x, t * kNtRows, tot.get(), y);
-  });
-}
-
-template <typename T>
+// kTiles: every task through nt16_task in the tiles' order (tiles_nt_takes holds), which needs no wt.
+template <bool kTiles = false, typename T>
 void linear_nt(const Problem& p, const T* xin, bool ue8m0, T* y) {
   const RowsBf16 x = quantize_rows(xin, p.m, p.k, p.nkb, ue8m0);
   at::parallel_for(0, cdiv(p.n, kNtRows), 1, [&](int64_t begin, int64_t end) {
     const E4m3ToBf16 cvt;
-    auto wt = alloc_buffer<float>(kNtGroup * kNtWtFloats);
+    auto wt = kTiles ? nullptr : alloc_buffer<float>(kNtGroup * kNtWtFloats);
     auto tot = alloc_buffer<float>(p.m * kNtRows);
-    for (int64_t t = begin; t < end; ++t) nt_task(p, cvt, x, t * kNtRows, wt.get(), tot.get(), y);
+    for (int64_t t = begin; t < end; ++t) {
+      if constexpr (kTiles) {
+        nt16_task<true>(p, cvt, x, t * kNtRows, tot.get(), y);
+      } else {
+        nt_task(p, cvt, x, t * kNtRows, wt.get(), tot.get(), y);
+      }
+    }
   });
 }
 
@@ -1125,7 +1122,7 @@ template <typename T>
 void linear_impl(const Problem& p, const T* x, bool ue8m0, T* y, bool batch_invariant, GemmChoice g) {
   if (g.kernel == Avx512Kernel::kByM && g.amx) {
 #ifdef FP8E_AMX
-    if (tiles_nt_takes(p)) return linear_tiles_nt(p, x, ue8m0, y);
+    if (tiles_nt_takes(p)) return linear_nt<true>(p, x, ue8m0, y);
     if (batch_invariant || p.nt16 || p.m > kSmallMAmx) return linear_amx(p, x, ue8m0, y);
 #endif
     return linear_small_m(p, x, ue8m0, y);
