@@ -10,10 +10,10 @@ In-place FP8 weight updates, per-step FP8 KV-scale recalibration, per-token samp
 
 from fp8engine.config import EngineConfig
 from fp8engine.engine import LLMEngine
-from fp8engine.outputs import CompletionOutput, EngineStats, RequestOutput, WeightUpdateReport
+from fp8engine.outputs import CompletionOutput, EngineStats, RequestOutput, SleepReport, WeightUpdateReport
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights.default_model import default_model_path
 
-__all__ = ["EngineConfig", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["EngineConfig", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "SleepReport",
            "EngineStats", "WeightUpdateReport", "default_model_path"]
 __version__ = "0.1.0"

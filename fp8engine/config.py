@@ -86,6 +86,9 @@ class EngineConfig:
                                     f"this (<= {MAX_LORA_RANK}), unmerged in the model dtype beside the base "
                                     f"(update_lora)")
     enforce_eager: bool = _option(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
+    sleep_spill_dir: str | None = _option(None, "CPU: where sleep(level=1) keeps the weights' bytes while their "
+                                                "memory is released (an unlinked file, read back by wake_up); a "
+                                                "directory on disk, not tmpfs; none = FP8ENGINE_CACHE/spill")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
     load_format: str = _option("auto", "auto (the model directory's safetensors) or dummy (seeded random weights "
                                        "from its config.json alone: for benchmarks of a model's shape)", LOAD_FORMATS)

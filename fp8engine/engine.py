@@ -7,17 +7,19 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from transformers import AutoTokenizer
 
 from fp8engine.config import EngineConfig
+from fp8engine.envs import cache_root
 from fp8engine.detokenizer import Detokenizer
 from fp8engine.kvcache.kv_scales import CALIBRATION_TEXT, KVScaleManager
+from fp8engine.model_executor import host_memory
 from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.output_processor import OutputProcessor
-from fp8engine.outputs import EngineStats, RequestOutput, WeightUpdateReport
+from fp8engine.outputs import EngineStats, RequestOutput, SleepReport, WeightUpdateReport
 from fp8engine.request import Request, Scoring
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.scheduler.scheduler import Scheduler
@@ -26,7 +28,7 @@ from fp8engine.structured import GrammarCompiler
 from fp8engine.weights import lora, updater
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup
-from fp8engine.weights.loader import read, read_kv_scales, resolve
+from fp8engine.weights.loader import expected_names, load_checkpoint, load_dummy, read, read_kv_scales, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,10 @@ class LLMEngine:
         self.num_steps = 0
         self.step_seconds_total = 0.0
         self.last_weight_update_seconds = 0.0
+        self.sleeping: dict[str, int] = {}  # tag -> level, while released (sleep / wake_up)
+        self.weights_missing: set[str] = set()  # weights a level-2 sleep released and no update has committed since
+        self.num_sleeps = 0
+        self.sleep_seconds_total = self.wake_seconds_total = 0.0
         logger.info("fp8engine: %s on %s, %d KV blocks of %d tokens (%s), kernels: %s", self.model_dir,
                     config.device, self.runner.num_blocks, config.block_size, self.runner.kv_dtype,
                     ", ".join(f"{k}={v}" for k, v in self.runner.kernel_names.items()))
@@ -130,6 +136,7 @@ class LLMEngine:
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of requests that advanced or finished (only those that
         finished with finished_only: an unfinished output detokenizes everything generated so far)."""
+        self.check_ready()
         outputs, self._pending_outputs = self._pending_outputs, []
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -154,6 +161,7 @@ class LLMEngine:
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order."""
+        self.check_ready()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
@@ -180,6 +188,7 @@ class LLMEngine:
         reported when it sampled these responses with `params`: the forward, the LM head and the
         sampler's arithmetic are the same per row whatever the batch, chunking or cache.
         """
+        self.check_ready()
         if len(prompts) != len(responses):
             raise ValueError(f"got {len(prompts)} prompts for {len(responses)} responses")
         params.validate()
@@ -302,12 +311,14 @@ class LLMEngine:
         reset, so no block of the old weights is reused). Returns a WeightUpdateReport.
         """
         check_update_options(in_flight, kv_on_update)
+        self._check_weights_awake("update_weights")
         start = time.perf_counter()
         staged = updater.stage(self.runner.model, weights, self.kv_scales, self.runner.kernels.block_scales)
         scales = self.kv_scales.check_external(kv_scales)
         num_quantized, num_aborted, num_recomputed = self._apply_update(
             lambda: updater.commit(staged, self.runner.kernels.quantize_into),
             staged.kv_scales | scales, weight_version, flush_cache, in_flight, kv_on_update, start)
+        self.weights_missing -= updater.covered_names(staged)
         return WeightUpdateReport(len(staged.items), staged.num_bytes, self.last_weight_update_seconds, num_quantized,
                                   self.weight_version, num_aborted, num_recomputed)
 
@@ -324,6 +335,7 @@ class LLMEngine:
         weight update. Returns a WeightUpdateReport (num_quantized 0: nothing is quantized).
         """
         check_update_options(in_flight, kv_on_update)
+        self._check_weights_awake("update_lora")
         start = time.perf_counter()
         staged = self._stage_lora(adapter, scaling)
         _, num_aborted, num_recomputed = self._apply_update(
@@ -371,10 +383,121 @@ class LLMEngine:
             ids = list(self.requests)
             self._pending_outputs += [o for o in map(self.abort_request, ids) if o is not None]
             return len(ids)
+        if self.sleeping or self.weights_missing:  # nothing has run since: they wait for the weights to come
+            return 0
         while self.requests:
             # step() hands back the outputs still pending with the new ones: they stay pending, each once
             self._pending_outputs = self.step(finished_only=True)
         return 0
+
+    # ------------------------------------------------------------------ sleep (colocated RL)
+    def sleep(self, level: int = 1, tags: Sequence[str] | None = None, *, in_flight: str = "wait") -> SleepReport:
+        """Hand memory back to a trainer that shares the machine (vLLM's sleep, SGLang's release_memory_occupation).
+
+        tags: "weights" and/or "kv_cache" (None: both). Level 1 keeps the weights byte for byte where they do not
+        count (on CPU an unlinked file under sleep_spill_dir, on CUDA host memory) and drops the KV cache; level 2
+        drops both, and once the weights are awake again every step raises until update_weights,
+        update_weights_from_distributed or reload_weights has committed every weight (a LoRA adapter is dropped with
+        them: update_lora puts one back). Weight version and KV scales are kept. On CPU the memory keeps its
+        addresses (its pages are handed back to the kernel), so the fused decoder plan stays valid; on CUDA the
+        decode graphs are dropped and captured again at wake. in_flight as in update_weights: "wait" finishes
+        unfinished requests first, "abort" aborts them, "keep" keeps them (with the KV cache released, their KV
+        is recomputed after wake_up, counted in num_kv_recomputes). A tag already asleep stays as it is. While a
+        tag sleeps, step() raises a RuntimeError naming it."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        tags = _tags(tags)
+        check_update_options(in_flight, "keep")
+        todo = [tag for tag in tags if tag not in self.sleeping]
+        spill_dir = None
+        if "weights" in todo and level == 1 and self.runner.device.type == "cpu":
+            spill_dir = host_memory.spill_directory(self.config.sleep_spill_dir or str(cache_root() / "spill"))
+        start = time.perf_counter()
+        num_aborted = self.drain(in_flight) if in_flight != "keep" and todo else 0
+        num_recomputed = 0
+        released = 0
+        for tag in todo:
+            if tag == "kv_cache":
+                num_recomputed = len(self.scheduler.recompute_in_flight())
+                self.scheduler.reset_prefix_cache()
+            released += self.runner.release(tag, keep=level == 1 and tag == "weights", spill_dir=spill_dir)
+            self.sleeping[tag] = level
+            if tag == "weights" and level == 2:
+                for layer in self.runner.lora_layers.values():
+                    for shard in range(len(layer.ranks)):
+                        layer.set_rank(shard, 0)
+        seconds = time.perf_counter() - start
+        self.num_sleeps += bool(todo)
+        self.sleep_seconds_total += seconds
+        return SleepReport(todo, released, seconds, level, num_aborted, num_recomputed)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> SleepReport:
+        """Take released memory back (vLLM's wake_up, SGLang's resume_memory_occupation), a tag at a time if you like:
+        wake_up(["weights"]), update_weights(...), wake_up(["kv_cache"]). Weights a level-1 sleep kept come back
+        byte for byte; after a level 2 they wait for an update (steps raise until every weight is committed). A tag
+        that is awake stays as it is."""
+        tags = _tags(tags)
+        start = time.perf_counter()
+        todo = [tag for tag in tags if tag in self.sleeping]
+        restored = 0
+        for tag in todo:
+            self.runner.restore(tag)
+            restored += self.runner.resident_bytes(tag)
+            if tag == "weights" and self.sleeping[tag] == 2:
+                self.weights_missing = set(expected_names(self.runner.model))
+            del self.sleeping[tag]
+        if todo and not self.sleeping:
+            self.runner.recapture_graphs()
+        seconds = time.perf_counter() - start
+        self.wake_seconds_total += seconds
+        return SleepReport(todo, restored, seconds)
+
+    def is_sleeping(self) -> bool:
+        """Whether any tag is released (sleep without its wake_up)."""
+        return bool(self.sleeping)
+
+    def reload_weights(self, *, weight_version: int | None = None, in_flight: str = "wait") -> WeightUpdateReport:
+        """Every weight read again from the model directory (seeded random ones with load_format "dummy") and written
+        in place as update_weights writes it (the LoRA adapter untouched): a level-2 sleep's recovery without a
+        trainer. The weights must be awake."""
+        check_update_options(in_flight, "keep")
+        self._check_weights_awake("reload_weights")
+        runner, start = self.runner, time.perf_counter()
+        if self.config.load_format == "dummy":
+            load = functools.partial(load_dummy, runner.model, runner.kernels.quantize_into, self.config.seed)
+        else:
+            load = functools.partial(load_checkpoint, runner.model, self.model_dir, runner.kernels.quantize_into,
+                                     runner.kernels.block_scales)
+        _, num_aborted, _ = self._apply_update(load, {}, weight_version, True, in_flight, "keep", start)
+        self.weights_missing = set()
+        names = expected_names(runner.model)
+        return WeightUpdateReport(len(names), 0, self.last_weight_update_seconds, 0, self.weight_version, num_aborted)
+
+    def _check_weights_awake(self, what: str) -> None:
+        if "weights" in self.sleeping:
+            raise RuntimeError(f"{what}: the weights are asleep (sleep level {self.sleeping['weights']}); call "
+                               f"wake_up(['weights']) first")
+
+    def ready(self) -> bool:
+        """Whether steps can run: no tag asleep, and no weight a level-2 sleep released left uncommitted."""
+        return not (self.sleeping or self.weights_missing)
+
+    def check_ready(self) -> None:
+        """RuntimeError naming what is asleep or missing unless ready()."""
+        if self.sleeping or self.weights_missing:
+            raise RuntimeError(self.not_ready_reason())
+
+    def not_ready_reason(self) -> str | None:
+        """Why steps cannot run now (what sleeps, or the weights a level-2 sleep left missing); None when they can."""
+        if not (self.sleeping or self.weights_missing):
+            return None
+        if self.sleeping:
+            asleep = ", ".join(f"{tag} (level {level})" for tag, level in self.sleeping.items())
+            return f"the engine is asleep: {asleep} released; call wake_up() before generating"
+        missing = sorted(self.weights_missing)
+        return (f"the weights were released by sleep(level=2) and {len(missing)} of them have not been committed "
+                f"since (e.g. {missing[:3]}): update_weights / update_weights_from_distributed with every weight, "
+                f"or reload_weights(), before generating")
 
     def flush_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
@@ -481,7 +604,12 @@ class LLMEngine:
             speculative=self.config.speculative, spec_draft_tokens=self.outputs.counters["draft_tokens"],
             spec_accepted_tokens=self.outputs.counters["accepted_tokens"],
             spec_verifications=self.outputs.counters["verifications"], max_lora_rank=self.config.max_lora_rank,
-            lora_active=self.runner.lora_active)
+            lora_active=self.runner.lora_active, sleeping=dict(self.sleeping),
+            resident_bytes={tag: 0 if tag in self.sleeping else self.runner.resident_bytes(tag) for tag in TAGS},
+            weights_missing=len(self.weights_missing), num_sleeps_total=self.num_sleeps,
+            sleep_seconds_total=self.sleep_seconds_total, wake_seconds_total=self.wake_seconds_total,
+            num_graph_recaptures_total=self.runner.graph_captures,
+            graph_recapture_seconds_total=self.runner.graph_capture_seconds)
 
 
 def _rescale_live_kv(runner: ModelRunner, scheduler: Scheduler, layer: int, old: tuple[float, float],
@@ -490,6 +618,19 @@ def _rescale_live_kv(runner: ModelRunner, scheduler: Scheduler, layer: int, old:
 
 
 IN_FLIGHT = ("wait", "abort", "keep")
+TAGS = ("weights", "kv_cache")  # what sleep releases and wake_up takes back
+
+
+def _tags(tags: Sequence[str] | None) -> list[str]:
+    """The tags asked for (None: all), checked; ValueError naming an unknown one."""
+    if tags is None:
+        return list(TAGS)
+    if isinstance(tags, str):
+        tags = [tags]
+    bad = [t for t in tags if t not in TAGS]
+    if bad:
+        raise ValueError(f"unknown sleep tag(s) {bad}: the tags are {list(TAGS)}")
+    return [t for t in TAGS if t in tags]
 KV_ON_UPDATE = ("keep", "recompute")
 
 

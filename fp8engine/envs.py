@@ -40,8 +40,8 @@ VARIABLES = (
            "the float32 LM head (lm_head_fp32) on CPU: the BF16 GEMM over an exact three-way bf16 split of "
            "the input (tiles), or the float32 FMA kernel (fma)"),
     EnvVar("FP8ENGINE_HUGE_PAGES", "1", ("0", "1"),
-           "0: keep a CPU engine's weights on the allocator's pages instead of one mapping advised for "
-           "transparent huge pages (model_executor/host_memory.py)"),
+           "0: a CPU engine's weights go on small pages instead of transparent huge pages (on the engine's own "
+           "mapping either way, which sleep releases in place: model_executor/host_memory.py)"),
     EnvVar("FP8ENGINE_NT16", "1", ("0", "1"),
            "0: a CPU engine on the AVX-512 BF16 kernels (or batch invariant on AMX tiles) keeps its weights as rows "
            "instead of the nt16 layout its small-batch kernel reads without transposing (weights/layout.py); batch "

@@ -86,6 +86,19 @@ class WeightUpdateReport:
 
 
 @dataclass(slots=True)
+class SleepReport:
+    """What sleep or wake_up did: the tags it released or took back (those already so are left out), the bytes it
+    handed back to the device or took again, and its seconds."""
+
+    tags: list[str]
+    num_bytes: int
+    seconds: float
+    level: int = 0  # sleep's level (0 for wake_up)
+    num_aborted: int = 0  # requests sleep(in_flight="abort") aborted
+    num_kv_recomputed: int = 0  # samples whose KV the sleep dropped, re-prefilled after wake (in_flight="keep")
+
+
+@dataclass(slots=True)
 class EngineStats:
     """A snapshot of the engine's counters and state.
 
@@ -123,3 +136,11 @@ class EngineStats:
     spec_verifications: int = 0  # sequence-steps that verified a draft (each emits 1 + its accepted tokens)
     max_lora_rank: int = 0  # EngineConfig.max_lora_rank: > 0, the linears take a LoRA adapter (update_lora)
     lora_active: bool = False  # an adapter is loaded (the decoder plan steps aside while it is)
+    sleeping: dict[str, int] = field(default_factory=dict)  # tag -> the level it sleeps at (sleep / wake_up)
+    resident_bytes: dict[str, int] = field(default_factory=dict)  # tag -> bytes it holds now (0 while asleep)
+    weights_missing: int = 0  # weights a level-2 sleep released that no update has committed since (steps refuse)
+    num_sleeps_total: int = 0
+    sleep_seconds_total: float = 0.0  # inside sleep()
+    wake_seconds_total: float = 0.0  # inside wake_up()
+    num_graph_recaptures_total: int = 0  # CUDA: decode graphs captured again after a sleep dropped them
+    graph_recapture_seconds_total: float = 0.0

@@ -13,6 +13,7 @@ one of its inputs is. What a GPU would refuse or stall on is checked:
   * Triton kernels run on the interpreter (TRITON_INTERPRET=1 must be set before triton is imported), outside
     the tracking (the interpreter copies its arguments to the host itself), and are counted in `launches`.
 
+`live_bytes()` sums the storages of the device tensors alive (what sleep must hand back).
 `torch.cuda.is_available()` answers True, `torch.cuda.mem_get_info()` a fixed budget, `max_memory_allocated()` the
 mode's `peak_bytes` (`memory_allocated()` 0), and `synchronize()`, `empty_cache()` and `reset_peak_memory_stats()`
 return at once while the mode is on.
@@ -28,6 +29,7 @@ GPU would do alone: for counting the host side of a graph step). `captured` list
 
 import collections
 import contextlib
+import gc
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -79,12 +81,12 @@ class FakeCuda(TorchFunctionMode):
 
     # ------------------------------------------------------------------ bookkeeping
     def is_device(self, t) -> bool:
-        return isinstance(t, Tensor) and t.numel() > 0 and t.untyped_storage().data_ptr() in self.device_storages
+        return isinstance(t, Tensor) and t.numel() > 0 and t.untyped_storage()._cdata in self.device_storages
 
     def _mark(self, out, device: bool) -> None:
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor) and t.numel() > 0:
-                ptr = t.untyped_storage().data_ptr()
+                ptr = t.untyped_storage()._cdata  # the storage, not its bytes: a resize_ keeps it
                 if device:
                     self.device_storages.add(ptr)
                 else:  # a host allocation that reuses a freed device block's address
@@ -92,6 +94,18 @@ class FakeCuda(TorchFunctionMode):
 
     def host_syncs(self) -> int:
         return sum(self.syncs.values())
+
+    def live_bytes(self) -> int:
+        """Bytes of device memory that live tensors hold now (each storage once): what a device's allocator has
+        handed out to them (its cache aside)."""
+        gc.collect()
+        with torch.overrides._pop_mode_temporarily():
+            storages = {}
+            for obj in gc.get_objects():
+                if isinstance(obj, Tensor) and self.is_device(obj):
+                    storage = obj.untyped_storage()
+                    storages[storage._cdata] = storage.nbytes()
+        return sum(storages.values())
 
     @contextlib.contextmanager
     def allow_mixing(self):
@@ -114,6 +128,8 @@ class FakeCuda(TorchFunctionMode):
             kwargs["device"], to_device = "cpu", True
         if func in (Tensor.to, Tensor.cuda):
             args, to_device = self._device_args(func, args, kwargs, to_device)
+        if func is Tensor.set_ and len(args) > 1 and isinstance(args[1], torch.UntypedStorage):
+            to_device = args[1]._cdata in self.device_storages  # a view of a device storage is on the device
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         on_device = [t for t in tensors if self.is_device(t)]
         self.torch_calls += 1

@@ -125,6 +125,16 @@ def test_pause_blocks_rollouts_until_resume(cluster):
     assert cluster.rollout(PROMPTS[:2], sampling_params=GREEDY).batch_size == 2
 
 
+def test_sleep_and_wake_reach_every_replica(cluster):
+    before = cluster.rollout(PROMPTS[:2], sampling_params=GREEDY).response_ids
+    reports = cluster.sleep(1, ["kv_cache"])
+    assert [r.tags for r in reports] == [["kv_cache"]] * 2
+    with pytest.raises(RuntimeError, match="asleep"):
+        cluster.rollout(PROMPTS[:1], sampling_params=GREEDY)
+    assert [r.tags for r in cluster.wake_up()] == [["kv_cache"]] * 2
+    assert torch.equal(cluster.rollout(PROMPTS[:2], sampling_params=GREEDY).response_ids, before)
+
+
 def test_partial_rollouts_stop_every_replica_and_resume_as_one_engine_would(cluster, reference):
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=3)
     prompts = [RAW[0], RAW[1] * 3, RAW[2], RAW[3] * 3, RAW[4], RAW[5]]

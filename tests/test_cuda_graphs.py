@@ -16,6 +16,7 @@ import torch  # noqa: E402
 
 from fp8engine import SamplingParams  # noqa: E402
 from fp8engine.model_executor import cuda_graphs  # noqa: E402
+from fp8engine.weights.loader import expected_names  # noqa: E402
 from tests.conftest import make_engine  # noqa: E402
 from tests.fake_cuda import FakeCuda  # noqa: E402
 from tests.tiny_models import save_tiny, tiny_dir  # noqa: E402,F401
@@ -158,3 +159,31 @@ def test_an_in_flight_update_between_graph_steps_equals_eager_steps(dev, model):
     assert all(r[3][0] == 0 and r[3][-1] == 1 for r in results[0])  # each sample spans both versions
     # 7 decode steps: the first after the update calibrates the new KV scales eagerly (an observer), the rest replay
     assert engines[0].runner.graphs.num_replays == 6
+
+
+def test_sleep_hands_the_device_memory_back_and_the_graphs_replay_after_wake(dev, model):
+    """The CUDA path of sleep: level 2 leaves at most 1% of the device bytes the engine held (the storages shrink to
+    nothing, the graphs, which hold their addresses, are dropped); after wake and a full update the graphs are
+    captured again and decode steps give the bits they gave before (those of eager steps: the tests above); a
+    level-1 sleep brings the same bits back from host memory."""
+    graphs = make_engine(model, device="cuda", num_kv_blocks=KV_BLOCKS, max_num_seqs=1, batch_invariant=True)
+    state = {name: graphs.get_weights_by_name(name).cpu() for name in expected_names(graphs.runner.model)}
+    prompts, params = PROMPTS[:1], dataclasses.replace(SEEDED, max_tokens=3)
+    before = _results(graphs.generate(prompts, params))
+    held = dev.live_bytes()
+    report = graphs.sleep(2)
+    assert dev.live_bytes() <= 0.01 * held, (dev.live_bytes(), held)
+    assert report.num_bytes >= 0.95 * held and graphs.runner.graphs is None
+    graphs.wake_up()
+    with pytest.raises(RuntimeError, match="sleep\\(level=2\\)"):
+        graphs.generate(prompts, params)
+    graphs.update_weights(state)
+    stats = graphs.get_stats()
+    assert stats.num_graph_recaptures_total == 1 and stats.kernels["cuda_graphs"] == "decode"
+    captured = len(dev.captured)
+    assert _results(graphs.generate(prompts, params)) == before
+    assert graphs.runner.graphs.num_replays > 0
+    graphs.sleep(1)
+    graphs.wake_up()
+    assert len(dev.captured) > captured and graphs.get_stats().num_graph_recaptures_total == 2
+    assert _results(graphs.generate(prompts, params)) == before

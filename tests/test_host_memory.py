@@ -1,6 +1,6 @@
-"""The weights of a CPU engine live on one mapping advised for transparent huge pages
-(model_executor/host_memory.py): values, ties and in-place updates are what they were on the allocator's pages,
-and FP8ENGINE_HUGE_PAGES=0 keeps them there."""
+"""The weights of a CPU engine live on one mapping of its own, advised for transparent huge pages when they are
+big enough (model_executor/host_memory.py): values, ties and in-place updates are what they are on small pages,
+where FP8ENGINE_HUGE_PAGES=0 keeps them."""
 
 import glob
 
@@ -49,8 +49,9 @@ def test_rehome_moves_whole_tensors_and_keeps_shared_storage_shared():
     before = {name: t.clone() for name, t in model.state_dict().items()}
     ptrs = {name: t.data_ptr() for name, t in model.state_dict().items()}
 
-    assert host_memory.rehome(model, min_bytes=449) == 0  # less than that to move: nothing moves
-    moved = host_memory.rehome(model, min_bytes=448)
+    assert host_memory.rehome(model, min_bytes=449) is None  # less than that to move: nothing moves
+    home = host_memory.rehome(model, min_bytes=448)
+    moved = home.moved
 
     after = model.state_dict()
     assert all(torch.equal(before[name], after[name]) and before[name].dtype == after[name].dtype for name in before)
@@ -68,7 +69,7 @@ def test_rehome_moves_whole_tensors_and_keeps_shared_storage_shared():
 
 @needs_thp
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_engine_outputs_and_updates_are_those_of_the_allocators_pages(tiny_dir, monkeypatch,  # noqa: F811
+def test_engine_outputs_and_updates_are_those_of_small_pages(tiny_dir, monkeypatch,  # noqa: F811
                                                                      quantization):
     """Tokens and logprobs bit for bit with and without huge pages, before and after an in-place update that
     keeps every weight where it is."""
@@ -87,7 +88,7 @@ def test_engine_outputs_and_updates_are_those_of_the_allocators_pages(tiny_dir, 
     def outputs(huge: str):
         monkeypatch.setenv("FP8ENGINE_HUGE_PAGES", huge)
         engine = make_engine(model, quantization=quantization)
-        assert engine.get_stats().kernels["host_memory"] == ("huge-pages" if huge == "1" else "allocator")
+        assert engine.get_stats().kernels["host_memory"] == ("huge-pages" if huge == "1" else "mapping")
         weights = dict(engine.runner.model.named_parameters())
         where = {name: p.data_ptr() for name, p in weights.items()}
         first = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine.generate(prompts, params)]

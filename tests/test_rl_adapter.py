@@ -265,6 +265,16 @@ def test_pause_blocks_rollouts_until_resume(bf16_rollouts):
     assert bf16_rollouts.rollout(PROMPTS[:1], sampling_params=GREEDY).batch_size == 1
 
 
+def test_sleep_blocks_rollouts_until_wake_up(bf16_rollouts):
+    before = bf16_rollouts.rollout(PROMPTS[:1], sampling_params=GREEDY).response_ids
+    report = bf16_rollouts.sleep(1, ["kv_cache"])
+    assert report.tags == ["kv_cache"] and bf16_rollouts.is_sleeping()
+    with pytest.raises(RuntimeError, match="asleep: kv_cache"):
+        bf16_rollouts.rollout(PROMPTS[:1], sampling_params=GREEDY)
+    assert bf16_rollouts.wake_up().tags == ["kv_cache"] and not bf16_rollouts.is_sleeping()
+    assert torch.equal(bf16_rollouts.rollout(PROMPTS[:1], sampling_params=GREEDY).response_ids, before)
+
+
 PAUSED_PARAMS = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
 
 
@@ -335,6 +345,15 @@ def server_url():
     flags = ["--api-key", API_KEY, "--dtype", "float32", "--kv-cache-memory-bytes", str(SMALL_KV)]
     with serving(flags, startup_timeout=600) as url:  # waits on /health; fails with the server's log
         yield url
+
+
+def test_client_sleeps_and_wakes_the_server(server_url):
+    client = RolloutClient(server_url, api_key=API_KEY)
+    assert client.sleep(1, ["kv_cache"]).tags == ["kv_cache"] and client.is_sleeping()
+    with pytest.raises(RuntimeError, match="503.*asleep"):
+        client.rollout(PROMPTS[:1], sampling_params=GREEDY)
+    assert client.wake_up(["kv_cache"]).tags == ["kv_cache"] and not client.is_sleeping()
+    assert client.rollout(PROMPTS[:1], sampling_params=GREEDY).batch_size == 1
 
 
 def test_client_equals_in_process_engine(server_url, fp32_rollouts, default_dir):

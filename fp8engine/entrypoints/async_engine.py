@@ -36,6 +36,10 @@ class EnginePaused(RuntimeError):
     """The engine is paused in "abort" or "wait" mode and takes no new requests."""
 
 
+class EngineAsleep(RuntimeError):
+    """The engine sleeps (or waits for the weights a level-2 sleep released) and takes no new requests."""
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -168,7 +172,7 @@ class AsyncEngine:
         return False
 
     def _should_step(self) -> bool:
-        return self.pause_mode != "keep" and self.engine.has_unfinished_requests()
+        return self.pause_mode != "keep" and self.engine.has_unfinished_requests() and self.engine.ready()
 
     def _step(self) -> None:
         try:
@@ -183,6 +187,8 @@ class AsyncEngine:
              loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
         if self.pause_mode in ("abort", "wait"):
             raise EnginePaused(f"the engine is paused (mode {self.pause_mode!r}); retry after /resume")
+        if not self.engine.ready():
+            raise EngineAsleep(self.engine.not_ready_reason())
         added = []
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
@@ -205,7 +211,8 @@ class AsyncEngine:
 
     def _updated(self, report: WeightUpdateReport) -> WeightUpdateReport:
         """After an update in the engine thread: a step, so the outputs it finished (in_flight="wait") go out."""
-        self._step()
+        if self.engine.ready():
+            self._step()
         return report
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -536,6 +536,37 @@ class DiskUpdateRequest(WeightUpdateOptions):
     path: str
 
 
+class SleepQuery(_Request):
+    """POST /sleep (vLLM's query parameters): level 1 keeps the weights off the device's budget and drops the KV
+    cache, 2 drops both; tags (our extension, repeated: ?tags=weights&tags=kv_cache) what to release, all by
+    default; mode how requests in flight fare (LLMEngine.sleep's in_flight)."""
+
+    level: int = Field(1, ge=1, le=2)
+    tags: list[Literal["weights", "kv_cache"]] | None = None
+    mode: Literal["wait", "abort", "keep"] = "wait"
+
+
+class WakeQuery(_Request):
+    """POST /wake_up?tags=weights&tags=kv_cache (vLLM's): what to take back, all by default."""
+
+    tags: list[Literal["weights", "kv_cache"]] | None = None
+
+
+class MemoryOccupationRequest(_Request):
+    """SGLang's POST /release_memory_occupation and /resume_memory_occupation: {"tags": [...]} ("weights",
+    "kv_cache"; "cuda_graph", SGLang's third, goes with them: the engine's decode graphs are dropped and captured
+    again with the memory they read). level (our extension, release only): 2 by default, SGLang's release, which
+    keeps no copy of the weights (an update must follow); 1 keeps them. mode as /sleep's."""
+
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None
+    level: int = Field(2, ge=1, le=2)
+    mode: Literal["wait", "abort", "keep"] = "wait"
+
+    def engine_tags(self) -> list[str] | None:
+        """The engine's tags of the request's (None: all): "cuda_graph" alone asks for nothing more."""
+        return None if self.tags is None else [t for t in self.tags if t != "cuda_graph"]
+
+
 class BucketQuery(WeightUpdateOptions):
     bucket: Literal["start", "add", "commit"] | None = None
 

@@ -31,7 +31,10 @@ accepted everywhere):
        the tensors rank 0 broadcasts (beside generation), then apply them as /update_weights does; a
        transfer that fails answers 500, closes the group and leaves the weights as they were
   POST /destroy_weights_update_group
-Generation requests answer 503 while paused in "abort" or "wait" mode. Request and choice
+  Colocated RL (LLMEngine.sleep / wake_up): vLLM's POST /sleep?level=1|2&mode=wait|abort|keep (tags=weights&
+       tags=kv_cache: our extension), POST /wake_up?tags=weights&tags=kv_cache, GET /is_sleeping; SGLang's POST
+       /release_memory_occupation and /resume_memory_occupation {"tags": [...]} (release: level 2 unless "level": 1)
+Generation requests answer 503 while paused in "abort" or "wait" mode, and while the engine sleeps. Request and choice
 extensions are listed in protocol.py; /openapi.json describes every endpoint (openapi.py).
 """
 
@@ -74,7 +77,7 @@ from starlette.exceptions import HTTPException
 import fp8engine
 from fp8engine import tools
 from fp8engine.engine import LLMEngine
-from fp8engine.entrypoints.async_engine import AsyncEngine, EnginePaused, RequestStream
+from fp8engine.entrypoints.async_engine import AsyncEngine, EngineAsleep, EnginePaused, RequestStream
 from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
 from fp8engine.entrypoints.openapi import (
     EVENTS,
@@ -94,10 +97,13 @@ from fp8engine.entrypoints.protocol import (
     DiskUpdateRequest,
     DistributedUpdateRequest,
     LoraQuery,
+    MemoryOccupationRequest,
     PauseRequest,
     ResponseBuilder,
     SamplingRequest,
+    SleepQuery,
     TokenTable,
+    WakeQuery,
     WeightsGroupRequest,
     WeightUpdateOptions,
     parse_json,
@@ -113,8 +119,10 @@ logger = logging.getLogger(__name__)
 REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                   "/pause": PauseRequest, "/update_weights_from_disk": DiskUpdateRequest, "/update_weights": None,
                   "/init_weights_update_group": WeightsGroupRequest,
-                  "/update_weights_from_distributed": DistributedUpdateRequest, "/update_lora": None}
-QUERIES = {"/update_weights": BucketQuery, "/update_lora": LoraQuery}
+                  "/update_weights_from_distributed": DistributedUpdateRequest, "/update_lora": None,
+                  "/release_memory_occupation": MemoryOccupationRequest,
+                  "/resume_memory_occupation": MemoryOccupationRequest}
+QUERIES = {"/update_weights": BucketQuery, "/update_lora": LoraQuery, "/sleep": SleepQuery, "/wake_up": WakeQuery}
 RESPONSES = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionResponse}
 CONTENT_TYPES = {"/v1/completions": (JSON, EVENTS), "/v1/chat/completions": (JSON, EVENTS), "/metrics": (TEXT,)}
 
@@ -245,7 +253,11 @@ class Server:
                 ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed, admin),
                 ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group, admin),
                 ("GET", "/weight_version", self.weight_version, admin),
-                ("GET", "/kv_scales", self.kv_scales, admin), ("GET", "/stats", self.stats, admin)]
+                ("GET", "/kv_scales", self.kv_scales, admin), ("GET", "/stats", self.stats, admin),
+                ("POST", "/sleep", self.sleep, admin), ("POST", "/wake_up", self.wake_up, admin),
+                ("GET", "/is_sleeping", self.is_sleeping, admin),
+                ("POST", "/release_memory_occupation", self.release_memory_occupation, admin),
+                ("POST", "/resume_memory_occupation", self.resume_memory_occupation, admin)]
 
     # ----------------------------------------------------------------- auth
     async def require_api_key(self, request: Request) -> None:
@@ -305,6 +317,8 @@ class Server:
             raise _bad_request(exc, default_param=body.prompt_field, body=body) from None
         except EnginePaused as exc:
             raise ApiError(503, str(exc), code="paused") from None
+        except EngineAsleep as exc:
+            raise ApiError(503, str(exc), code="sleeping") from None
         if body.stream:
             events = _sse_events(stream, builder, timer, body.include_usage)
             return _EventStream(events, stream)
@@ -376,6 +390,43 @@ class Server:
         staged = sum(t.numel() * t.element_size() for _, t in self._bucket or ())
         return dataclasses.asdict(await self.engine.stats()) | {"paused": self.engine.pause_mode,
                                                                  "staged_update_bytes": staged}
+
+    # vLLM's sleep routes (query parameters) and SGLang's (a JSON body), on LLMEngine.sleep / wake_up
+    async def sleep(self, request: Request) -> dict:
+        query = validate(SleepQuery, _query_lists(request, ("tags",)))
+        return await self._sleep(query.level, query.tags, query.mode)
+
+    async def wake_up(self, request: Request) -> dict:
+        query = validate(WakeQuery, _query_lists(request, ("tags",)))
+        return await self._wake(query.tags)
+
+    async def is_sleeping(self) -> dict:
+        return {"is_sleeping": await self.engine.call(LLMEngine.is_sleeping)}
+
+    async def release_memory_occupation(self, request: Request) -> dict:
+        body = parse_json(await _read_body(request, self.settings.max_body_bytes), MemoryOccupationRequest)
+        return await self._sleep(body.level, body.engine_tags(), body.mode)
+
+    async def resume_memory_occupation(self, request: Request) -> dict:
+        body = parse_json(await _read_body(request, self.settings.max_body_bytes), MemoryOccupationRequest)
+        return await self._wake(body.engine_tags())
+
+    async def _sleep(self, level: int, tags: list[str] | None, mode: str) -> dict:
+        async with self._weights_lock:
+            try:
+                report = await self.engine.call(lambda llm: llm.sleep(level, tags, in_flight=mode))
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="tags") from None
+        return dataclasses.asdict(report) | {"is_sleeping": True}
+
+    async def _wake(self, tags: list[str] | None) -> dict:
+        async with self._weights_lock:
+            try:
+                report = await self.engine.call(lambda llm: llm.wake_up(tags))
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="tags") from None
+            sleeping = await self.engine.call(LLMEngine.is_sleeping)
+        return dataclasses.asdict(report) | {"is_sleeping": sleeping}
 
     async def update_weights_from_disk(self, request: Request) -> dict:
         body = parse_json(await _read_body(request, self.settings.max_body_bytes), DiskUpdateRequest)
@@ -647,9 +698,15 @@ class _EngineStatsCollector:
                   "num_requests_waiting": (s.num_waiting, "Sequences (samples) waiting"),
                   "kv_blocks_used": (s.num_kv_blocks_total - s.num_kv_blocks_free, "KV blocks in use"),
                   "kv_blocks_total": (s.num_kv_blocks_total, "KV blocks in the cache"),
-                  "weight_version": (s.weight_version, "Weight version being served")}
+                  "weight_version": (s.weight_version, "Weight version being served"),
+                  "is_sleeping": (int(bool(s.sleeping)), "1 while a tag is released by sleep")}
         for name, (value, doc) in gauges.items():
             yield GaugeMetricFamily(f"fp8engine_{name}", doc, value=value)
+        resident = GaugeMetricFamily("fp8engine_resident_bytes", "Bytes a sleep tag holds now (0 while it sleeps)",
+                                     labels=["tag"])
+        for tag, nbytes in s.resident_bytes.items():
+            resident.add_metric([tag], nbytes)
+        yield resident
         scales = GaugeMetricFamily("fp8engine_kv_scale", "Current FP8 KV-cache scale", labels=["layer", "tensor"])
         for layer, (k, v) in s.kv_scales.items():
             scales.add_metric([layer, "k"], k)
@@ -658,6 +715,16 @@ class _EngineStatsCollector:
 
 
 # --------------------------------------------------------------------- helpers
+def _query_lists(request: Request, repeated: tuple[str, ...]) -> dict:
+    """The query parameters, those in `repeated` as the list of every value given (absent: left out)."""
+    query = dict(request.query_params)
+    for name in repeated:
+        values = request.query_params.getlist(name)
+        if values:
+            query[name] = values
+    return query
+
+
 WEIGHT_UPDATE_PATHS = ("/update_weights", "/update_weights_from_disk", "/update_weights_from_distributed")
 
 

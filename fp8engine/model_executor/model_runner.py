@@ -1,6 +1,7 @@
 """Model runner: builds the model and its paged KV cache, turns a schedule into a flat batch and runs it."""
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,12 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
         # before loading: the loader's targets are views of the tensors' final homes
-        self.huge_page_bytes = host_memory.rehome(self.model) if self.kernels.huge_pages else 0
+        self.home = host_memory.rehome(self.model, huge_pages=self.kernels.huge_pages,
+                                       weight_buffers=_weight_buffers(self.model)) if self.device.type == "cpu" else None
+        self.kv_homes: list[host_memory.HostMapping] = []  # the CPU KV cache's mappings (sleep releases them)
+        self.kept: dict[str, object] = {}  # what a sleeping tag keeps (a Spill on CPU, host copies on CUDA)
+        self.released_sizes: dict[str, list[int]] = {}  # CUDA: a sleeping tag's storages' bytes
+        self.graph_captures, self.graph_capture_seconds = 0, 0.0  # CUDA graphs captured again after a sleep
         if self.kernels.fp8_nt16:  # the loader and updates write them through weights/layout.py
             for param in self.model.parameters():
                 if param.dtype == FP8_DTYPE:
@@ -119,11 +125,11 @@ class ModelRunner:
     @property
     def kernel_names(self) -> dict[str, str]:
         """What runs: the kernel set's names, the decoder layers' path ("cpp-plan": one C++ call) and where the weights
-        live ("huge-pages": host_memory.rehome moved them)."""
+        live ("huge-pages" or "mapping": host_memory.rehome moved them)."""
         graphs = "decode" if self.graphs is not None else f"off: {self.graphs_off}"
+        home = "allocator" if self.home is None else "huge-pages" if self.home.mapping.huge else "mapping"
         return self.kernels.names | {"decoder": "python" if self.model.fused is None else "cpp-plan",
-                                     "cuda_graphs": graphs,
-                                     "host_memory": "huge-pages" if self.huge_page_bytes else "allocator"}
+                                     "cuda_graphs": graphs, "host_memory": home}
 
     @property
     def lora_active(self) -> bool:
@@ -157,8 +163,16 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         first = self.attn_layers[0]
-        return torch.zeros(len(self.attn_layers), 2, self.num_blocks, self.block_size,
-                           first.num_kv_heads, first.head_dim, dtype=self.kv_dtype, device=self.device)
+        return self._zeros((len(self.attn_layers), 2, self.num_blocks, self.block_size, first.num_kv_heads,
+                            first.head_dim), self.kv_dtype)
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero tensor of the KV cache's (the "kv_cache" tag's): on CPU on a mapping of its own."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        home, tensor = host_memory.zeros(shape, dtype)
+        self.kv_homes.append(home)
+        return tensor
 
     def _allocate_routed_experts(self) -> torch.Tensor | None:
         """[KV slots, MoE layers, top_k]: the experts each cached token was routed to (None if dense). Kept
@@ -167,8 +181,7 @@ class ModelRunner:
             return None
         top_k, num_experts = self.moe_blocks[0].top_k, self.moe_blocks[0].experts.num_experts
         dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
-        return torch.zeros(self.num_blocks * self.block_size, len(self.moe_blocks), top_k, dtype=dtype,
-                           device=self.device)
+        return self._zeros((self.num_blocks * self.block_size, len(self.moe_blocks), top_k), dtype)
 
     def _attach_cache(self, cache: torch.Tensor | None, routed: torch.Tensor | None) -> None:
         """Points every attention layer at its [2, blocks, block_size, heads, dim] slice of cache, and every MoE
@@ -194,6 +207,83 @@ class ModelRunner:
             if self.routed_experts is not None:
                 routed = self.routed_experts.view(self.num_blocks, self.block_size, *self.routed_experts.shape[1:])
                 routed[dst] = routed[src]
+
+    # ------------------------------------------------------------------ sleep
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the "weights" tag: every parameter and weight buffer (LoRA's), each storage once."""
+        names = _weight_buffers(self.model)
+        tensors = [p for _, p in self.model.named_parameters()] + [b for n, b in self.model.named_buffers()
+                                                                    if n in names]
+        return list({_storage_id(t): t for t in tensors}.values())
+
+    def resident_bytes(self, tag: str) -> int:
+        """Bytes the tag holds while awake: what sleep releases (on CPU the weights' whole pages of their mapping,
+        the weights that could not move aside)."""
+        if tag == "kv_cache":
+            return sum(t.untyped_storage().nbytes() for t in (self.kv_cache, self.routed_experts) if t is not None)
+        if self.home is not None:
+            return self.home.weight_bytes
+        return sum(t.untyped_storage().nbytes() for t in self.weight_tensors())
+
+    def release(self, tag: str, keep: bool, spill_dir: str | None = None) -> int:
+        """Hands a tag's memory back ("weights" or "kv_cache"), keeping the weights' bytes first when keep (on CPU in
+        a Spill under spill_dir, on CUDA in host memory); returns the bytes released. On CPU the addresses stay (the
+        pages read as zeros until restored); on CUDA the storages shrink to nothing and the decode graphs, which
+        hold their addresses, are dropped (captured again by restore)."""
+        nbytes = self.resident_bytes(tag)
+        if self.device.type == "cpu":
+            if tag == "kv_cache":
+                for home in self.kv_homes:
+                    home.release()
+            else:
+                region = self.home.mapping.memory[:self.home.weight_bytes]
+                if keep:
+                    self.kept[tag] = host_memory.Spill(region, spill_dir)
+                self.home.mapping.release(self.home.weight_bytes)
+            return nbytes
+        self.graphs = None
+        tensors = self._tag_tensors(tag)
+        self.released_sizes[tag] = [t.untyped_storage().nbytes() for t, _ in tensors]
+        self.kept[tag] = [_host_copy(t) if keep or derived else None for t, derived in tensors]
+        for t, _ in tensors:
+            t.untyped_storage().resize_(0)
+        torch.cuda.empty_cache()
+        return nbytes + sum(size for size, (_, derived) in zip(self.released_sizes[tag], tensors) if derived)
+
+    def restore(self, tag: str) -> None:
+        """Takes a released tag's memory back: the weights' kept bytes as they were (zeros, or on CUDA whatever the
+        memory held, when none were kept), the KV cache zeroed."""
+        kept = self.kept.pop(tag, None)
+        if self.device.type == "cpu":
+            if kept is not None:
+                kept.restore(self.home.mapping.memory[:self.home.weight_bytes])
+            return
+        for (t, _), size, copy in zip(self._tag_tensors(tag), self.released_sizes.pop(tag), kept):
+            t.untyped_storage().resize_(size)
+            if copy is not None:
+                _bytes_of(t).copy_(copy)
+            elif tag == "kv_cache":
+                _bytes_of(t).zero_()
+
+    def _tag_tensors(self, tag: str) -> list[tuple[torch.Tensor, bool]]:
+        """(tensor, derived) of a tag's device storages, one tensor each: the KV cache's, or the weights' and then the
+        model's other device buffers (derived from the config: rotary tables), which go with the weights and always
+        come back."""
+        if tag == "kv_cache":
+            return [(t, False) for t in (self.kv_cache, self.routed_experts) if t is not None]
+        weights = self.weight_tensors()
+        ids = {_storage_id(t) for t in weights}
+        derived = {_storage_id(b): b for b in self.model.buffers() if b.device.type != "cpu" and _storage_id(b) not in ids}
+        return [(t, False) for t in weights] + [(b, True) for b in derived.values()]
+
+    def recapture_graphs(self) -> None:
+        """The decode graphs captured again after a CUDA sleep dropped them (counted and timed)."""
+        if self.graphs is not None or self.graphs_off is not None:
+            return
+        start = time.perf_counter()
+        self._graphs_guarded(self._start_graphs)
+        self.graph_captures += 1
+        self.graph_capture_seconds += time.perf_counter() - start
 
     @torch.inference_mode()
     def rescale_kv(self, layer: int, blocks: list[int], old: tuple[float, float], new: tuple[float, float]) -> None:
@@ -317,3 +407,25 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slots_d, query_start_loc=starts_d.to(torch.int32),
                                  seq_lens=lens_d.to(torch.int32), block_tables=table_d.to(torch.int32))
         return ids_d, positions_d, meta, rows_d
+
+
+def _weight_buffers(model: torch.nn.Module) -> frozenset[str]:
+    """The names of the model's buffers that are weights (LoRA's A and B: update_lora writes them)."""
+    return frozenset(f"{name}.{attr}" for name, m in model.named_modules() if isinstance(m, LoRA)
+                     for attr in ("lora_a", "lora_b"))
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of t's whole storage in host memory (page-locked where CUDA can pin it)."""
+    source = _bytes_of(t)
+    return cuda_graphs.pin(torch.empty(source.shape, dtype=torch.uint8)).copy_(source)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over the whole storage of t, on its device."""
+    return t.new_empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Which storage a tensor views (not where its bytes are: a released storage has none)."""
+    return t.untyped_storage()._cdata

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from fp8engine.engine import Prompt, check_update_options
-from fp8engine.outputs import EngineStats
+from fp8engine.outputs import EngineStats, SleepReport
 from fp8engine.rl.batch import (
     RolloutBatch,
     Sample,
@@ -278,6 +278,18 @@ class RolloutClient:
     def resume(self) -> None:
         self._request("POST", "/resume")
 
+    def sleep(self, level: int = 1, tags: Sequence[str] | None = None) -> SleepReport:
+        """The server hands its memory back (POST /sleep; LLMEngine.sleep): generation answers 503 until wake_up()."""
+        params = {"level": level} | ({} if tags is None else {"tags": list(tags)})
+        return _sleep_report(self._request("POST", "/sleep", params=params))
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> SleepReport:
+        """The server takes its memory back (POST /wake_up), all of it or the tags given."""
+        return _sleep_report(self._request("POST", "/wake_up", params={} if tags is None else {"tags": list(tags)}))
+
+    def is_sleeping(self) -> bool:
+        return bool(self._request("GET", "/is_sleeping")["is_sleeping"])
+
     def health(self) -> bool:
         """Whether the server answers /health (after the retries)."""
         try:
@@ -342,6 +354,11 @@ class RolloutClient:
                                    f"{response.text[:500]}")
             return response.json()
         raise AssertionError("unreachable")
+
+
+def _sleep_report(body: dict) -> SleepReport:
+    known = {f.name for f in dataclasses.fields(SleepReport)}
+    return SleepReport(**{k: v for k, v in body.items() if k in known})
 
 
 def prompt_token_ids(tokenizer, prompt: Prompt) -> list[int]:

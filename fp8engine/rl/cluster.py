@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from fp8engine.config import EngineConfig
 from fp8engine.engine import Prompt, check_update_options
-from fp8engine.outputs import EngineStats, WeightUpdateReport
+from fp8engine.outputs import EngineStats, SleepReport, WeightUpdateReport
 from fp8engine.rl.batch import (
     RolloutBatch,
     Sample,
@@ -215,6 +215,12 @@ class Replica:
     def pause(self, mode: PauseMode) -> None:
         self.rollouts.pause(mode)
 
+    def sleep(self, level: int, tags: list[str] | None) -> SleepReport:
+        return self.rollouts.sleep(level, tags)
+
+    def wake_up(self, tags: list[str] | None) -> SleepReport:
+        return self.rollouts.wake_up(tags)
+
     def resume(self) -> None:
         self.rollouts.resume()
 
@@ -316,6 +322,8 @@ class RolloutCluster:
         self._weights: list = []  # object refs of the last object-store sync's buckets
         self._lora: tuple | None = None  # (object ref, scaling) of the last LoRA adapter synced
         self._synced = False  # a sync of whole weights happened (not only of LoRA adapters)
+        self._levels: dict[int, int] = {}  # replica id -> the level of its last sleep (wake_up's undo)
+        self._asleep: set[str] = set()  # the tags the replicas released (sleep / wake_up)
         gpu = config.device == "cuda"
         cpus = num_cpus_per_replica or max(1, int(ray.cluster_resources().get("CPU", 1)) // num_replicas)
         self._threads = None if gpu else cpus
@@ -348,6 +356,9 @@ class RolloutCluster:
         as RolloutEngine.rollout; see the class for how sessions are routed."""
         if self.paused:
             raise RuntimeError(f"the cluster is paused (mode {self.paused!r}); call resume() first")
+        if self._asleep:
+            raise RuntimeError(f"the cluster is asleep ({', '.join(sorted(self._asleep))} released); call wake_up() "
+                               f"first")
         resume = check_resume(resume, n)
         params = rollout_params(prompts, n, sampling_params, allow_empty=bool(resume),
                                 per_prompt=min_groups is None and not resume)
@@ -669,6 +680,35 @@ class RolloutCluster:
     def resume(self) -> None:
         self._wait([(m, m.actor.resume.remote()) for m in self._members])
         self.paused = None
+
+    def sleep(self, level: int = 1, tags: Sequence[str] | None = None) -> list[SleepReport]:
+        """Every replica hands its memory back (RolloutEngine.sleep), or none does: a replica that refuses wakes
+        the ones that slept and the refusal is raised, naming it. Returns each replica's report."""
+        tags = None if tags is None else list(tags)
+        return self._all_or_none([(m, m.actor.sleep.remote(level, tags)) for m in self._members], "sleep",
+                                 lambda m, r: m.actor.wake_up.remote(r.tags))
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> list[SleepReport]:
+        """Every replica takes its memory back (RolloutEngine.wake_up), or none does (as sleep)."""
+        tags = None if tags is None else list(tags)
+        return self._all_or_none([(m, m.actor.wake_up.remote(tags)) for m in self._members], "wake_up",
+                                 lambda m, r: m.actor.sleep.remote(self._levels.get(m.id, 1), r.tags))
+
+    def _all_or_none(self, calls: list, what: str, undo) -> list[SleepReport]:
+        results = self._wait(calls)
+        self._check_live()
+        refusals = [(m, r) for m, r in results if isinstance(r, BaseException)]
+        if refusals:
+            self._wait([(m, undo(m, r)) for m, r in results if not isinstance(r, BaseException)])
+            member, error = refusals[0]
+            raise RuntimeError(f"replica {member.id} refused {what}: {getattr(error, 'cause', error)}; the other "
+                               f"replicas were put back as they were") from None
+        if what == "sleep":
+            self._levels.update({m.id: r.level for m, r in results if r.tags})
+            self._asleep |= {tag for _, r in results for tag in r.tags}
+        else:
+            self._asleep -= {tag for _, r in results for tag in r.tags}
+        return [r for _, r in results]
 
     def get_stats(self) -> ClusterStats:
         results = self._wait([(m, m.actor.get_stats.remote()) for m in self._members])

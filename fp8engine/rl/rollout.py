@@ -14,7 +14,7 @@ from torch import nn
 
 from fp8engine.config import EngineConfig
 from fp8engine.engine import LLMEngine, Prompt, check_update_options
-from fp8engine.outputs import EngineStats, RequestOutput
+from fp8engine.outputs import EngineStats, RequestOutput, SleepReport
 from fp8engine.rl.batch import RolloutBatch, Sample, pad_token_id, rollout_stats
 from fp8engine.rl.groups import (
     UNFINISHED,
@@ -182,6 +182,23 @@ class RolloutEngine:
     def _check_not_paused(self) -> None:
         if self.paused:
             raise RuntimeError(f"the engine is paused (mode {self.paused!r}); call resume() first")
+        self.engine.check_ready()
+
+    def sleep(self, level: int = 1, tags: Sequence[str] | None = None) -> SleepReport:
+        """Hand the engine's memory back while the trainer beside it steps (LLMEngine.sleep: level 1 keeps the
+        weights, 2 drops them for the next sync to fill; requests in flight finish first); rollout() raises until
+        wake_up()."""
+        with self.turns.sync():
+            return self.engine.sleep(level, tags)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> SleepReport:
+        """Take the memory back (LLMEngine.wake_up), all at once or a tag at a time: wake_up(["weights"]),
+        sync_weights(...), wake_up(["kv_cache"])."""
+        with self.turns.sync():
+            return self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
 
     def pause(self, mode: PauseMode = "abort") -> None:
         """Stop generating. In-flight requests (added to `.engine` directly) are aborted

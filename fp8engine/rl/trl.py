@@ -70,7 +70,8 @@ LOGPS_PARAMETERS = ("self", "model", "input_ids", "attention_mask", "logits_to_k
 """The leading parameters of GRPOTrainer._get_per_token_logps_and_entropies (`check_trl`)."""
 
 
-def make_rollout_func(rollouts, sampling_params: SamplingParams | None = None) -> "TRLRolloutFunc":
+def make_rollout_func(rollouts, sampling_params: SamplingParams | None = None, *, colocate: bool = False,
+                      sleep_level: int = 1) -> "TRLRolloutFunc":
     """A `rollout_func` for `trl.GRPOTrainer` that generates with fp8engine.
 
     rollouts: a RolloutEngine, RolloutClient or RolloutCluster (anything with `sync_weights(model,
@@ -97,21 +98,33 @@ def make_rollout_func(rollouts, sampling_params: SamplingParams | None = None) -
     is on: TRL computes those only then), fp8engine/{weight_version, num_preemptions,
     rollout_seconds, sync_seconds, sync_bytes}. One trainer process (no multi-GPU data parallelism yet); no
     tools or environments.
+
+    colocate: the engine shares the trainer's machine and sleeps while the trainer steps (TRL's
+    vllm_enable_sleep_mode): it wakes the weights for a sync, then the KV cache for the rollout, and
+    sleeps at `sleep_level` once the rollout is done (1 keeps the weights, so a call that does not
+    sync, within one global step, finds them; 2 drops them, for a trainer that syncs before every
+    rollout). fp8engine/sleep_seconds and wake_seconds are logged.
     """
-    return TRLRolloutFunc(rollouts, sampling_params)
+    return TRLRolloutFunc(rollouts, sampling_params, colocate=colocate, sleep_level=sleep_level)
 
 
 class TRLRolloutFunc:
     """The callable `make_rollout_func` returns; see there."""
 
-    def __init__(self, rollouts, sampling_params: SamplingParams | None = None):
+    def __init__(self, rollouts, sampling_params: SamplingParams | None = None, *, colocate: bool = False,
+                 sleep_level: int = 1):
         if not (callable(getattr(rollouts, "rollout", None)) and callable(getattr(rollouts, "sync_weights", None))):
             raise TypeError(f"rollouts must be a RolloutEngine, RolloutClient or RolloutCluster, got "
                             f"{type(rollouts).__name__}")
         if sampling_params is not None and sampling_params.logprobs_mode != "processed":
             raise ValueError(f"TRL compares the rollout logprobs with log_softmax(logits / temperature): "
                              f"logprobs_mode must be 'processed', got {sampling_params.logprobs_mode!r}")
+        if colocate and not callable(getattr(rollouts, "sleep", None)):
+            raise TypeError(f"colocate=True needs rollouts that sleep and wake_up, got {type(rollouts).__name__}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
         self.rollouts = rollouts
+        self.colocate, self.sleep_level = colocate, sleep_level
         self.base_params = sampling_params or SamplingParams()
         self.synced_step: int | None = None
         self._pending: tuple[list[list[int]], list[list[float]]] | None = None
@@ -119,6 +132,8 @@ class TRLRolloutFunc:
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         _attach(trainer, self)
         self.sync(trainer)
+        if self.colocate:
+            trainer._log_metric("fp8engine/wake_seconds", self.rollouts.wake_up().seconds)
         params = generation_params(trainer.args, self.base_params)
         heads, runs = _runs(prompts)
         head_ids = prompt_ids(trainer, heads)
@@ -134,6 +149,8 @@ class TRLRolloutFunc:
         trainer._log_metric("fp8engine/rollout_seconds", time.perf_counter() - start)
         trainer._log_metric("fp8engine/weight_version", float(self.synced_step))
         trainer._log_metric("fp8engine/num_preemptions", float(sum(out["num_preemptions"])))
+        if self.colocate:  # the trainer's step runs with the engine's memory handed back
+            trainer._log_metric("fp8engine/sleep_seconds", self.rollouts.sleep(self.sleep_level).seconds)
         return out
 
     def sync(self, trainer) -> None:
@@ -142,6 +159,8 @@ class TRLRolloutFunc:
         if step == self.synced_step:
             return
         start = time.perf_counter()
+        if self.colocate:
+            self.rollouts.wake_up(["weights"])  # the KV cache stays asleep while the weights arrive
         model = trainer.accelerator.unwrap_model(trainer.model)
         if getattr(self.rollouts, "takes_lora", False) and hasattr(model, "peft_config"):
             report = self.rollouts.sync_weights(model, weight_version=step)  # the adapter alone, unmerged

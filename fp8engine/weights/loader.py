@@ -235,10 +235,7 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str, quantize_into: Quant
     for name, tensor in iter_safetensors(model_dir, lambda n: not (is_skipped(n) or is_kv_scale(n))):
         target = resolve(model, name)
         write(target, tensor, quantize_into, check(target, tensor, block_scales))
-        if target.kind == "split":
-            seen.update(part.name for _, part in target.parts)
-        else:
-            seen.add(target.name if target.kind != "fp8_scale" else name.removesuffix("_scale_inv"))
+        seen.update(covered(target))
     missing = [n for n in expected_names(model) if n not in seen and n != "lm_head.weight"]
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -282,6 +279,13 @@ def check_quantization_config(model: torch.nn.Module, model_dir: str) -> None:
     if not any(p.dtype == FP8_DTYPE for p in model.parameters()):
         raise ValueError(f"checkpoint {model_dir!r} is FP8-quantized (quantization_config); "
                          f"use EngineConfig(quantization='fp8')")
+
+
+def covered(target: Target) -> list[str]:
+    """The names (as expected_names gives them) of the weights that a write of target fills."""
+    if target.kind == "split":
+        return [part.name for _, part in target.parts]
+    return [target.name.removesuffix("_scale_inv") if target.kind == "fp8_scale" else target.name]
 
 
 def expected_names(model: torch.nn.Module) -> list[str]:

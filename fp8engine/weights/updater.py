@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp8engine.weights.loader import (FLOAT_DTYPES, KV_SCALE_NAME, BlockScales, Target, check, is_skipped,
+from fp8engine.weights.loader import (FLOAT_DTYPES, KV_SCALE_NAME, BlockScales, Target, check, covered, is_skipped,
                                       resolve, write)
 from fp8engine.weights.quant import FP8_DTYPE
 
@@ -51,6 +51,11 @@ def stage(model: torch.nn.Module, weights, kv_scales, block_scales: BlockScales 
 def commit(staged: Staged, quantize_into) -> int:
     """Write staged tensors into place; returns how many were quantized."""
     return sum(write(target, tensor, quantize_into, scales) for target, tensor, scales in staged.items)
+
+
+def covered_names(staged: Staged) -> set[str]:
+    """The model's weights (expected_names' names) that committing staged writes."""
+    return {name for target, _, _ in staged.items for name in covered(target)}
 
 
 def entries(weights, what: str = "weights") -> Iterable:
