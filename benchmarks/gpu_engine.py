@@ -217,6 +217,43 @@ def check_cuda_graphs(model: str, device: str, vocab: int, kv_blocks: int, batch
                   graph_s=f"{seconds[0]:.3f}", eager_s=f"{seconds[1]:.3f}")
 
 
+def check_sleep_wake(model: str, device: str, vocab: int, kv_blocks: int, batch: int, tokens: int,
+                     stand_in=None) -> dict:
+    """Three sleep(1) / wake_up cycles of a batch-invariant engine with decode graphs (LLMEngine.sleep): the device
+    memory free after each sleep and each wake (torch.cuda.mem_get_info), the bytes each sleep released, and the
+    tokens and logprobs after each wake against those before, bit for bit (the graphs captured again). On a GPU
+    each sleep must free at least 0.9x what it released; the dry run's device reports a fixed free size."""
+    options = dict(model=model, device=device, batch_invariant=True, num_kv_blocks=kv_blocks, max_num_seqs=batch)
+    with contextlib.ExitStack() as stack:
+        if stand_in is not None:
+            stack.enter_context(_replaced(cuda_graphs, "capture_cuda", stand_in))
+        engine = LLMEngine(EngineConfig(**options))
+        prompts = _prompts(batch, 20, vocab, 23)
+        params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=29, logprobs=1)
+
+        def outputs():
+            return [(c.token_ids, c.logprobs) for o in engine.generate(prompts, params) for c in o.outputs]
+
+        before, cycles, same = outputs(), [], True
+        for _ in range(3):
+            _sync(device)
+            free_awake = torch.cuda.mem_get_info()[0]
+            report = engine.sleep(1)
+            _sync(device)
+            free_asleep = torch.cuda.mem_get_info()[0]
+            engine.wake_up()
+            same = same and outputs() == before
+            free_woken = torch.cuda.mem_get_info()[0]
+            cycles.append(dict(released_mib=round(report.num_bytes / 2**20, 1),
+                               freed_mib=round((free_asleep - free_awake) / 2**20, 1), sleep_s=f"{report.seconds:.3f}",
+                               free_after_wake_mib=round(free_woken / 2**20, 1)))
+        stats = engine.get_stats()
+    freed = stand_in is not None or all(c["freed_mib"] >= 0.9 * c["released_mib"] for c in cycles)
+    return _check("sleep_wake", same and freed and stats.num_graph_recaptures_total == 3, cycles=cycles,
+                  graph_recaptures=stats.num_graph_recaptures_total,
+                  recapture_s=f"{stats.graph_recapture_seconds_total:.3f}", outputs_equal=same)
+
+
 def check_server(model: str, device: str, vocab: int, kv_blocks: int, engine_thread=None) -> dict:
     """The OpenAI-compatible server on the device engine, through the openai client (starlette's TestClient under
     it: no port; plain JSON posts where openai is not installed): completions with n=2 and logprobs, then a streamed
@@ -371,6 +408,7 @@ def run(dry: bool, workdir: str | None = None, only: list[str] | None = None) ->
                   _guarded("lora_adapter", check_lora, small, "cuda", cpu_device, shape, blocks, batch, tokens),
                   _guarded("cuda_graph_replay", check_cuda_graphs, small, "cuda", vocab, blocks, batch, tokens,
                            stand_in),
+                  _guarded("sleep_wake", check_sleep_wake, small, "cuda", vocab, blocks, batch, tokens, stand_in),
                   _guarded("server_openai_client", check_server, small, "cuda", vocab, blocks, engine_thread)]
         big = model_dir(root / "8b", TINY if dry else EIGHT_B, weights=False)
         steps, prompt_len = (2, 16) if dry else (16, 128)

@@ -142,8 +142,9 @@ def main() -> None:
         results.append(json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]))
     for r in results:
         steps = [s["step_seconds"] for s in r["steps"][1:]] or [r["steps"][0]["step_seconds"]]
-        print(f"{r['variant']:>5}: peak resident {r['peak_bytes'] / 2**30:.2f} GiB, step {sum(steps) / len(steps):.2f} s "
-              f"(after the first), sleep {r['sleep_seconds_total']:.2f} s + wake {r['wake_seconds_total']:.2f} s in all")
+        print(f"{r['variant']:>5}: peak resident {r['peak_bytes'] / 2**30:.2f} GiB, step "
+              f"{sum(steps) / len(steps):.2f} s (after the first), sleep {r['sleep_seconds_total']:.2f} s + wake "
+              f"{r['wake_seconds_total']:.2f} s in all")
     if args.json:
         with open(args.json, "w") as f:  # the traces are in the PNG
             json.dump([{k: v for k, v in r.items() if k != "trace"} for r in results], f, indent=1)

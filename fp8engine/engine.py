@@ -25,7 +25,7 @@ from fp8engine.sampling_params import SamplingParams
 from fp8engine.scheduler.scheduler import Scheduler
 from fp8engine.spec.drafter import Speculator
 from fp8engine.structured import GrammarCompiler
-from fp8engine.weights import lora, updater
+from fp8engine.weights import lora, tensor_handles, updater
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup
 from fp8engine.weights.loader import expected_names, load_checkpoint, load_dummy, read, read_kv_scales, resolve
@@ -321,6 +321,25 @@ class LLMEngine:
         self.weights_missing -= updater.covered_names(staged)
         return WeightUpdateReport(len(staged.items), staged.num_bytes, self.last_weight_update_seconds, num_quantized,
                                   self.weight_version, num_aborted, num_recomputed)
+
+    def update_weights_from_tensor(self, named_tensors, weight_version: int | None = None, *,
+                                   load_format: str | None = None, flush_cache: bool = True, in_flight: str = "wait",
+                                   kv_on_update: str = "keep") -> WeightUpdateReport:
+        """SGLang's same-machine hand-over: a trainer in another process on this machine passes its tensors as
+        handles to memory both share (CUDA IPC on a GPU, shared memory on a CPU), never their bytes.
+
+        named_tensors: SGLang's serialized_named_tensors (a list with one base64 pickle of handles, as
+        weights/tensor_handles.dumps or SGLang's MultiprocessingSerializer write it; load_format None, "direct" or
+        "flattened_bucket"), unpickled by a restricted unpickler that takes torch's shared-tensor rebuild
+        functions only; or (name, tensor) pairs already rebuilt. Validated and committed exactly as update_weights
+        (in place, FP8 quantized, all or nothing), whose options it takes."""
+        check_update_options(in_flight, kv_on_update)
+        if isinstance(named_tensors, list) and named_tensors and isinstance(named_tensors[0], (str, bytes)):
+            named_tensors = tensor_handles.named_tensors(named_tensors, load_format)
+        elif load_format not in tensor_handles.LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {list(tensor_handles.LOAD_FORMATS)}, got {load_format!r}")
+        return self.update_weights(named_tensors, weight_version=weight_version, flush_cache=flush_cache,
+                                   in_flight=in_flight, kv_on_update=kv_on_update)
 
     def update_lora(self, adapter: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], scaling=1.0, *,
                     weight_version: int | None = None, flush_cache: bool = True, in_flight: str = "wait",

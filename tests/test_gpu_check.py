@@ -16,7 +16,7 @@ def test_the_dry_run_passes_every_engine_check_and_fills_the_speed_table(tmp_pat
     report = json.loads(path.read_text())["engine"]
     assert [c["check"] for c in report["engine_checks"]] == [
         "logprobs_vs_cpu_float32", "seeded_sampling_repeats", "update_weights_in_place", "batch_invariance_bf16",
-        "batch_invariance_fp8", "lora_adapter", "cuda_graph_replay", "server_openai_client"]
+        "batch_invariance_fp8", "lora_adapter", "cuda_graph_replay", "sleep_wake", "server_openai_client"]
     assert all(c["ok"] for c in report["engine_checks"]) and report["failures"] == []
     assert [(r["mode"], r["batch"]) for r in report["speed"]] == [
         ("bf16", 1), ("bf16", 4), ("fp8", 1), ("fp8", 4), ("bf16", 1), ("fp8", 1),
@@ -25,7 +25,9 @@ def test_the_dry_run_passes_every_engine_check_and_fills_the_speed_table(tmp_pat
     graphs = next(c for c in report["engine_checks"] if c["check"] == "cuda_graph_replay")
     assert graphs["graphs"] == "decode" and graphs["replays"] >= 6, graphs  # buckets 4, 2 and 1
     assert all(r["ms_per_step"] > 0 and r["hbm_floor_ms"] > 0 for r in report["speed"])
-    assert "8/8 engine checks ok" in capsys.readouterr().out
+    sleep = next(c for c in report["engine_checks"] if c["check"] == "sleep_wake")
+    assert sleep["outputs_equal"] and sleep["graph_recaptures"] == 3 and len(sleep["cycles"]) == 3, sleep
+    assert "9/9 engine checks ok" in capsys.readouterr().out
 
 
 def test_a_check_that_raises_fails_alone_and_only_selects(capsys):

@@ -2,9 +2,15 @@
 batch-invariant engine's outputs after waking are the bits it gave before (engine.py, sleep / wake_up;
 model_executor/host_memory.py)."""
 
+import base64
 import glob
 import mmap
+import os
+import pickle
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +20,7 @@ from starlette.testclient import TestClient
 from fp8engine import SamplingParams
 from fp8engine.entrypoints.server import ServerSettings, create_app
 from fp8engine.model_executor import host_memory
+from tests.checkpoints import perturbed_state
 from tests.conftest import make_engine
 from tests.tiny_models import tiny_dir  # noqa: F401 (fixture)
 
@@ -21,6 +28,7 @@ PROMPTS = [list(range(100, 131)), [5, 6, 7], list(range(40, 60))]
 PARAMS = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=3, logprobs=2)
 FULL_FP8 = dict(quantization="fp8", kv_cache_dtype="fp8_e4m3", fp8_attention=True)
 KV_BYTES = 96 << 20
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _status(*keys: str) -> int:
@@ -237,3 +245,51 @@ def test_http_sleep_routes_vllm_and_sglang(tiny_dir, tmp_path):  # noqa: F811
         assert updated.status_code == 200, updated.text
         assert client.get("/stats", headers=admin).json()["weights_missing"] == 0
         assert complete().json()["choices"][0]["token_ids"] == expected
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_update_weights_from_tensor_takes_handles_from_another_process(tiny_dir, load_format):  # noqa: F811
+    """A trainer process hands its tensors over as handles to shared memory (SGLang's update_weights_from_tensor
+    over HTTP): the engine's weights are then those update_weights writes from the same tensors, bit for bit, and
+    what crossed the pipe from the trainer is the handles, not the tensors."""
+    model = tiny_dir("llama-yarn")
+    trainer = subprocess.Popen([sys.executable, str(ROOT / "tests" / "tensor_handover.py"), model, "11",
+                                str(load_format)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
+                               env=os.environ | {"PYTHONPATH": str(ROOT)})
+    try:
+        line = trainer.stdout.readline()
+        handed, direct = (make_engine(model, quantization="fp8", num_kv_blocks=64) for _ in range(2))
+        body = {"serialized_named_tensors": [line.decode().strip()], "load_format": load_format,
+                "weight_version": 2}
+        with TestClient(create_app(handed, ServerSettings())) as client:
+            report = client.post("/update_weights_from_tensor", json=body)
+        assert report.status_code == 200, report.text
+    finally:
+        trainer.communicate(b"\n", timeout=60)
+    state = perturbed_state(model, 11)
+    direct.update_weights(state, weight_version=2)
+    assert report.json()["num_tensors"] == len(state) and report.json()["weight_version"] == 2
+    tensor_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    assert len(line) < 0.01 * tensor_bytes, (len(line), tensor_bytes)
+    mine, theirs = dict(handed.named_parameters()), dict(direct.named_parameters())
+    assert all(torch.equal(mine[n].view(torch.uint8), theirs[n].view(torch.uint8)) for n in mine)
+
+
+class _Shell:
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def test_a_pickle_naming_any_other_global_is_refused_and_changes_nothing(tiny_dir):  # noqa: F811
+    engine = make_engine(tiny_dir("llama-yarn"), num_kv_blocks=64)
+    before = {n: p.clone() for n, p in engine.named_parameters()}
+    evil = base64.b64encode(pickle.dumps([("model.norm.weight", _Shell())])).decode()
+    with TestClient(create_app(engine, ServerSettings())) as client:
+        refused = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
+        garbage = client.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["not base64!"]})
+    assert refused.status_code == 400 and f"{os.system.__module__}.system" in refused.json()["error"]["message"]
+    assert garbage.status_code == 400 and "base64" in garbage.json()["error"]["message"]
+    assert engine.get_stats().weight_version == 0
+    assert all(torch.equal(p, before[n]) for n, p in engine.named_parameters())
+    with pytest.raises(ValueError, match="system"):
+        engine.update_weights_from_tensor([evil])

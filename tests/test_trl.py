@@ -171,8 +171,9 @@ def test_peft_adapters_are_merged_under_the_base_names():
 def test_three_grpo_steps_on_fp8_rollouts(rollouts, default_dir, tmp_path, monkeypatch):
     """GRPOTrainer with use_vllm=False and the rollout function: a sync per step (version = step), TRL's
     importance-sampling metrics and ratio computed from the engine's logprobs, fp8engine's mismatch
-    metrics in TRL's logs, a finite loss."""
-    func = make_rollout_func(rollouts)
+    metrics in TRL's logs, a finite loss. Colocated: the engine sleeps through the rest of each step (the
+    rewards and the trainer's update) and wakes for the next sync and rollout."""
+    func = make_rollout_func(rollouts, colocate=True)
     returned, old_logps, synced, seen_by_reward = [], [], [], []
 
     def rollout_spy(prompts, trainer):
@@ -181,6 +182,7 @@ def test_three_grpo_steps_on_fp8_rollouts(rollouts, default_dir, tmp_path, monke
 
     def reward(completions, weight_version, finish_reason, num_preemptions, trainer_state, **_):
         seen_by_reward.append((trainer_state.global_step, weight_version, rollouts.get_stats().weight_version))
+        assert rollouts.is_sleeping()
         assert set(finish_reason) <= {"stop", "length"} and num_preemptions == [0] * 4
         return digit_reward(completions)
 
@@ -199,7 +201,11 @@ def test_three_grpo_steps_on_fp8_rollouts(rollouts, default_dir, tmp_path, monke
 
     trainer._get_per_token_logps_and_entropies = logps_spy
     start = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train()
+        assert rollouts.is_sleeping()
+    finally:
+        rollouts.wake_up()
     seconds = time.perf_counter() - start
 
     steps = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -213,6 +219,7 @@ def test_three_grpo_steps_on_fp8_rollouts(rollouts, default_dir, tmp_path, monke
     assert all(weights is trainer.model for _, weights in synced)
     assert seen_by_reward == [(s, [s] * 4, s) for s in range(3)]
     assert [s["fp8engine/weight_version"] for s in steps] == [0, 1, 2]
+    assert all(s["fp8engine/sleep_seconds"] > 0 for s in steps) and rollouts.get_stats().num_sleeps_total >= 3
     assert len(steps) == 3 and all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) for s in steps)
 
     assert len(old_logps) == len(returned) == 3  # TRL's old_per_token_logps: one no-grad pass per generation
@@ -338,7 +345,8 @@ def test_three_grpo_steps_with_a_peft_model_sync_the_adapter_alone(default_dir, 
                           rollout_func=make_rollout_func(rollouts), train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
     trainer.train()
     steps = [entry for entry in trainer.state.log_history if "loss" in entry]
-    assert [s["fp8engine/weight_version"] for s in steps] == [0, 1, 2] and rollouts.get_stats().weight_version == 2
+    assert [s["fp8engine/weight_version"] for s in steps] == [0, 1, 2]
+    assert all(s["fp8engine/sleep_seconds"] > 0 for s in steps) and rollouts.get_stats().num_sleeps_total >= 3 and rollouts.get_stats().weight_version == 2
     assert [s["fp8engine/sync_bytes"] for s in steps] == [adapter_bytes] * 3 and adapter_bytes == 30 * 8 * (
         576 + 576 + 576 + 192) * 4
     assert all(torch.equal(t.view(torch.uint8), fp8_bytes[n].view(torch.uint8))

@@ -583,6 +583,15 @@ class WeightsGroupRequest(_Request):
     timeout_s: float = Field(default=600.0, gt=0)
 
 
+class TensorUpdateRequest(WeightUpdateOptions):
+    """POST /update_weights_from_tensor (SGLang's body): serialized_named_tensors, one base64 pickle of handles to
+    shared memory per rank (LLMEngine.update_weights_from_tensor); load_format None, "direct" or
+    "flattened_bucket"."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+
+
 class DistributedUpdateRequest(WeightUpdateOptions):
     """POST /update_weights_from_distributed: the tensors rank 0 broadcasts, in order (dtypes as
     torch attribute names: "bfloat16", "float32")."""

@@ -31,6 +31,9 @@ accepted everywhere):
        the tensors rank 0 broadcasts (beside generation), then apply them as /update_weights does; a
        transfer that fails answers 500, closes the group and leaves the weights as they were
   POST /destroy_weights_update_group
+  POST /update_weights_from_tensor {"serialized_named_tensors": [base64 pickle of shared-memory / CUDA IPC handles],
+       "load_format": null|"direct"|"flattened_bucket", "weight_version", ...}: SGLang's same-machine hand-over
+       (LLMEngine.update_weights_from_tensor); a pickle naming anything but torch's rebuild functions answers 400
   Colocated RL (LLMEngine.sleep / wake_up): vLLM's POST /sleep?level=1|2&mode=wait|abort|keep (tags=weights&
        tags=kv_cache: our extension), POST /wake_up?tags=weights&tags=kv_cache, GET /is_sleeping; SGLang's POST
        /release_memory_occupation and /resume_memory_occupation {"tags": [...]} (release: level 2 unless "level": 1)
@@ -102,6 +105,7 @@ from fp8engine.entrypoints.protocol import (
     ResponseBuilder,
     SamplingRequest,
     SleepQuery,
+    TensorUpdateRequest,
     TokenTable,
     WakeQuery,
     WeightsGroupRequest,
@@ -111,6 +115,7 @@ from fp8engine.entrypoints.protocol import (
 )
 from fp8engine.outputs import EngineStats, RequestOutput
 from fp8engine.sampling_params import STRUCTURED
+from fp8engine.weights import tensor_handles
 from fp8engine.weights.loader import iter_safetensors
 
 logger = logging.getLogger(__name__)
@@ -120,6 +125,7 @@ REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": 
                   "/pause": PauseRequest, "/update_weights_from_disk": DiskUpdateRequest, "/update_weights": None,
                   "/init_weights_update_group": WeightsGroupRequest,
                   "/update_weights_from_distributed": DistributedUpdateRequest, "/update_lora": None,
+                  "/update_weights_from_tensor": TensorUpdateRequest,
                   "/release_memory_occupation": MemoryOccupationRequest,
                   "/resume_memory_occupation": MemoryOccupationRequest}
 QUERIES = {"/update_weights": BucketQuery, "/update_lora": LoraQuery, "/sleep": SleepQuery, "/wake_up": WakeQuery}
@@ -251,6 +257,7 @@ class Server:
                 ("POST", "/update_lora", self.update_lora, admin),
                 ("POST", "/init_weights_update_group", self.init_weights_update_group, admin),
                 ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed, admin),
+                ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor, admin),
                 ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group, admin),
                 ("GET", "/weight_version", self.weight_version, admin),
                 ("GET", "/kv_scales", self.kv_scales, admin), ("GET", "/stats", self.stats, admin),
@@ -445,6 +452,16 @@ class Server:
             if query.bucket is None:
                 return await self._apply(await _load_safetensors(data), query)
             return await self._bucketed(query, data)
+
+    async def update_weights_from_tensor(self, request: Request) -> dict:
+        body = parse_json(await _read_body(request, self.settings.max_body_bytes), TensorUpdateRequest)
+        try:  # maps the trainer's shared memory; the pickle may name only torch's rebuild functions
+            tensors = await asyncio.to_thread(tensor_handles.named_tensors, body.serialized_named_tensors,
+                                              body.load_format)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="serialized_named_tensors") from None
+        async with self._weights_lock:
+            return await self._apply(tensors, body)
 
     async def update_lora(self, request: Request) -> dict:
         query = validate(LoraQuery, dict(request.query_params))
@@ -725,7 +742,8 @@ def _query_lists(request: Request, repeated: tuple[str, ...]) -> dict:
     return query
 
 
-WEIGHT_UPDATE_PATHS = ("/update_weights", "/update_weights_from_disk", "/update_weights_from_distributed")
+WEIGHT_UPDATE_PATHS = ("/update_weights", "/update_weights_from_disk", "/update_weights_from_distributed",
+                       "/update_weights_from_tensor")
 
 
 class TrimHeapAfterUpdates:

@@ -68,8 +68,8 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
         # before loading: the loader's targets are views of the tensors' final homes
-        self.home = host_memory.rehome(self.model, huge_pages=self.kernels.huge_pages,
-                                       weight_buffers=_weight_buffers(self.model)) if self.device.type == "cpu" else None
+        self.home = None if self.device.type != "cpu" else host_memory.rehome(
+            self.model, huge_pages=self.kernels.huge_pages, weight_buffers=_weight_buffers(self.model))
         self.kv_homes: list[host_memory.HostMapping] = []  # the CPU KV cache's mappings (sleep releases them)
         self.kept: dict[str, object] = {}  # what a sleeping tag keeps (a Spill on CPU, host copies on CUDA)
         self.released_sizes: dict[str, list[int]] = {}  # CUDA: a sleeping tag's storages' bytes
@@ -273,7 +273,8 @@ class ModelRunner:
             return [(t, False) for t in (self.kv_cache, self.routed_experts) if t is not None]
         weights = self.weight_tensors()
         ids = {_storage_id(t) for t in weights}
-        derived = {_storage_id(b): b for b in self.model.buffers() if b.device.type != "cpu" and _storage_id(b) not in ids}
+        derived = {_storage_id(b): b for b in self.model.buffers()
+                   if b.device.type != "cpu" and _storage_id(b) not in ids}
         return [(t, False) for t in weights] + [(b, True) for b in derived.values()]
 
     def recapture_graphs(self) -> None:
