@@ -133,11 +133,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_pending_outputs(self) -> bool:
+        """Whether final outputs of requests an update or a sleep finished or aborted wait for the next step()."""
+        return bool(self._pending_outputs)
+
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of requests that advanced or finished (only those that
-        finished with finished_only: an unfinished output detokenizes everything generated so far)."""
-        self.check_ready()
+        finished with finished_only: an unfinished output detokenizes everything generated so far). While the engine
+        sleeps it hands back the outputs a sleep left pending (its in_flight), then raises RuntimeError."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        if not self.ready():  # the outputs a sleep's in_flight left pending still come back
+            if outputs:
+                return outputs
+            self.check_ready()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.scheduler.has_work():
@@ -331,13 +339,16 @@ class LLMEngine:
         named_tensors: SGLang's serialized_named_tensors (a list with one base64 pickle of handles, as
         weights/tensor_handles.dumps or SGLang's MultiprocessingSerializer write it; load_format None, "direct" or
         "flattened_bucket"), unpickled by a restricted unpickler that takes torch's shared-tensor rebuild
-        functions only; or (name, tensor) pairs already rebuilt. Validated and committed exactly as update_weights
+        functions only; or (name, tensor) pairs already rebuilt (a flattened bucket's dict with "flattened_bucket").
+        Validated and committed exactly as update_weights
         (in place, FP8 quantized, all or nothing), whose options it takes."""
         check_update_options(in_flight, kv_on_update)
+        if load_format not in tensor_handles.LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {list(tensor_handles.LOAD_FORMATS)}, got {load_format!r}")
         if isinstance(named_tensors, list) and named_tensors and isinstance(named_tensors[0], (str, bytes)):
             named_tensors = tensor_handles.named_tensors(named_tensors, load_format)
-        elif load_format not in tensor_handles.LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {list(tensor_handles.LOAD_FORMATS)}, got {load_format!r}")
+        elif load_format == "flattened_bucket":
+            named_tensors = tensor_handles.unflatten(named_tensors)
         return self.update_weights(named_tensors, weight_version=weight_version, flush_cache=flush_cache,
                                    in_flight=in_flight, kv_on_update=kv_on_update)
 
@@ -421,8 +432,9 @@ class LLMEngine:
         addresses (its pages are handed back to the kernel), so the fused decoder plan stays valid; on CUDA the
         decode graphs are dropped and captured again at wake. in_flight as in update_weights: "wait" finishes
         unfinished requests first, "abort" aborts them, "keep" keeps them (with the KV cache released, their KV
-        is recomputed after wake_up, counted in num_kv_recomputes). A tag already asleep stays as it is. While a
-        tag sleeps, step() raises a RuntimeError naming it."""
+        is recomputed after wake_up, counted in num_kv_recomputes); the final outputs of those it finished or aborted
+        come back from the next step(). A tag already asleep stays as it is. While a tag sleeps, step() (once those
+        outputs are out) raises a RuntimeError naming it."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         tags = _tags(tags)

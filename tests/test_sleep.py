@@ -10,6 +10,8 @@ import pickle
 import re
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -231,6 +233,15 @@ def test_http_sleep_routes_vllm_and_sglang(tiny_dir, tmp_path):  # noqa: F811
         assert 'fp8engine_resident_bytes{tag="kv_cache"} 0.0' in metrics and "fp8engine_is_sleeping 1.0" in metrics
         assert client.post("/wake_up?tags=kv_cache", headers=admin).json()["is_sleeping"] is False
         assert complete().json()["choices"][0]["token_ids"] == expected
+
+        with ThreadPoolExecutor(1) as pool:  # a request in flight when the engine sleeps ends, it does not hang
+            long = pool.submit(client.post, "/v1/completions", json=body | {"max_tokens": 400}, headers=user)
+            while not client.get("/stats", headers=admin).json()["num_running"]:
+                time.sleep(0.01)
+            assert client.post("/sleep?mode=abort&tags=kv_cache", headers=admin).json()["num_aborted"] == 1
+            aborted = long.result(timeout=60).json()["choices"][0]
+        assert aborted["finish_reason"] == "abort" and len(aborted["token_ids"]) < 400
+        client.post("/wake_up", headers=admin)
 
         released = client.post("/release_memory_occupation", json={"tags": ["weights", "kv_cache", "cuda_graph"]},
                                headers=admin).json()

@@ -23,7 +23,7 @@ from typing import TypeVar
 import torch
 
 from fp8engine.engine import LLMEngine, Prompt
-from fp8engine.outputs import EngineStats, RequestOutput, WeightUpdateReport
+from fp8engine.outputs import EngineStats, RequestOutput, SleepReport, WeightUpdateReport
 from fp8engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,11 @@ class AsyncEngine:
             adapter, scaling, weight_version=weight_version, flush_cache=flush_cache, in_flight=in_flight,
             kv_on_update=kv_on_update)))
 
+    async def sleep(self, level: int, tags: list[str] | None, in_flight: str) -> SleepReport:
+        """LLMEngine.sleep in the engine thread, between two steps; the final outputs of the requests it finished
+        (in_flight="wait") or aborted go out at once (the loop does not step while the engine sleeps)."""
+        return await self._call(lambda: self._slept(self.engine.sleep(level, tags, in_flight=in_flight)))
+
     async def stats(self) -> EngineStats:
         return await self.call(LLMEngine.get_stats)
 
@@ -208,6 +213,11 @@ class AsyncEngine:
     def _set_pause(self, mode: str | None) -> int:
         self.pause_mode = mode
         return self._abort(list(self._streams)) if mode == "abort" else 0
+
+    def _slept(self, report: SleepReport) -> SleepReport:
+        if self.engine.has_pending_outputs():
+            self._step()  # hands back the pending outputs alone while the engine sleeps
+        return report
 
     def _updated(self, report: WeightUpdateReport) -> WeightUpdateReport:
         """After an update in the engine thread: a step, so the outputs it finished (in_flight="wait") go out."""

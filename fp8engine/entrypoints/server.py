@@ -421,7 +421,7 @@ class Server:
     async def _sleep(self, level: int, tags: list[str] | None, mode: str) -> dict:
         async with self._weights_lock:
             try:
-                report = await self.engine.call(lambda llm: llm.sleep(level, tags, in_flight=mode))
+                report = await self.engine.sleep(level, tags, mode)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="tags") from None
         return dataclasses.asdict(report) | {"is_sleeping": True}

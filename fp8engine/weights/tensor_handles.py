@@ -128,7 +128,7 @@ def named_tensors(serialized: list[str | bytes], load_format: str | None = None)
                          f"{len(serialized) if isinstance(serialized, list) else type(serialized).__name__}")
     payload = loads(serialized[0])
     if load_format == "flattened_bucket":
-        return _unflatten(payload)
+        return unflatten(payload)
     if not isinstance(payload, list) or not all(isinstance(p, tuple) and len(p) == 2 for p in payload):
         raise ValueError("serialized tensors: expected a list of (name, tensor) pairs")
     return [(name, _tensor(name, value)) for name, value in payload]
@@ -144,7 +144,8 @@ def _tensor(name: str, value) -> torch.Tensor:
     return value
 
 
-def _unflatten(payload) -> list[tuple[str, torch.Tensor]]:
+def unflatten(payload) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a flattened bucket (`flatten`'s, SGLang's): views of its flat tensor."""
     if not isinstance(payload, dict) or not isinstance(payload.get("flattened_tensor"), torch.Tensor):
         raise ValueError("flattened_bucket: expected {'flattened_tensor': tensor, 'metadata': [...]}")
     flat, out = payload["flattened_tensor"], []
