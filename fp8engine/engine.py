@@ -340,8 +340,8 @@ class LLMEngine:
         weights/tensor_handles.dumps or SGLang's MultiprocessingSerializer write it; load_format None, "direct" or
         "flattened_bucket"), unpickled by a restricted unpickler that takes torch's shared-tensor rebuild
         functions only; or (name, tensor) pairs already rebuilt (a flattened bucket's dict with "flattened_bucket").
-        Validated and committed exactly as update_weights
-        (in place, FP8 quantized, all or nothing), whose options it takes."""
+        Validated and committed exactly as update_weights (in place, FP8 quantized, all or nothing), whose options
+        it takes."""
         check_update_options(in_flight, kv_on_update)
         if load_format not in tensor_handles.LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(tensor_handles.LOAD_FORMATS)}, got {load_format!r}")
