@@ -408,7 +408,8 @@ def run(dry: bool, workdir: str | None = None, only: list[str] | None = None) ->
                   _guarded("lora_adapter", check_lora, small, "cuda", cpu_device, shape, blocks, batch, tokens),
                   _guarded("cuda_graph_replay", check_cuda_graphs, small, "cuda", vocab, blocks, batch, tokens,
                            stand_in),
-                  _guarded("sleep_wake", check_sleep_wake, small, "cuda", vocab, blocks, batch, tokens, stand_in),
+                  _guarded("sleep_wake", check_sleep_wake, small, "cuda", vocab, blocks, 1 if dry else batch, tokens,
+                           stand_in),  # dry: one sequence, one graph bucket to capture four times
                   _guarded("server_openai_client", check_server, small, "cuda", vocab, blocks, engine_thread)]
         big = model_dir(root / "8b", TINY if dry else EIGHT_B, weights=False)
         steps, prompt_len = (2, 16) if dry else (16, 128)
