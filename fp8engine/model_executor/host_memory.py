@@ -143,18 +143,17 @@ class Spill:
             raise
 
     def restore(self, memory: torch.Tensor) -> None:
-        """Reads the bytes back into memory (as many as were spilled) and closes the file."""
-        try:
-            data, at = memoryview(memory.numpy()), 0
-            self.file.seek(0)
-            while at < self.nbytes:
-                got = self.file.readinto(data[at:min(self.nbytes, at + _SPILL_CHUNK)])
-                if not got:
-                    raise OSError(f"sleep spill file ended after {at} of {self.nbytes} bytes")
-                at += got
-            _drop_cached(self.file.fileno())
-        finally:
-            self.file.close()
+        """Reads the bytes back into memory (as many as were spilled) and closes the file; a read that fails leaves
+        it open, so that the restore can be tried again."""
+        data, at = memoryview(memory.numpy()), 0
+        self.file.seek(0)
+        while at < self.nbytes:
+            got = self.file.readinto(data[at:min(self.nbytes, at + _SPILL_CHUNK)])
+            if not got:
+                raise OSError(f"sleep spill file ended after {at} of {self.nbytes} bytes")
+            at += got
+        _drop_cached(self.file.fileno())
+        self.file.close()
 
 
 def _drop_cached(fd: int) -> None:

@@ -253,11 +253,13 @@ class ModelRunner:
     def restore(self, tag: str) -> None:
         """Takes a released tag's memory back: the weights' kept bytes as they were (zeros, or on CUDA whatever the
         memory held, when none were kept), the KV cache zeroed."""
-        kept = self.kept.pop(tag, None)
+        kept = self.kept.get(tag)
         if self.device.type == "cpu":
-            if kept is not None:
+            if kept is not None:  # kept until it is read back: a wake that fails can be tried again
                 kept.restore(self.home.mapping.memory[:self.home.weight_bytes])
+            self.kept.pop(tag, None)
             return
+        self.kept.pop(tag, None)
         for (t, _), size, copy in zip(self._tag_tensors(tag), self.released_sizes.pop(tag), kept):
             t.untyped_storage().resize_(size)
             if copy is not None:
