@@ -133,7 +133,7 @@ class TRLRolloutFunc:
         _attach(trainer, self)
         self.sync(trainer)
         if self.colocate:
-            trainer._log_metric("fp8engine/wake_seconds", self.rollouts.wake_up().seconds)
+            trainer._log_metric("fp8engine/wake_seconds", _seconds(self.rollouts.wake_up()))
         params = generation_params(trainer.args, self.base_params)
         heads, runs = _runs(prompts)
         head_ids = prompt_ids(trainer, heads)
@@ -150,7 +150,7 @@ class TRLRolloutFunc:
         trainer._log_metric("fp8engine/weight_version", float(self.synced_step))
         trainer._log_metric("fp8engine/num_preemptions", float(sum(out["num_preemptions"])))
         if self.colocate:  # the trainer's step runs with the engine's memory handed back
-            trainer._log_metric("fp8engine/sleep_seconds", self.rollouts.sleep(self.sleep_level).seconds)
+            trainer._log_metric("fp8engine/sleep_seconds", _seconds(self.rollouts.sleep(self.sleep_level)))
         return out
 
     def sync(self, trainer) -> None:
@@ -187,6 +187,11 @@ class TRLRolloutFunc:
         metrics = mismatch_metrics(train_logprobs.cpu(), pad_float(logprobs, width), mask)
         for name in MISMATCH_METRICS:
             trainer._log_metric(f"fp8engine/{name}", metrics[name])
+
+
+def _seconds(report) -> float:
+    """A sleep's or a wake's seconds: a RolloutCluster's replicas' reports give the slowest one's."""
+    return max(r.seconds for r in report) if isinstance(report, list) else report.seconds
 
 
 def generation_params(args, base: SamplingParams) -> SamplingParams:
