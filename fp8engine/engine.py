@@ -413,7 +413,7 @@ class LLMEngine:
             ids = list(self.requests)
             self._pending_outputs += [o for o in map(self.abort_request, ids) if o is not None]
             return len(ids)
-        if self.sleeping or self.weights_missing:  # nothing has run since: they wait for the weights to come
+        if not self.ready():  # nothing has run since: they wait for the weights to come
             return 0
         while self.requests:
             # step() hands back the outputs still pending with the new ones: they stay pending, each once
@@ -451,12 +451,10 @@ class LLMEngine:
             if tag == "kv_cache":
                 num_recomputed = len(self.scheduler.recompute_in_flight())
                 self.scheduler.reset_prefix_cache()
+            if tag == "weights" and level == 2:  # the adapter goes with them, as an update_lora of none
+                lora.commit_adapter(self.runner.lora_layers, lora.StagedAdapter())
             released += self.runner.release(tag, keep=level == 1 and tag == "weights", spill_dir=spill_dir)
             self.sleeping[tag] = level
-            if tag == "weights" and level == 2:
-                for layer in self.runner.lora_layers.values():
-                    for shard in range(len(layer.ranks)):
-                        layer.set_rank(shard, 0)
         seconds = time.perf_counter() - start
         self.num_sleeps += bool(todo)
         self.sleep_seconds_total += seconds
@@ -515,12 +513,12 @@ class LLMEngine:
 
     def check_ready(self) -> None:
         """RuntimeError naming what is asleep or missing unless ready()."""
-        if self.sleeping or self.weights_missing:
+        if not self.ready():
             raise RuntimeError(self.not_ready_reason())
 
     def not_ready_reason(self) -> str | None:
         """Why steps cannot run now (what sleeps, or the weights a level-2 sleep left missing); None when they can."""
-        if not (self.sleeping or self.weights_missing):
+        if self.ready():
             return None
         if self.sleeping:
             asleep = ", ".join(f"{tag} (level {level})" for tag, level in self.sleeping.items())

@@ -15,6 +15,7 @@ and they read as zeros when touched again; a Spill keeps the weights' bytes on d
 free nothing on a CPU). The weights come first on their mapping, a whole number of pages that holds nothing else.
 """
 
+import math
 import mmap
 import os
 import tempfile
@@ -67,14 +68,12 @@ class HostMapping:
         self.memory = base[self.start:self.start + nbytes]
         self.huge = huge
 
-    def release(self, nbytes: int | None = None) -> int:
+    def release(self, nbytes: int | None = None) -> None:
         """Hands the pages of the first nbytes (all by default; a whole number of pages) back to the kernel
-        (MADV_DONTNEED): resident memory falls at once, the addresses stay, and the bytes read as zeros after.
-        Returns the bytes released."""
+        (MADV_DONTNEED): resident memory falls at once, the addresses stay, and the bytes read as zeros after."""
         nbytes = self.memory.numel() if nbytes is None else nbytes
         if nbytes:
             self.mapping.madvise(mmap.MADV_DONTNEED, self.start, cdiv(nbytes, PAGE) * PAGE)
-        return nbytes
 
 
 def arena(nbytes: int) -> torch.Tensor:
@@ -85,10 +84,7 @@ def arena(nbytes: int) -> torch.Tensor:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[HostMapping, torch.Tensor]:
     """A zero tensor on a mapping of its own (small pages, none resident until written) and that mapping."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    home = HostMapping(numel * torch.empty(0, dtype=dtype).element_size())
+    home = HostMapping(math.prod(shape) * torch.empty(0, dtype=dtype).element_size())
     return home, home.memory.view(dtype).view(shape)
 
 

@@ -68,8 +68,9 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
         # before loading: the loader's targets are views of the tensors' final homes
+        self.weight_buffers = _weight_buffers(self.model)  # LoRA's A and B: weights, though buffers
         self.home = None if self.device.type != "cpu" else host_memory.rehome(
-            self.model, huge_pages=self.kernels.huge_pages, weight_buffers=_weight_buffers(self.model))
+            self.model, huge_pages=self.kernels.huge_pages, weight_buffers=self.weight_buffers)
         self.kv_homes: list[host_memory.HostMapping] = []  # the CPU KV cache's mappings (sleep releases them)
         self.kept: dict[str, object] = {}  # what a sleeping tag keeps (a Spill on CPU, host copies on CUDA)
         self.released_sizes: dict[str, list[int]] = {}  # CUDA: a sleeping tag's storages' bytes
@@ -211,9 +212,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ sleep
     def weight_tensors(self) -> list[torch.Tensor]:
         """The tensors of the "weights" tag: every parameter and weight buffer (LoRA's), each storage once."""
-        names = _weight_buffers(self.model)
         tensors = [p for _, p in self.model.named_parameters()] + [b for n, b in self.model.named_buffers()
-                                                                    if n in names]
+                                                                    if n in self.weight_buffers]
         return list({_storage_id(t): t for t in tensors}.values())
 
     def resident_bytes(self, tag: str) -> int:
@@ -251,21 +251,22 @@ class ModelRunner:
         return nbytes + sum(size for size, (_, derived) in zip(self.released_sizes[tag], tensors) if derived)
 
     def restore(self, tag: str) -> None:
-        """Takes a released tag's memory back: the weights' kept bytes as they were (zeros, or on CUDA whatever the
-        memory held, when none were kept), the KV cache zeroed."""
+        """Takes a released tag's memory back: the bytes kept as they were, the rest zeros (as the kernel gives a
+        released page back on CPU). What was kept stays kept until it is read back: a wake that fails can be tried
+        again."""
         kept = self.kept.get(tag)
         if self.device.type == "cpu":
-            if kept is not None:  # kept until it is read back: a wake that fails can be tried again
+            if kept is not None:
                 kept.restore(self.home.mapping.memory[:self.home.weight_bytes])
-            self.kept.pop(tag, None)
-            return
+        else:
+            for (t, _), size, copy in zip(self._tag_tensors(tag), self.released_sizes[tag], kept):
+                t.untyped_storage().resize_(size)
+                if copy is not None:
+                    _bytes_of(t).copy_(copy)
+                else:
+                    _bytes_of(t).zero_()
+            del self.released_sizes[tag]
         self.kept.pop(tag, None)
-        for (t, _), size, copy in zip(self._tag_tensors(tag), self.released_sizes.pop(tag), kept):
-            t.untyped_storage().resize_(size)
-            if copy is not None:
-                _bytes_of(t).copy_(copy)
-            elif tag == "kv_cache":
-                _bytes_of(t).zero_()
 
     def _tag_tensors(self, tag: str) -> list[tuple[torch.Tensor, bool]]:
         """(tensor, derived) of a tag's device storages, one tensor each: the KV cache's, or the weights' and then the
