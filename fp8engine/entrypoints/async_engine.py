@@ -94,6 +94,15 @@ class AsyncEngine:
         """Abort requests (unknown ids are ignored) without waiting; their streams end with "abort"."""
         self._submit(lambda: self._abort(request_ids))
 
+    async def abort_ids(self, request_ids: list[str]) -> int:
+        """Abort requests by engine id (unknown or finished ones are skipped) without pausing; how many were
+        running. Their streams end with "abort" and the tokens sampled so far."""
+        return await self._call(lambda: self._abort(request_ids))
+
+    async def abort_running(self) -> int:
+        """Abort every request in flight without pausing (new requests are still taken); how many there were."""
+        return await self._call(lambda: self._abort(list(self._streams)))
+
     def abort_all(self) -> None:
         """Pause in "abort" mode without waiting (callable from a signal handler): every request is
         aborted and new ones are refused."""

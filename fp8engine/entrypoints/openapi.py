@@ -16,8 +16,9 @@ from pydantic.json_schema import models_json_schema
 REF = "#/components/schemas/{model}"
 JSON, BINARY, EVENTS, TEXT = "application/json", "application/octet-stream", "text/event-stream", "text/plain"
 ERROR_STATUSES = {400: "invalid request (the field is named in error.param)", 401: "missing or wrong key",
-                  403: "not allowed (weight directory)", 404: "unknown model", 409: "conflict (bucket order)",
-                  413: "body too large", 503: "paused"}
+                  403: "not allowed (weight directory)", 404: "unknown model",
+                  409: "conflict (an update's steps out of order)",
+                  413: "body too large", 501: "not implemented on this device", 503: "paused or asleep"}
 
 
 class ErrorDetail(BaseModel):

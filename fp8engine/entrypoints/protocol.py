@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal, TypeVar
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -533,17 +534,22 @@ class LoraQuery(WeightUpdateOptions):
 
 
 class DiskUpdateRequest(WeightUpdateOptions):
-    path: str
+    """path: a directory of safetensors files (SGLang's body names it model_path; its load_format must be None or
+    "auto", and abort_all_requests true means in_flight "abort")."""
+
+    path: str = Field(validation_alias=AliasChoices("path", "model_path"))
+    load_format: Literal["auto"] | None = None
+    abort_all_requests: bool = False
 
 
 class SleepQuery(_Request):
     """POST /sleep (vLLM's query parameters): level 1 keeps the weights off the device's budget and drops the KV
     cache, 2 drops both; tags (our extension, repeated: ?tags=weights&tags=kv_cache) what to release, all by
-    default; mode how requests in flight fare (LLMEngine.sleep's in_flight)."""
+    default; mode how requests in flight fare (LLMEngine.sleep's in_flight; "abort" by default, as vLLM's)."""
 
     level: int = Field(1, ge=1, le=2)
     tags: list[Literal["weights", "kv_cache"]] | None = None
-    mode: Literal["wait", "abort", "keep"] = "wait"
+    mode: Literal["wait", "abort", "keep"] = "abort"  # vLLM's default
 
 
 class WakeQuery(_Request):
@@ -599,6 +605,16 @@ class DistributedUpdateRequest(WeightUpdateOptions):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _singular(cls, data):
+        """SkyRL's body names one tensor: {"name", "dtype", "shape"}."""
+        if isinstance(data, dict) and "name" in data and "names" not in data:
+            data = dict(data)
+            data["names"], data["dtypes"], data["shapes"] = ([data.pop(key, None)]
+                                                             for key in ("name", "dtype", "shape"))
+        return data
 
 
 # ---------------------------------------------------------------------- tokens

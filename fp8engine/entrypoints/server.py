@@ -34,9 +34,15 @@ accepted everywhere):
   POST /update_weights_from_tensor {"serialized_named_tensors": [base64 pickle of shared-memory / CUDA IPC handles],
        "load_format": null|"direct"|"flattened_bucket", "weight_version", ...}: SGLang's same-machine hand-over
        (LLMEngine.update_weights_from_tensor); a pickle naming anything but torch's rebuild functions answers 400
-  Colocated RL (LLMEngine.sleep / wake_up): vLLM's POST /sleep?level=1|2&mode=wait|abort|keep (tags=weights&
+  Colocated RL (LLMEngine.sleep / wake_up): vLLM's POST /sleep?level=1|2&mode=abort|wait|keep (tags=weights&
        tags=kv_cache: our extension), POST /wake_up?tags=weights&tags=kv_cache, GET /is_sleeping; SGLang's POST
        /release_memory_occupation and /resume_memory_occupation {"tags": [...]} (release: level 2 unless "level": 1)
+Other RL stacks' protocols: vLLM's RL API (vllm_api.py: /pause?mode=, /is_paused, /abort_requests, the weight-transfer
+       routes, /inference/v1/generate, /tokenize, ...) and SGLang's native one (sglang_api.py: /generate,
+       /pause_generation, /abort_request, ...). Where a path is ours too, the request's shape decides: /pause with
+       query parameters or no body is vLLM's (abort, and the prefix cache cleared), with a JSON body ours;
+       /update_weights with a JSON {"update_info"} is vLLM's weight transfer, with a safetensors body ours. Replies
+       on shared paths carry both servers' keys (e.g. "status" and "paused"; SGLang's "success" and "message").
 Generation requests answer 503 while paused in "abort" or "wait" mode, and while the engine sleeps. Request and choice
 extensions are listed in protocol.py; /openapi.json describes every endpoint (openapi.py).
 """
@@ -113,6 +119,9 @@ from fp8engine.entrypoints.protocol import (
     parse_json,
     validate,
 )
+from fp8engine.entrypoints.rollouts import Rollouts
+from fp8engine.entrypoints import sglang_api, vllm_api
+from fp8engine.entrypoints.weight_transfer import WeightTransfer
 from fp8engine.outputs import EngineStats, RequestOutput
 from fp8engine.sampling_params import STRUCTURED
 from fp8engine.weights import tensor_handles
@@ -127,8 +136,16 @@ REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": 
                   "/update_weights_from_distributed": DistributedUpdateRequest, "/update_lora": None,
                   "/update_weights_from_tensor": TensorUpdateRequest,
                   "/release_memory_occupation": MemoryOccupationRequest,
-                  "/resume_memory_occupation": MemoryOccupationRequest}
-QUERIES = {"/update_weights": BucketQuery, "/update_lora": LoraQuery, "/sleep": SleepQuery, "/wake_up": WakeQuery}
+                  "/resume_memory_occupation": MemoryOccupationRequest,
+                  # vLLM's RL API (vllm_api.py) and SGLang's native one (sglang_api.py)
+                  "/abort_requests": vllm_api.AbortRequests, "/init_weight_transfer_engine": vllm_api.TransferInitBody,
+                  "/finish_weight_update": vllm_api.FinishBody, "/update_weight_version": vllm_api.VersionBody,
+                  "/weight_checker": vllm_api.CheckerBody, "/inference/v1/generate": vllm_api.VllmGenerateRequest,
+                  "/tokenize": vllm_api.TokenizeBody, "/detokenize": vllm_api.DetokenizeBody,
+                  "/v1/chat/completions/render": ChatCompletionRequest, "/generate": sglang_api.SglangGenerateRequest,
+                  "/pause_generation": sglang_api.PauseGenerationRequest, "/abort_request": sglang_api.AbortRequest}
+QUERIES = {"/update_weights": BucketQuery, "/update_lora": LoraQuery, "/sleep": SleepQuery, "/wake_up": WakeQuery,
+           "/pause": vllm_api.VllmPauseQuery}
 RESPONSES = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionResponse}
 CONTENT_TYPES = {"/v1/completions": (JSON, EVENTS), "/v1/chat/completions": (JSON, EVENTS), "/metrics": (TEXT,)}
 
@@ -235,6 +252,7 @@ class Server:
         self.settings = settings
         self.tokens = TokenTable(llm.tokenizer)
         self.max_model_len = llm.max_model_len
+        self.vocab_size = llm.vocab_size
         basename = os.path.basename(os.path.normpath(llm.model_dir))
         self.model_name = "default" if llm.config.model == "default" else basename
         self.model_names = {"default", basename}
@@ -242,7 +260,11 @@ class Server:
         self.metrics = Metrics()
         self._bucket: list[tuple[str, torch.Tensor]] | None = None
         self._bucket_expiry: asyncio.TimerHandle | None = None
-        self._weights_lock = asyncio.Lock()
+        self.weights_lock = asyncio.Lock()
+        self.rollouts = Rollouts(engine)  # the other stacks' token-in/token-out requests, by their ids
+        self.transfer = WeightTransfer(engine)  # vLLM's weight-transfer protocol (weight_transfer.py)
+        self.vllm = vllm_api.VllmRoutes(self)
+        self.sglang = sglang_api.SglangRoutes(self)
 
     def routes(self) -> list[tuple[str, str, Callable, Callable | None]]:
         user, admin = self.require_api_key, self.require_admin_key
@@ -264,7 +286,19 @@ class Server:
                 ("POST", "/sleep", self.sleep, admin), ("POST", "/wake_up", self.wake_up, admin),
                 ("GET", "/is_sleeping", self.is_sleeping, admin),
                 ("POST", "/release_memory_occupation", self.release_memory_occupation, admin),
-                ("POST", "/resume_memory_occupation", self.resume_memory_occupation, admin)]
+                ("POST", "/resume_memory_occupation", self.resume_memory_occupation, admin),
+                ("GET", "/flush_cache", self.flush_cache, admin)] + [
+            (method, path, handler, admin if needs_admin else user)
+            for method, path, handler, needs_admin in self.vllm.routes() + self.sglang.routes()]
+
+    async def read(self, request: Request) -> bytes:
+        """A JSON route's body (at most --max-body-bytes)."""
+        return await _read_body(request, self.settings.max_body_bytes)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
 
     # ----------------------------------------------------------------- auth
     async def require_api_key(self, request: Request) -> None:
@@ -302,9 +336,7 @@ class Server:
                                                                self.tool_call_parser))
 
     async def _generate(self, request: Request, body: SamplingRequest, builder: ResponseBuilder) -> Response:
-        if body.model is not None and body.model not in self.model_names:
-            raise ApiError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        self.check_model(body.model)
         timer = self.metrics.timer()
         try:
             token_ids = await self.engine.call(lambda llm: self._prompt_ids(llm, body))
@@ -374,13 +406,18 @@ class Server:
 
     # ----------------------------------------------------------------- RL
     async def pause(self, request: Request) -> dict:
-        body = parse_json(await _read_body(request, self.settings.max_body_bytes), PauseRequest)
+        """Ours with a JSON body {"mode"} (default "wait"); vLLM's with query parameters or no body at all (mode
+        "abort" by default, and the prefix cache cleared). Both replies carry both servers' keys."""
+        data = await _read_body(request, self.settings.max_body_bytes)
+        if request.query_params or not data.strip():
+            return await self.vllm.pause(request)
+        body = parse_json(data, PauseRequest)
         num_aborted = await self.engine.pause(body.mode)
-        return {"paused": body.mode, "num_aborted": num_aborted}
+        return {"paused": body.mode, "num_aborted": num_aborted, "status": "paused"}
 
     async def resume(self) -> dict:
         await self.engine.resume()
-        return {"paused": None}
+        return {"paused": None, "status": "resumed"}
 
     async def flush_cache(self) -> dict:
         await self.engine.call(LLMEngine.flush_prefix_cache)
@@ -419,36 +456,42 @@ class Server:
         return await self._wake(body.engine_tags())
 
     async def _sleep(self, level: int, tags: list[str] | None, mode: str) -> dict:
-        async with self._weights_lock:
+        async with self.weights_lock:
             try:
                 report = await self.engine.sleep(level, tags, mode)
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="tags") from None
-        return dataclasses.asdict(report) | {"is_sleeping": True}
+        return dataclasses.asdict(report) | {"is_sleeping": True, "status": "sleeping", "success": True,
+                                             "message": f"released {report.num_bytes} bytes"}
 
     async def _wake(self, tags: list[str] | None) -> dict:
-        async with self._weights_lock:
+        async with self.weights_lock:
             try:
                 report = await self.engine.call(lambda llm: llm.wake_up(tags))
             except ValueError as exc:
                 raise ApiError(400, str(exc), param="tags") from None
             sleeping = await self.engine.call(LLMEngine.is_sleeping)
-        return dataclasses.asdict(report) | {"is_sleeping": sleeping}
+        return dataclasses.asdict(report) | {"is_sleeping": sleeping, "status": "sleeping" if sleeping else "awake",
+                                             "success": True, "message": f"restored {report.num_bytes} bytes"}
 
     async def update_weights_from_disk(self, request: Request) -> dict:
         body = parse_json(await _read_body(request, self.settings.max_body_bytes), DiskUpdateRequest)
+        if body.abort_all_requests:
+            body.in_flight = "abort"
         directory = self._allowed_directory(body.path)
         try:
             tensors = await asyncio.to_thread(lambda: list(iter_safetensors(directory)))
         except ValueError as exc:
             raise ApiError(400, str(exc), param="path") from None
-        async with self._weights_lock:
+        async with self.weights_lock:
             return await self._apply(tensors, body)
 
     async def update_weights(self, request: Request) -> dict:
-        query = validate(BucketQuery, dict(request.query_params))
         data = await _read_body(request, self.settings.max_update_bytes)
-        async with self._weights_lock:
+        if _is_json_object(request, data):  # vLLM's {"update_info"}: a safetensors body is never JSON
+            return await self.vllm.update_weights(data)
+        query = validate(BucketQuery, dict(request.query_params))
+        async with self.weights_lock:
             if query.bucket is None:
                 return await self._apply(await _load_safetensors(data), query)
             return await self._bucketed(query, data)
@@ -460,7 +503,7 @@ class Server:
                                               body.load_format)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="serialized_named_tensors") from None
-        async with self._weights_lock:
+        async with self.weights_lock:
             return await self._apply(tensors, body)
 
     async def update_lora(self, request: Request) -> dict:
@@ -471,7 +514,7 @@ class Server:
         if scaling is None:
             raise ApiError(400, "scaling is missing: give ?scaling= or the body's metadata \"lora_scaling\"",
                            param="scaling")
-        async with self._weights_lock:
+        async with self.weights_lock:
             try:
                 report = await self.engine.update_lora(
                     tensors, scaling, weight_version=query.weight_version, flush_cache=query.flush_cache,
@@ -508,7 +551,7 @@ class Server:
             seconds, lambda: asyncio.ensure_future(self._expire_bucket(bucket)))
 
     async def _expire_bucket(self, bucket: list) -> None:
-        async with self._weights_lock:
+        async with self.weights_lock:
             if self._bucket is bucket:
                 logger.warning("no bucket for %.0f s: the open weight update (%d tensors) is dropped",
                                self.settings.bucket_timeout_s, len(bucket))
@@ -524,11 +567,12 @@ class Server:
             raise ApiError(400, str(exc)) from None
         except RuntimeError as exc:
             raise ApiError(500, f"could not join the weight-update group: {exc}") from None
-        return {"group_name": body.group_name, "rank": body.rank_offset, "world_size": body.world_size}
+        return {"group_name": body.group_name, "rank": body.rank_offset, "world_size": body.world_size,
+                "success": True, "message": "joined the weight-update group"}
 
     async def update_weights_from_distributed(self, request: Request) -> dict:
         body = parse_json(await _read_body(request, self.settings.max_body_bytes), DistributedUpdateRequest)
-        async with self._weights_lock:
+        async with self.weights_lock:
             llm = self.engine.engine
             prequantizer = llm.prequantizer()
             try:
@@ -564,7 +608,8 @@ class Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), param="weights") from None
         self.metrics.update_seconds.observe(report.seconds)
-        return dataclasses.asdict(report)
+        return dataclasses.asdict(report) | {"success": True, "message": f"weight version {report.weight_version}",
+                                             "num_paused_requests": 0}
 
     def _allowed_directory(self, path: str) -> str:
         roots = [os.path.realpath(d) for d in self.settings.allowed_weight_dirs]
@@ -818,6 +863,16 @@ async def _load_safetensors(data: bytes) -> list[tuple[str, torch.Tensor]]:
         return list((await asyncio.to_thread(safetensors.torch.load, data)).items())
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise ApiError(400, f"the body is not a valid safetensors file: {exc}", param="body") from None
+
+
+def _is_json_object(request: Request, data: bytes) -> bool:
+    """Whether a body is a JSON object sent as JSON (vLLM's shape of a route we also take other bodies on)."""
+    if not request.headers.get("content-type", "").startswith("application/json"):
+        return False
+    try:
+        return isinstance(json.loads(data), dict)
+    except ValueError:
+        return False
 
 
 def _check_bearer(request: Request, keys: tuple[str | None, ...]) -> None:

@@ -280,7 +280,7 @@ class RolloutClient:
 
     def sleep(self, level: int = 1, tags: Sequence[str] | None = None) -> SleepReport:
         """The server hands its memory back (POST /sleep; LLMEngine.sleep): generation answers 503 until wake_up()."""
-        params = {"level": level} | ({} if tags is None else {"tags": list(tags)})
+        params = {"level": level, "mode": "wait"} | ({} if tags is None else {"tags": list(tags)})
         return _sleep_report(self._request("POST", "/sleep", params=params))
 
     def wake_up(self, tags: Sequence[str] | None = None) -> SleepReport:

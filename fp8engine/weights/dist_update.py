@@ -57,8 +57,8 @@ def free_port() -> int:
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """A torch dtype from its attribute name ("bfloat16", "float32", ...) or itself."""
-    dtype = getattr(torch, name, None) if isinstance(name, str) else name
+    """A torch dtype from its attribute name ("bfloat16", "float32", ... with or without "torch.") or itself."""
+    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else name
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}: use a torch attribute name such as 'bfloat16' or 'float32'")
     return dtype

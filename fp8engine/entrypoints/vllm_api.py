@@ -1,0 +1,402 @@
+"""vLLM's RL API on `fp8engine serve` (vllm/entrypoints/rl/online/api_router.py and the dev routes it serves with
+VLLM_SERVER_DEV_MODE=1): what SkyRL and prime-rl call.
+
+  POST /pause?mode=abort|wait|keep&clear_cache=true   (bare: abort, and the prefix cache is cleared)
+       {"status": "paused"}; a JSON body {"mode"} is our own /pause (default "wait"), see server.py
+  POST /resume {"status": "resumed"}, GET /is_paused {"is_paused"}, POST /abort_requests {"request_ids"} (empty or
+       missing: every request) {"status": "aborted", "aborted": n}
+  POST /init_weight_transfer_engine {"init_info": {"master_address", "master_port", "rank_offset", "world_size",
+       "packed", "packed_buffer_size_bytes", "packed_num_buffers"}}, /start_weight_update, /update_weights
+       {"update_info": {"names", "dtype_names", "shapes"}} (one or a list), /finish_weight_update {"weight_version"},
+       /shutdown_weight_transfer_engine: vLLM's NCCL weight-transfer engine, trainer-facing (weight_transfer.py)
+  POST /update_weight_version {"new_version"}, GET /weight_info {"weight_version"}, POST /weight_checker
+       {"action": "checksum" | "compare", "baseline"}, GET /get_world_size {"world_size"}
+  POST /reset_prefix_cache {"success"}, POST /collective_rpc (400: fp8engine has no workers to call)
+  POST /inference/v1/generate {"request_id", "token_ids", "sampling_params", "return_token_ids"}: token in, token
+       out, in vLLM's GenerateTokensResponse shape (non-streaming)
+  POST /tokenize {"prompt" | "messages", ...}, /detokenize {"tokens"}, /v1/chat/completions/render
+Weight versions are our integer versions; vLLM's are strings, so a version given as a string must hold an integer.
+"""
+
+import base64
+import hashlib
+import io
+import time
+from typing import Literal
+
+import numpy
+import torch
+from fastapi import Request
+from pydantic import Field, model_validator
+
+from fp8engine import tools
+from fp8engine.entrypoints.protocol import (
+    MAX_LOGPROBS,
+    MAX_N,
+    ApiError,
+    ChatCompletionRequest,
+    ChatMessage,
+    TokenIds,
+    ToolSpec,
+    _OpenAIRequest,
+    _Request,
+    parse_json,
+    validate,
+)
+from fp8engine.entrypoints.rollouts import VLLM_ID_PREFIX, Rollouts, spans
+from fp8engine.entrypoints.weight_transfer import TransferInit, TransferUpdate
+from fp8engine.outputs import CompletionOutput, RequestOutput
+from fp8engine.sampling_params import SamplingParams
+
+
+class VllmPauseQuery(_Request):
+    mode: Literal["abort", "wait", "keep"] = "abort"
+    clear_cache: bool = True
+
+
+class VllmSamplingParams(_OpenAIRequest):
+    """vLLM's SamplingParams as JSON: what changes the tokens is implemented, an unknown key answers 400."""
+
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = 0
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    max_tokens: int | None = Field(16, ge=0)
+    min_tokens: int = Field(0, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_LOGPROBS)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    structured_outputs: dict | None = None
+    # text-only or bookkeeping options: the tokens are the same whatever they say
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: int | None = None
+    extra_args: dict | None = None
+
+    def engine(self, room: int, routed: bool) -> SamplingParams:
+        structured = {}
+        for key, value in (self.structured_outputs or {}).items():
+            if key not in ("json", "regex", "grammar") or len(self.structured_outputs) != 1:
+                raise ApiError(400, "sampling_params.structured_outputs: only one of json, regex, grammar is "
+                                    "implemented", param="sampling_params")
+            structured = {{"json": "json_schema"}.get(key, key): value}
+        max_tokens = room if self.max_tokens is None else min(self.max_tokens, room)  # vLLM cuts it to the context
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k if self.top_k > 0 else -1,
+            min_p=self.min_p, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=list(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, seed=self.seed,
+            logprobs=_top_k(self.logprobs), logprobs_mode="raw", prompt_logprobs=_top_k(self.prompt_logprobs),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            return_routed_experts=routed, **structured)
+
+
+class VllmGenerateRequest(_Request):
+    """POST /inference/v1/generate (vLLM's GenerateRequest, tokens mode); multimodal inputs and streaming are
+    refused by name."""
+
+    request_id: str | None = None
+    token_ids: TokenIds
+    sampling_params: VllmSamplingParams = Field(default_factory=VllmSamplingParams)
+    model: str | None = None
+    return_token_ids: bool = False
+    return_routed_experts: bool = False  # vLLM turns it on server-wide; here per request
+    output_mode: Literal["tokens", "text"] = "tokens"
+    stream: Literal[False] = False
+    features: None = None
+    content_parts: None = None
+
+
+class AbortRequests(_Request):
+    request_ids: list[str] | None = None
+
+
+class TransferInitBody(_Request):
+    init_info: TransferInit
+
+
+class TransferUpdateBody(_Request):
+    update_info: TransferUpdate | list[TransferUpdate]
+
+
+class FinishBody(_Request):
+    """vLLM sends the version as a string: here it must hold an integer (the engine's versions are)."""
+
+    weight_version: int | None = None
+
+
+class VersionBody(_Request):
+    """vLLM's and SGLang's body ({"new_version"}, a string holding an integer here)."""
+
+    new_version: int
+
+
+class CheckerBody(_Request):
+    action: Literal["checksum", "compare"]
+    baseline: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _baseline(self) -> "CheckerBody":
+        if self.action == "compare" and self.baseline is None:
+            raise ValueError("baseline: action 'compare' needs a baseline object (name -> checksum)")
+        return self
+
+
+class TokenizeBody(_Request):
+    """vLLM's TokenizeCompletionRequest ({"prompt"}) or TokenizeChatRequest ({"messages", "tools"}, rendered with
+    the chat template as /v1/chat/completions renders them)."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[ToolSpec] | None = Field(None, max_length=128)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeBody":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeBody(_Request):
+    tokens: list[int]
+
+
+class VllmRoutes:
+    """vLLM's RL routes on the server `server` (server.Server)."""
+
+    def __init__(self, server):
+        self.server = server
+        self.engine = server.engine
+        self.rollouts: Rollouts = server.rollouts
+
+    def routes(self) -> list[tuple[str, str, object, bool]]:
+        """(method, path, handler, admin); /pause, /resume, /update_weights, /sleep, /wake_up and /is_sleeping are
+        server.py's, which answer vLLM's shape of them too."""
+        return [("GET", "/is_paused", self.is_paused, True),
+                ("POST", "/abort_requests", self.abort_requests, True),
+                ("POST", "/init_weight_transfer_engine", self.init_weight_transfer_engine, True),
+                ("POST", "/shutdown_weight_transfer_engine", self.shutdown_weight_transfer_engine, True),
+                ("POST", "/start_weight_update", self.start_weight_update, True),
+                ("POST", "/finish_weight_update", self.finish_weight_update, True),
+                ("POST", "/update_weight_version", self.update_weight_version, True),
+                ("GET", "/weight_info", self.weight_info, True),
+                ("POST", "/weight_checker", self.weight_checker, True),
+                ("GET", "/get_world_size", self.get_world_size, True),
+                ("POST", "/reset_prefix_cache", self.reset_prefix_cache, True),
+                ("POST", "/collective_rpc", self.collective_rpc, True),
+                ("POST", "/inference/v1/generate", self.generate, False),
+                ("POST", "/tokenize", self.tokenize, False), ("POST", "/detokenize", self.detokenize, False),
+                ("POST", "/v1/chat/completions/render", self.render, False)]
+
+    # ----------------------------------------------------------------- pause
+    async def pause(self, request: Request) -> dict:
+        query = validate(VllmPauseQuery, dict(request.query_params))
+        num_aborted = await self.engine.pause(query.mode)
+        if query.clear_cache and query.mode != "keep":
+            await self.engine.call(lambda llm: llm.flush_prefix_cache())
+        return {"status": "paused", "paused": query.mode, "num_aborted": num_aborted}
+
+    async def is_paused(self) -> dict:
+        return {"is_paused": self.engine.pause_mode is not None}
+
+    async def abort_requests(self, request: Request) -> dict:
+        body = parse_json(await self.server.read(request), AbortRequests)
+        aborted = await self.rollouts.abort(body.request_ids or None)
+        return {"status": "aborted", "aborted": aborted}
+
+    # ----------------------------------------------------------------- weights
+    async def init_weight_transfer_engine(self, request: Request) -> dict:
+        body = parse_json(await self.server.read(request), TransferInitBody)
+        await self.server.transfer.init(body.init_info)
+        return {"message": "Weight transfer initialized"}
+
+    async def shutdown_weight_transfer_engine(self) -> dict:
+        await self.server.transfer.shutdown()
+        return {"message": "Weight transfer shut down"}
+
+    async def start_weight_update(self) -> dict:
+        self.server.transfer.start()
+        return {"message": "Weight update started"}
+
+    async def update_weights(self, data: bytes) -> dict:
+        body = parse_json(data, TransferUpdateBody)
+        updates = body.update_info if isinstance(body.update_info, list) else [body.update_info]
+        async with self.server.weights_lock:
+            for update in updates:
+                await self.server.transfer.receive(update)
+        return {"message": "Weights updated"}
+
+    async def finish_weight_update(self, request: Request) -> dict:
+        body = parse_json(await self.server.read(request), FinishBody)
+        async with self.server.weights_lock:
+            report = await self.server.transfer.finish(body.weight_version)
+        self.server.metrics.update_seconds.observe(report.seconds)
+        return {"message": "Weight update finished", "weight_version": report.weight_version,
+                "num_tensors": report.num_tensors, "seconds": report.seconds}
+
+    async def update_weight_version(self, request: Request) -> dict:
+        body = parse_json(await self.server.read(request), VersionBody)
+        await self.engine.call(lambda llm: setattr(llm, "weight_version", body.new_version))
+        return {"success": True, "message": f"Weight version updated to {body.new_version}",
+                "new_version": str(body.new_version)}
+
+    async def weight_info(self) -> dict:
+        return {"weight_version": str((await self.engine.stats()).weight_version)}
+
+    async def weight_checker(self, request: Request) -> dict:
+        body = parse_json(await self.server.read(request), CheckerBody)
+        checksums = await self.engine.call(_checksums)
+        if body.action == "checksum":
+            return {"checksums": checksums}
+        mismatches = sorted(k for k in checksums.keys() | body.baseline.keys()
+                            if checksums.get(k) != body.baseline.get(k))
+        return {"match": not mismatches, "mismatches": mismatches}
+
+    async def get_world_size(self) -> dict:
+        return {"world_size": 1}
+
+    async def reset_prefix_cache(self) -> dict:
+        await self.engine.call(lambda llm: llm.flush_prefix_cache())
+        return {"success": True}
+
+    async def collective_rpc(self) -> dict:
+        raise ApiError(400, "collective_rpc: fp8engine runs its model in this process and has no worker methods "
+                            "to call; use the weight and sleep routes", code="unsupported")
+
+    # ----------------------------------------------------------------- tokens
+    async def generate(self, request: Request) -> dict:
+        body = parse_json(await self.server.read(request), VllmGenerateRequest)
+        if body.output_mode != "tokens":
+            raise ApiError(400, "output_mode: only 'tokens' is implemented (detokenize with /detokenize)",
+                           param="output_mode")
+        self.server.check_model(body.model)
+        room = max(self.server.max_model_len - len(body.token_ids), 1)
+        try:
+            params = body.sampling_params.engine(room, body.return_routed_experts)
+        except ValueError as exc:
+            raise ApiError(400, f"sampling_params: {exc}", param="sampling_params") from None
+        rid = body.request_id
+        out, = await self.rollouts.run([list(body.token_ids)], [params], rid)
+        completion = sum(len(s.token_ids) for s in out.outputs)
+        prompt = len(out.prompt_token_ids)
+        return {"request_id": VLLM_ID_PREFIX + (rid or out.request_id.rsplit("-", 1)[0]),
+                "model": self.server.model_name, "created": int(time.time()), "output_mode": "tokens",
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion,
+                          "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}},
+                "prompt_logprobs": _prompt_logprobs(out) if params.prompt_logprobs is not None else None,
+                "prompt_token_ids": out.prompt_token_ids if body.return_token_ids else None,
+                "choices": [_choice(s, params, out) for s in out.outputs]}
+
+    async def tokenize(self, request: Request) -> dict:
+        body = parse_json(await self.server.read(request), TokenizeBody)
+
+        def ids(llm) -> list[int]:
+            if body.messages is not None:
+                text = tools.render(llm.tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
+                                    [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+                                    add_generation_prompt=body.add_generation_prompt)
+                return llm.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return llm.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        try:
+            tokens = await self.engine.call(ids)
+        except ValueError as exc:  # a template that refuses the messages
+            raise ApiError(400, f"messages: {exc}", param="messages") from None
+        strs = [self.server.tokens.text(t) for t in tokens] if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": self.server.max_model_len, "tokens": tokens,
+                "token_strs": strs}
+
+    async def detokenize(self, request: Request) -> dict:
+        body = parse_json(await self.server.read(request), DetokenizeBody)
+        vocab = self.server.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"tokens: ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
+        text = await self.engine.call(lambda llm: llm.tokenizer.decode(body.tokens))
+        return {"prompt": text}
+
+    async def render(self, request: Request) -> dict:
+        """A chat request rendered into the GenerateRequest that /inference/v1/generate takes."""
+        body = parse_json(await self.server.read(request), ChatCompletionRequest)
+        self.server.check_model(body.model)
+        try:
+            token_ids = await self.engine.call(lambda llm: tools.render_ids(llm.tokenizer, body.message_dicts(),
+                                                                            body.tool_dicts))
+        except ValueError as exc:  # a template that refuses the messages
+            raise ApiError(400, str(exc), param="messages") from None
+        sampling = {"n": body.n, "temperature": body.temperature, "top_p": body.top_p,
+                    "top_k": body.top_k if body.top_k > 0 else 0, "min_p": body.min_p, "seed": body.seed,
+                    "max_tokens": body.max_new_tokens, "min_tokens": body.min_tokens, "stop": body.stop or None,
+                    "stop_token_ids": body.stop_token_ids or None, "ignore_eos": body.ignore_eos,
+                    "logprobs": body.num_logprobs, "presence_penalty": body.presence_penalty,
+                    "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty}
+        return {"request_id": f"chatcmpl-{hashlib.sha1(repr(token_ids).encode()).hexdigest()[:16]}",
+                "token_ids": token_ids, "sampling_params": sampling, "model": self.server.model_name,
+                "stream": body.stream}
+
+
+def _top_k(k: int | None) -> int | None:
+    """vLLM's logprobs count (-1: the whole vocabulary, which we cap at MAX_LOGPROBS)."""
+    return MAX_LOGPROBS if k == -1 else k
+
+
+def _choice(sample: CompletionOutput, params: SamplingParams, out: RequestOutput) -> dict:
+    logprobs = None
+    if params.logprobs is not None and sample.logprobs is not None:
+        tops = sample.top_logprobs or [None] * len(sample.token_ids)
+        logprobs = {"content": [_logprob_entry(t, lp, top, params.logprobs)
+                                for t, lp, top in zip(sample.token_ids, sample.logprobs, tops)]}
+    return {"index": sample.index, "finish_reason": sample.finish_reason or "stop",
+            "stop_reason": sample.stop_reason, "token_ids": sample.token_ids, "logprobs": logprobs,
+            "routed_experts": None if sample.routed_experts is None else _npy_base64(sample.routed_experts),
+            "weight_versions": spans(sample.token_weight_versions),
+            "num_preemptions": sample.num_preemptions}
+
+
+def _logprob_entry(token: int, logprob: float, top: dict[int, float] | None, k: int) -> dict:
+    ranked = sorted((top or {}).items(), key=lambda item: -item[1])
+    rank = next((i + 1 for i, (t, _) in enumerate(ranked) if t == token), None)
+    entries = [(token, logprob, rank)] + [(t, lp, i + 1) for i, (t, lp) in enumerate(ranked) if t != token]
+    return {"token_id": token, "logprob": _clamp(logprob), "rank": rank,
+            "top_logprobs": [{"token_id": t, "logprob": _clamp(lp), "rank": r} for t, lp, r in entries[:max(k, 1)]]}
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[dict | None]:
+    result = []
+    for token, logprob in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+        result.append(None if logprob is None else {str(token): {"logprob": _clamp(logprob)}})
+    return result
+
+
+def _clamp(logprob: float) -> float:
+    return logprob if logprob > -9999.0 else -9999.0  # NaN and -inf too, as vLLM's wire does
+
+
+def _npy_base64(routed: torch.Tensor) -> str:
+    """vLLM's routed_experts: base64 of the .npy bytes of [positions fed, MoE layers, top_k]."""
+    buffer = io.BytesIO()
+    numpy.save(buffer, routed.to(torch.int32).numpy())
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _checksums(llm) -> dict[str, str]:
+    """SHA-256 of every parameter's bytes as the engine holds it (FP8 codes and scales as stored)."""
+    sums = {}
+    for name, tensor in llm.named_parameters():
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        sums[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
+    return sums

@@ -1,0 +1,207 @@
+"""The engine's end of vLLM's NCCL weight-transfer protocol (vllm/distributed/weight_transfer/nccl_engine.py), as a
+trainer that speaks it to vLLM drives it: /init_weight_transfer_engine, /start_weight_update, /update_weights (one
+or more), /finish_weight_update.
+
+Rendezvous: the trainer is rank 0 and hosts a TCP store at master_address:master_port for `world_size` ranks
+(vLLM's StatelessProcessGroup.create); the engine joins it as rank `rank_offset`. The data plane is a group over
+that store: vLLM's PyNccl communicator on GPUs; on CPU a gloo group on the same store under the prefix
+GLOO_PREFIX, which opens, like PyNccl, with a one-element all-reduce (the warm-up each side issues before any
+broadcast). Each update_info {names, dtype_names, shapes} is then broadcast from rank 0 in order: tensor by
+tensor, or with init_info.packed, as uint8 buffers of the tensors' bytes back to back, a buffer closed by the first
+tensor that takes it past packed_buffer_size_bytes (vLLM's packed_nccl_broadcast_producer), the last one by the
+end of the list.
+
+Unlike vLLM, which loads each tensor as it arrives, nothing is written before /finish_weight_update: every tensor
+is received (so the trainer's broadcast always completes), checked as /update_weights checks a bucket, and staged;
+finish applies them all in one LLMEngine.update_weights, which validates everything before it writes. A bad
+update_info answers 400 and drops the staged update; the engine keeps its weights.
+"""
+
+import asyncio
+import datetime
+import math
+
+import torch
+import torch.distributed as dist
+from pydantic import Field, model_validator
+
+from fp8engine.entrypoints.async_engine import AsyncEngine
+from fp8engine.entrypoints.protocol import ApiError, _Request
+from fp8engine.outputs import WeightUpdateReport
+from fp8engine.weights.dist_update import parse_dtype
+
+GLOO_PREFIX = "fp8engine-gloo"
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's defaults: both sides must agree
+DEFAULT_PACKED_NUM_BUFFERS = 2
+TIMEOUT_S = 600.0
+
+
+class TransferInit(_Request):
+    """init_info of POST /init_weight_transfer_engine (vLLM's NCCLWeightTransferInitInfo)."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    packed: bool = False
+    packed_buffer_size_bytes: int = Field(DEFAULT_PACKED_BUFFER_SIZE_BYTES, gt=0)
+    packed_num_buffers: int = Field(DEFAULT_PACKED_NUM_BUFFERS, ge=1)
+    nccl_unique_id_b64: None = Field(None, description="a unique id minted out of band (JAX trainers): not "
+                                                       "implemented, use master_address and master_port")
+    timeout_s: float = Field(TIMEOUT_S, gt=0)  # our extension: the rendezvous's and each broadcast's limit
+
+    @model_validator(mode="after")
+    def _rank(self) -> "TransferInit":
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset: {self.rank_offset} is not a rank of a group of world_size "
+                             f"{self.world_size}")
+        return self
+
+
+class TransferUpdate(_Request):
+    """update_info of POST /update_weights (vLLM's NCCLWeightTransferUpdateInfo)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    packed: bool | None = None  # where SkyRL and vLLM before 0.32 say it; init_info's otherwise
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "TransferUpdate":
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError(f"names: names, dtype_names and shapes need one entry per tensor, got "
+                             f"{len(self.names)}, {len(self.dtype_names)} and {len(self.shapes)}")
+        for name, shape in zip(self.names, self.shapes):
+            if any(d < 0 for d in shape):
+                raise ValueError(f"shapes: weight {name!r} has a negative dimension {shape}")
+        return self
+
+    def specs(self) -> list[tuple[str, torch.dtype, list[int]]]:
+        try:
+            return [(n, parse_dtype(d), s) for n, d, s in zip(self.names, self.dtype_names, self.shapes)]
+        except ValueError as exc:
+            raise ApiError(400, f"update_info.dtype_names: {exc}", param="update_info") from None
+
+
+class WeightTransfer:
+    """One server's weight-transfer state: the group, and the update being staged between start and finish."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.init_info: TransferInit | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.store: dist.Store | None = None
+        self.staged: list[tuple[str, torch.Tensor]] | None = None
+        self.prequantizer = None
+
+    async def init(self, init_info: TransferInit) -> None:
+        if self.group is not None:
+            raise ApiError(409, "the weight-transfer engine is already initialized; POST "
+                                "/shutdown_weight_transfer_engine first", code="already_initialized")
+        if self.engine.engine.config.device != "cpu":
+            raise ApiError(501, "vLLM's NCCL weight transfer needs vLLM's PyNccl unique-id exchange, which this "
+                                "engine does not implement on GPUs; use /init_weights_update_group (a "
+                                "torch.distributed NCCL group) there", code="not_implemented")
+        try:
+            self.store, self.group = await asyncio.to_thread(_join, init_info)
+        except (RuntimeError, ValueError) as exc:  # torch's DistError and timeouts derive from RuntimeError
+            raise ApiError(500, f"could not join the trainer's weight-transfer group at "
+                                f"{init_info.master_address}:{init_info.master_port}: {exc}",
+                           code="rendezvous_failed") from None
+        self.init_info = init_info
+
+    async def shutdown(self) -> None:
+        self.group, self.store, self.staged = None, None, None  # the group's sockets close with it
+
+    def start(self) -> None:
+        if self.group is None:
+            raise ApiError(409, "no weight-transfer engine: POST /init_weight_transfer_engine first",
+                           code="not_initialized")
+        if self.staged is not None:
+            raise ApiError(409, "a weight update is already started; POST /finish_weight_update first",
+                           code="update_in_progress")
+        self.staged = []
+        self.prequantizer = self.engine.engine.prequantizer()
+
+    async def receive(self, update: TransferUpdate) -> None:
+        """Receive one update_info's tensors, check them and stage them (all received even when they are bad, so
+        the trainer's broadcast completes; then 400 and the staged update is dropped)."""
+        if self.staged is None:
+            raise ApiError(409, "no weight update started: POST /start_weight_update first",
+                           code="no_update_started")
+        specs = update.specs()
+        try:
+            tensors = await asyncio.to_thread(self._receive, specs, self.init_info.packed if update.packed is None
+                                              else update.packed)
+        except RuntimeError as exc:
+            await self.shutdown()
+            raise ApiError(500, f"weight broadcast failed; the transfer engine is shut down and the update "
+                                f"dropped: {exc}", code="broadcast_failed") from None
+        try:
+            await self.engine.call(lambda llm: llm.check_weights(tensors))
+        except ValueError as exc:
+            self.staged = None
+            raise ApiError(400, f"bad update_info, the whole update is dropped: {exc}", param="update_info") from None
+        self.staged += tensors
+
+    async def finish(self, weight_version: int | None) -> WeightUpdateReport:
+        if self.staged is None:
+            raise ApiError(409, "no weight update started: POST /start_weight_update first",
+                           code="no_update_started")
+        tensors, self.staged = self.staged, None
+        try:
+            return await self.engine.update_weights(tensors, weight_version=weight_version)
+        except ValueError as exc:
+            raise ApiError(400, f"the update was refused, nothing changed: {exc}", param="update_info") from None
+
+    def _receive(self, specs: list[tuple[str, torch.dtype, list[int]]], packed: bool) -> list[tuple[str, torch.Tensor]]:
+        keep = self.prequantizer or (lambda name, tensor: [(name, tensor)])
+        if not packed:
+            received = []
+            for name, dtype, shape in specs:
+                tensor = torch.empty(shape, dtype=dtype)
+                _broadcast(self.group, tensor.view(torch.uint8) if dtype.itemsize == 1 else tensor)
+                received += keep(name, tensor)
+            return received
+        received = []
+        for chunk in packed_chunks(specs, self.init_info.packed_buffer_size_bytes):
+            buffer = torch.empty(sum(size for *_, size in chunk), dtype=torch.uint8)
+            _broadcast(self.group, buffer)
+            for (name, dtype, shape, _), piece in zip(chunk, buffer.split([size for *_, size in chunk])):
+                received += keep(name, piece.view(dtype).view(shape))
+        return received
+
+
+def packed_chunks(specs: list[tuple[str, torch.dtype, list[int]]], buffer_size: int) -> list[list[tuple]]:
+    """The tensors of each packed buffer, as vLLM's producer fills them: in order, a buffer closed by the first
+    tensor that takes it past buffer_size bytes (so every buffer but the last is larger than buffer_size)."""
+    chunks, chunk, size = [], [], 0
+    for name, dtype, shape in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        chunk.append((name, dtype, shape, nbytes))
+        size += nbytes
+        if size > buffer_size:
+            chunks.append(chunk)
+            chunk, size = [], 0
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
+def _join(init_info: TransferInit) -> tuple[dist.Store, dist.ProcessGroup]:
+    """Join the trainer's store as rank rank_offset, then the gloo group on it, and do the warm-up all-reduce."""
+    timeout = datetime.timedelta(seconds=init_info.timeout_s)
+    store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, is_master=False,
+                          timeout=timeout, use_libuv=False)
+    group = dist.ProcessGroupGloo(dist.PrefixStore(GLOO_PREFIX, store), init_info.rank_offset,
+                                  init_info.world_size, timeout)
+    group.allreduce([torch.zeros(1)]).wait()
+    return store, group
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    """Receive rank 0's broadcast into `tensor` (the group is the engine's own, outside torch.distributed's world:
+    its methods are called directly)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()

