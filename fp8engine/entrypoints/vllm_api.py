@@ -22,6 +22,7 @@ import base64
 import hashlib
 import io
 import time
+import uuid
 from typing import Literal
 
 import numpy
@@ -44,7 +45,7 @@ from fp8engine.entrypoints.protocol import (
     validate,
 )
 from fp8engine.entrypoints.rollouts import VLLM_ID_PREFIX, Rollouts, spans
-from fp8engine.entrypoints.weight_transfer import TransferInit, TransferUpdate
+from fp8engine.entrypoints.weight_transfer import TransferInit, TransferUpdate, set_weight_version
 from fp8engine.outputs import CompletionOutput, RequestOutput
 from fp8engine.sampling_params import SamplingParams
 
@@ -82,6 +83,9 @@ class VllmSamplingParams(_OpenAIRequest):
     include_stop_str_in_output: bool = False
     output_kind: int | None = None
     extra_args: dict | None = None
+    skip_clone: bool = False
+    skip_reading_prefix_cache: bool | None = None
+    bad_words: list[str] = Field(default_factory=list, max_length=0, description="bad_words are not implemented")
 
     def engine(self, room: int, routed: bool) -> SamplingParams:
         structured = {}
@@ -250,7 +254,7 @@ class VllmRoutes:
 
     async def update_weight_version(self, request: Request) -> dict:
         body = parse_json(await self.server.read(request), VersionBody)
-        await self.engine.call(lambda llm: setattr(llm, "weight_version", body.new_version))
+        await self.engine.call(lambda llm: set_weight_version(llm, body.new_version))
         return {"success": True, "message": f"Weight version updated to {body.new_version}",
                 "new_version": str(body.new_version)}
 
@@ -297,10 +301,21 @@ class VllmRoutes:
                 "model": self.server.model_name, "created": int(time.time()), "output_mode": "tokens",
                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                           "total_tokens": prompt + completion,
-                          "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}},
-                "prompt_logprobs": _prompt_logprobs(out) if params.prompt_logprobs is not None else None,
+                          "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                          "completion_tokens_details": None},
+                "prompt_logprobs": self._prompt_logprobs(out) if params.prompt_logprobs is not None else None,
+                "prompt_token_id_logprobs": None,
                 "prompt_token_ids": out.prompt_token_ids if body.return_token_ids else None,
+                "mm_placeholders": None, "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None,
                 "choices": [_choice(s, params, out) for s in out.outputs]}
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
+        """vLLM's: per prompt token, None for the first, else {token id: {"logprob", "rank", "decoded_token"}}."""
+        tops = out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)
+        text = self.server.tokens.text
+        return [None if logprob is None else {str(token): {
+                    "logprob": _clamp(logprob), "rank": _rank(token, top), "decoded_token": text(token)}}
+                for token, logprob, top in zip(out.prompt_token_ids, out.prompt_logprobs or [], tops)]
 
     async def tokenize(self, request: Request) -> dict:
         body = parse_json(await self.server.read(request), TokenizeBody)
@@ -338,15 +353,20 @@ class VllmRoutes:
                                                                             body.tool_dicts))
         except ValueError as exc:  # a template that refuses the messages
             raise ApiError(400, str(exc), param="messages") from None
-        sampling = {"n": body.n, "temperature": body.temperature, "top_p": body.top_p,
-                    "top_k": body.top_k if body.top_k > 0 else 0, "min_p": body.min_p, "seed": body.seed,
-                    "max_tokens": body.max_new_tokens, "min_tokens": body.min_tokens, "stop": body.stop or None,
-                    "stop_token_ids": body.stop_token_ids or None, "ignore_eos": body.ignore_eos,
-                    "logprobs": body.num_logprobs, "presence_penalty": body.presence_penalty,
-                    "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty}
-        return {"request_id": f"chatcmpl-{hashlib.sha1(repr(token_ids).encode()).hexdigest()[:16]}",
-                "token_ids": token_ids, "sampling_params": sampling, "model": self.server.model_name,
-                "stream": body.stream}
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop
+        sampling = {"presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+                    "repetition_penalty": body.repetition_penalty, "temperature": body.temperature,
+                    "top_p": body.top_p, "min_p": body.min_p, "stop": stops, "stop_token_ids": body.stop_token_ids,
+                    "max_tokens": body.max_new_tokens or max(self.server.max_model_len - len(token_ids), 1),
+                    "output_kind": 2, "skip_clone": True, "bad_words": [], "skip_reading_prefix_cache": False}
+        extras = {"n": body.n, "top_k": max(body.top_k, 0), "seed": body.seed, "min_tokens": body.min_tokens,
+                  "ignore_eos": body.ignore_eos, "logprobs": body.num_logprobs}
+        sampling |= {k: v for k, v in extras.items() if v != VllmSamplingParams.model_fields[k].default}
+        return {"request_id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "token_ids": token_ids, "token_offsets": None,
+                "features": None, "content_parts": None, "sampling_params": sampling, "model": self.server.model_name,
+                "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,
+                "output_mode": "tokens", "stream": body.stream, "stream_options": None, "cache_salt": None,
+                "priority": 0, "kv_transfer_params": None, "ec_transfer_params": None}
 
 
 def _top_k(k: int | None) -> int | None:
@@ -363,23 +383,23 @@ def _choice(sample: CompletionOutput, params: SamplingParams, out: RequestOutput
     return {"index": sample.index, "finish_reason": sample.finish_reason or "stop",
             "stop_reason": sample.stop_reason, "token_ids": sample.token_ids, "logprobs": logprobs,
             "routed_experts": None if sample.routed_experts is None else _npy_base64(sample.routed_experts),
+            "sampling_mask": None,
             "weight_versions": spans(sample.token_weight_versions),
             "num_preemptions": sample.num_preemptions}
 
 
 def _logprob_entry(token: int, logprob: float, top: dict[int, float] | None, k: int) -> dict:
     ranked = sorted((top or {}).items(), key=lambda item: -item[1])
-    rank = next((i + 1 for i, (t, _) in enumerate(ranked) if t == token), None)
+    rank = _rank(token, top)
     entries = [(token, logprob, rank)] + [(t, lp, i + 1) for i, (t, lp) in enumerate(ranked) if t != token]
     return {"token_id": token, "logprob": _clamp(logprob), "rank": rank,
             "top_logprobs": [{"token_id": t, "logprob": _clamp(lp), "rank": r} for t, lp, r in entries[:max(k, 1)]]}
 
 
-def _prompt_logprobs(out: RequestOutput) -> list[dict | None]:
-    result = []
-    for token, logprob in zip(out.prompt_token_ids, out.prompt_logprobs or []):
-        result.append(None if logprob is None else {str(token): {"logprob": _clamp(logprob)}})
-    return result
+def _rank(token: int, top: dict[int, float] | None) -> int | None:
+    """The 1-based rank of `token` among the top logprobs given (None when it is not among them)."""
+    ranked = sorted((top or {}).items(), key=lambda item: -item[1])
+    return next((i + 1 for i, (t, _) in enumerate(ranked) if t == token), None)
 
 
 def _clamp(logprob: float) -> float:
@@ -393,10 +413,13 @@ def _npy_base64(routed: torch.Tensor) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+RANK_TAG = "dp0:pp0:pcp0:tp0:"  # vLLM's checksum keys name the worker's ranks: one worker here
+
+
 def _checksums(llm) -> dict[str, str]:
-    """SHA-256 of every parameter's bytes as the engine holds it (FP8 codes and scales as stored)."""
+    """SHA-256 of every parameter's bytes as the engine holds it (FP8 codes and scales as stored), by vLLM's keys."""
     sums = {}
     for name, tensor in llm.named_parameters():
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        sums[name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
+        sums[RANK_TAG + name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
     return sums

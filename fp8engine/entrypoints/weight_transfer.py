@@ -114,9 +114,8 @@ class WeightTransfer:
         self.group, self.store, self.staged = None, None, None  # the group's sockets close with it
 
     def start(self) -> None:
-        if self.group is None:
-            raise ApiError(409, "no weight-transfer engine: POST /init_weight_transfer_engine first",
-                           code="not_initialized")
+        """Open an update (as vLLM, also before /init_weight_transfer_engine: a start and a finish alone set the
+        version)."""
         if self.staged is not None:
             raise ApiError(409, "a weight update is already started; POST /finish_weight_update first",
                            code="update_in_progress")
@@ -129,6 +128,9 @@ class WeightTransfer:
         if self.staged is None:
             raise ApiError(409, "no weight update started: POST /start_weight_update first",
                            code="no_update_started")
+        if self.group is None:
+            raise ApiError(409, "no weight-transfer engine: POST /init_weight_transfer_engine first",
+                           code="not_initialized")
         specs = update.specs()
         try:
             tensors = await asyncio.to_thread(self._receive, specs, self.init_info.packed if update.packed is None
@@ -149,6 +151,9 @@ class WeightTransfer:
             raise ApiError(409, "no weight update started: POST /start_weight_update first",
                            code="no_update_started")
         tensors, self.staged = self.staged, None
+        if not tensors:  # nothing was sent: the version alone changes, as vLLM's empty update does
+            version = await self.engine.call(lambda llm: set_weight_version(llm, weight_version))
+            return WeightUpdateReport(num_tensors=0, num_bytes=0, seconds=0.0, num_quantized=0, weight_version=version)
         try:
             return await self.engine.update_weights(tensors, weight_version=weight_version)
         except ValueError as exc:
@@ -170,6 +175,13 @@ class WeightTransfer:
             for (name, dtype, shape, _), piece in zip(chunk, buffer.split([size for *_, size in chunk])):
                 received += keep(name, piece.view(dtype).view(shape))
         return received
+
+
+def set_weight_version(llm, weight_version: int | None) -> int:
+    """Label the engine's current weights `weight_version` (None: leave it); the version now served."""
+    if weight_version is not None:
+        llm.weight_version = weight_version
+    return llm.weight_version
 
 
 def packed_chunks(specs: list[tuple[str, torch.dtype, list[int]]], buffer_size: int) -> list[list[tuple]]:
