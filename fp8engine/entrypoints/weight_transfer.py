@@ -128,10 +128,10 @@ class WeightTransfer:
         if self.staged is None:
             raise ApiError(409, "no weight update started: POST /start_weight_update first",
                            code="no_update_started")
+        specs = update.specs()
         if self.group is None:
             raise ApiError(409, "no weight-transfer engine: POST /init_weight_transfer_engine first",
                            code="not_initialized")
-        specs = update.specs()
         try:
             tensors = await asyncio.to_thread(self._receive, specs, self.init_info.packed if update.packed is None
                                               else update.packed)
