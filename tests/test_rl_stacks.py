@@ -212,6 +212,16 @@ def test_sglang_stop_pause_and_abort(client, prompt):
             assert aborted == {"success": True, "num_aborted": 1}
             meta = (await running).json()["meta_info"]
             assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < LONG
+            # a batch names each prompt: one of them ends alone
+            batch = {"input_ids": [prompt, prompt[:4]], "rid": ["short", "long"], "sampling_params": [
+                {"max_new_tokens": 4, "temperature": 0},
+                {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True}]}
+            running = asyncio.ensure_future(http.post("/generate", json=batch))
+            await until_running(http)
+            assert (await http.post("/abort_request", json={"rid": "long"})).json()["num_aborted"] == 1
+            short, long = (await running).json()
+            assert short["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+            assert long["meta_info"]["finish_reason"]["type"] == "abort" and long["meta_info"]["id"] == "long"
             bad = await http.post("/pause_generation", json={"mode": "later"})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
             bad = await http.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_tokens": 3}})

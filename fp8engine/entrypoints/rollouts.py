@@ -25,13 +25,19 @@ class Rollouts:
         self.engine = engine
         self.live: dict[str, list[str]] = {}  # caller's id -> the engine's request ids
 
-    async def run(self, prompts: list[Prompt], params: list[SamplingParams], rid: str | None) -> list[RequestOutput]:
-        """The final output of every prompt, in order. ApiError 400 for a bad prompt or parameters (naming
-        what was wrong), 409 for an id already running, 503 while paused or asleep."""
+    async def run(self, prompts: list[Prompt], params: list[SamplingParams], rid: str | None,
+                  names: list[str] | None = None) -> list[RequestOutput]:
+        """The final output of every prompt, in order; `rid` names them all, `names` (one per prompt) each alone.
+        ApiError 400 for a bad prompt or parameters (naming what was wrong), 409 for an id already running, 503
+        while paused or asleep."""
         rid = rid or uuid.uuid4().hex
-        if rid in self.live:
-            raise ApiError(409, f"request id {rid!r} is already running", param="rid", code="duplicate_request_id")
-        self.live[rid] = [f"{rid}-{i}" for i in range(len(prompts))]
+        engine_ids = [f"{rid}-{i}" for i in range(len(prompts))]
+        named = {rid: engine_ids} | {name: [i] for name, i in zip(names or (), engine_ids)}
+        taken = sorted(named.keys() & self.live.keys())
+        if taken:
+            raise ApiError(409, f"request id {taken[0]!r} is already running", param="rid",
+                           code="duplicate_request_id")
+        self.live |= named
         try:
             try:
                 stream = await self.engine.add(prompts, params, rid)
@@ -49,7 +55,8 @@ class Rollouts:
                 stream.close()  # a client that went away: its requests end here
             return [finals[i] for i in range(len(prompts))]
         finally:
-            del self.live[rid]
+            for name in named:
+                del self.live[name]
 
     async def abort(self, rids: list[str] | None) -> int:
         """End the named requests (None: every request the engine runs, ours or not) without pausing; how many

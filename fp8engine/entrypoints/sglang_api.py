@@ -16,8 +16,8 @@ server.py's, and their replies carry SGLang's "success" and "message" beside our
 Logprobs are those of the distribution sampled from (temperature, top-k and top-p applied; at temperature 0, greedy,
 the model's log-softmax, as SGLang reports it); "logprobs_mode": "raw" | "processed" (our extension) chooses.
 SGLang's own are log-softmax(logits / temperature), before top-k and top-p. A rid list names each prompt; a single
-rid names the request (an abort by it ends every prompt). "retract" pauses as
-"in_place" does: the requests keep their KV cache until /continue_generation.
+rid names the request (an abort by it ends every prompt). max_new_tokens beyond the context is cut to it.
+"retract" pauses as "in_place" does: the requests keep their KV cache until /continue_generation.
 """
 
 import base64
@@ -181,14 +181,19 @@ class SglangRoutes:
 
     async def generate(self, request: Request) -> list[dict] | dict:
         body = parse_json(await self.server.read(request), SglangGenerateRequest)
-        prompts = body.prompts()
+        try:
+            prompts = await self.engine.call(lambda llm: [llm.tokenize(p) for p in body.prompts()])
+        except ValueError as exc:
+            field = "text" if body.text is not None else "input_ids"
+            raise ApiError(400, f"{field}: {exc}", param=field) from None
         samplings = body.params(len(prompts))
         logprobs = body.top_logprobs_num if body.return_logprob else None
         params = []
-        for sampling in samplings:
+        for sampling, prompt in zip(samplings, prompts):
             mode = body.logprobs_mode or ("raw" if sampling.temperature == 0 else "processed")
             try:
                 params.append(sampling.engine(logprobs, mode, body.return_routed_experts))
+                params[-1].max_tokens = min(params[-1].max_tokens, max(self.server.max_model_len - len(prompt), 1))
             except ValueError as exc:
                 raise ApiError(400, f"sampling_params: {exc}", param="sampling_params") from None
         if body.return_logprob and body.logprob_start_len >= 0:
@@ -197,10 +202,10 @@ class SglangRoutes:
         rids = body.rid if isinstance(body.rid, list) and len(body.rid) == len(prompts) else \
             [rid if not body.batched else f"{rid}-{i}" for i in range(len(prompts))]
         start = time.perf_counter()
-        outs = await self.rollouts.run(prompts, params, rid)
+        outs = await self.rollouts.run(prompts, params, rid, rids if isinstance(body.rid, list) else None)
         seconds = time.perf_counter() - start
-        items = [self._item(out, sample, body, sampling.max_new_tokens, seconds, rids[i])
-                 for i, (out, sampling) in enumerate(zip(outs, samplings)) for sample in out.outputs]
+        items = [self._item(out, sample, body, p.max_tokens, seconds, rids[i])
+                 for i, (out, p) in enumerate(zip(outs, params)) for sample in out.outputs]
         return items if body.batched or len(items) > 1 else items[0]
 
     def _item(self, out: RequestOutput, sample: CompletionOutput, body: SglangGenerateRequest, max_tokens: int,
