@@ -146,6 +146,11 @@ def test_vllm_bad_input_names_it(client):
     assert client.post("/start_weight_update").json()["error"]["code"] == "update_in_progress"
     update = {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[64]]}}
     assert client.post("/update_weights", json=update).json()["error"]["code"] == "not_initialized"
+    both = client.post("/pause?mode=keep", json={"mode": "wait"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "mode"
+    slept = client.post("/sleep", json={"level": 1, "tags": ["kv_cache"]}).json()  # older SkyRL: a JSON body
+    assert slept["tags"] == ["kv_cache"] and slept["status"] == "sleeping"
+    assert client.post("/wake_up").json()["status"] == "awake"
     bad = client.post("/update_weights", json={"update_info": update["update_info"] | {"dtype_names": ["bf16"]}})
     assert bad.status_code == 400 and "unknown dtype 'bf16'" in bad.json()["error"]["message"]
     bad = client.post("/update_weights", json={"update_info": update["update_info"] | {"shapes": [[64], [1]]}})
@@ -413,3 +418,8 @@ def test_sglang_weight_routes_with_their_clients_bodies(tiny_qwen3_dir, tmp_path
         assert client.get("/get_weight_version").json() == {"weight_version": "4"}
         bad = client.post("/update_weights_from_disk", json={"model_path": str(disk), "load_format": "dummy"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "load_format"
+        # prime-rl's server reloads a directory the trainer wrote (its filesystem broadcast)
+        reply = client.post("/update_weights", json={"weight_dir": str(disk)}).json()
+        assert reply["status"] == "ok" and reply["weight_version"] == 5, reply
+        outside = client.post("/update_weights", json={"weight_dir": "/etc"})
+        assert outside.status_code == 403 and outside.json()["error"]["param"] == "path"

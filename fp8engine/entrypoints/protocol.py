@@ -542,6 +542,12 @@ class DiskUpdateRequest(WeightUpdateOptions):
     abort_all_requests: bool = False
 
 
+class DirectoryUpdateRequest(WeightUpdateOptions):
+    """prime-rl's POST /update_weights {"weight_dir"}: the safetensors files of a directory (an allowed one)."""
+
+    weight_dir: str
+
+
 class SleepQuery(_Request):
     """POST /sleep (vLLM's query parameters): level 1 keeps the weights off the device's budget and drops the KV
     cache, 2 drops both; tags (our extension, repeated: ?tags=weights&tags=kv_cache) what to release, all by

@@ -104,6 +104,7 @@ from fp8engine.entrypoints.protocol import (
     CompletionBuilder,
     CompletionRequest,
     DiskUpdateRequest,
+    DirectoryUpdateRequest,
     DistributedUpdateRequest,
     LoraQuery,
     MemoryOccupationRequest,
@@ -409,6 +410,9 @@ class Server:
         """Ours with a JSON body {"mode"} (default "wait"); vLLM's with query parameters or no body at all (mode
         "abort" by default, and the prefix cache cleared). Both replies carry both servers' keys."""
         data = await _read_body(request, self.settings.max_body_bytes)
+        if request.query_params and data.strip():
+            raise ApiError(400, "mode: give it as a query parameter (vLLM's /pause) or in a JSON body (ours), not "
+                                "both", param="mode")
         if request.query_params or not data.strip():
             return await self.vllm.pause(request)
         body = parse_json(data, PauseRequest)
@@ -437,7 +441,10 @@ class Server:
 
     # vLLM's sleep routes (query parameters) and SGLang's (a JSON body), on LLMEngine.sleep / wake_up
     async def sleep(self, request: Request) -> dict:
-        query = validate(SleepQuery, _query_lists(request, ("tags",)))
+        """vLLM's query parameters; with none, a JSON body of the same fields (older SkyRL, AReaL's {})."""
+        query = _query_lists(request, ("tags",))
+        data = await _read_body(request, self.settings.max_body_bytes)
+        query = validate(SleepQuery, query) if query or not data.strip() else parse_json(data, SleepQuery)
         return await self._sleep(query.level, query.tags, query.mode)
 
     async def wake_up(self, request: Request) -> dict:
@@ -484,17 +491,30 @@ class Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), param="path") from None
         async with self.weights_lock:
-            return await self._apply(tensors, body)
+            return _sglang_reply(await self._apply(tensors, body))
 
     async def update_weights(self, request: Request) -> dict:
         data = await _read_body(request, self.settings.max_update_bytes)
-        if _is_json_object(request, data):  # vLLM's {"update_info"}: a safetensors body is never JSON
-            return await self.vllm.update_weights(data)
+        if _is_json_object(request, data):  # a safetensors body is never JSON
+            if "weight_dir" in json.loads(data):  # prime-rl's server: reload from a directory
+                return await self._update_from_directory(data)
+            return await self.vllm.update_weights(data)  # vLLM's {"update_info"}
         query = validate(BucketQuery, dict(request.query_params))
         async with self.weights_lock:
             if query.bucket is None:
                 return await self._apply(await _load_safetensors(data), query)
             return await self._bucketed(query, data)
+
+    async def _update_from_directory(self, data: bytes) -> dict:
+        """prime-rl's POST /update_weights {"weight_dir"}: /update_weights_from_disk's rules and update."""
+        body = parse_json(data, DirectoryUpdateRequest)
+        directory = self._allowed_directory(body.weight_dir)
+        try:
+            tensors = await asyncio.to_thread(lambda: list(iter_safetensors(directory)))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="weight_dir") from None
+        async with self.weights_lock:
+            return await self._apply(tensors, body) | {"status": "ok"}
 
     async def update_weights_from_tensor(self, request: Request) -> dict:
         body = parse_json(await _read_body(request, self.settings.max_body_bytes), TensorUpdateRequest)
@@ -504,7 +524,7 @@ class Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), param="serialized_named_tensors") from None
         async with self.weights_lock:
-            return await self._apply(tensors, body)
+            return _sglang_reply(await self._apply(tensors, body))
 
     async def update_lora(self, request: Request) -> dict:
         query = validate(LoraQuery, dict(request.query_params))
@@ -582,8 +602,8 @@ class Server:
                 raise ApiError(400, str(exc)) from None
             except RuntimeError as exc:
                 raise ApiError(500, str(exc), code="broadcast_failed") from None
-            return await self._apply(tensors, body, lambda report: llm.received_report(report, body.names,
-                                                                                       prequantizer))
+            return _sglang_reply(await self._apply(tensors, body, lambda report: llm.received_report(
+                report, body.names, prequantizer)))
 
     async def destroy_weights_update_group(self) -> dict:
         await asyncio.to_thread(self.engine.engine.destroy_weights_update_group)
@@ -608,8 +628,7 @@ class Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), param="weights") from None
         self.metrics.update_seconds.observe(report.seconds)
-        return dataclasses.asdict(report) | {"success": True, "message": f"weight version {report.weight_version}",
-                                             "num_paused_requests": 0}
+        return dataclasses.asdict(report)
 
     def _allowed_directory(self, path: str) -> str:
         roots = [os.path.realpath(d) for d in self.settings.allowed_weight_dirs]
@@ -863,6 +882,12 @@ async def _load_safetensors(data: bytes) -> list[tuple[str, torch.Tensor]]:
         return list((await asyncio.to_thread(safetensors.torch.load, data)).items())
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise ApiError(400, f"the body is not a valid safetensors file: {exc}", param="body") from None
+
+
+def _sglang_reply(report: dict) -> dict:
+    """A weight route SGLang has too: our report with SGLang's keys beside it."""
+    return report | {"success": True, "message": f"weight version {report['weight_version']}",
+                     "num_paused_requests": 0}
 
 
 def _is_json_object(request: Request, data: bytes) -> bool:

@@ -141,9 +141,11 @@ class FinishBody(_Request):
 
 
 class VersionBody(_Request):
-    """vLLM's and SGLang's body ({"new_version"}, a string holding an integer here)."""
+    """vLLM's and SGLang's body ({"new_version"}, a string holding an integer here); SGLang's abort_all_requests
+    true aborts what runs first (vLLM's body has no such field, so nothing is aborted unless it says so)."""
 
     new_version: int
+    abort_all_requests: bool = False
 
 
 class CheckerBody(_Request):
@@ -254,6 +256,8 @@ class VllmRoutes:
 
     async def update_weight_version(self, request: Request) -> dict:
         body = parse_json(await self.server.read(request), VersionBody)
+        if body.abort_all_requests:
+            await self.rollouts.abort(None)
         await self.engine.call(lambda llm: set_weight_version(llm, body.new_version))
         return {"success": True, "message": f"Weight version updated to {body.new_version}",
                 "new_version": str(body.new_version)}
