@@ -15,6 +15,10 @@ from pydantic.json_schema import models_json_schema
 
 REF = "#/components/schemas/{model}"
 JSON, BINARY, EVENTS, TEXT = "application/json", "application/octet-stream", "text/event-stream", "text/plain"
+# One server-sent event as clients parse it (schemathesis validates each event of a stream against this): its data
+# is a JSON chunk, or "[DONE]" last.
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+             "required": ["data"]}
 ERROR_STATUSES = {400: "invalid request (the field is named in error.param)", 401: "missing or wrong key",
                   403: "not allowed (weight directory)", 404: "unknown model",
                   409: "conflict (an update's steps out of order)",
@@ -145,8 +149,8 @@ def _query_parameters(model: type[BaseModel]) -> list[dict]:
 
 
 def _responses(model: type[BaseModel] | None, content_types: tuple[str, ...]) -> dict:
-    ok = {media: {"schema": (_ref(model) if model else {"type": "object"}) if media == JSON else {"type": "string"}}
-          for media in content_types}
+    ok = {media: {"schema": (_ref(model) if model else {"type": "object"}) if media == JSON else
+                  SSE_EVENT if media == EVENTS else {"type": "string"}} for media in content_types}
     errors = {str(status): {"description": description, "content": {JSON: {"schema": _ref(ErrorResponse)}}}
               for status, description in ERROR_STATUSES.items()}
     return {"200": {"description": "OK", "content": ok}, **errors}

@@ -417,7 +417,7 @@ class Server:
             return await self.vllm.pause(request)
         body = parse_json(data, PauseRequest)
         num_aborted = await self.engine.pause(body.mode)
-        return {"paused": body.mode, "num_aborted": num_aborted, "status": "paused"}
+        return {"paused": body.mode, "num_aborted": num_aborted}
 
     async def resume(self) -> dict:
         await self.engine.resume()
