@@ -485,13 +485,7 @@ class Server:
         body = parse_json(await _read_body(request, self.settings.max_body_bytes), DiskUpdateRequest)
         if body.abort_all_requests:
             body.in_flight = "abort"
-        directory = self._allowed_directory(body.path)
-        try:
-            tensors = await asyncio.to_thread(lambda: list(iter_safetensors(directory)))
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="path") from None
-        async with self.weights_lock:
-            return _sglang_reply(await self._apply(tensors, body))
+        return _sglang_reply(await self._apply_directory(body.path, body, "path"))
 
     async def update_weights(self, request: Request) -> dict:
         data = await _read_body(request, self.settings.max_update_bytes)
@@ -508,13 +502,17 @@ class Server:
     async def _update_from_directory(self, data: bytes) -> dict:
         """prime-rl's POST /update_weights {"weight_dir"}: /update_weights_from_disk's rules and update."""
         body = parse_json(data, DirectoryUpdateRequest)
-        directory = self._allowed_directory(body.weight_dir)
+        return await self._apply_directory(body.weight_dir, body, "weight_dir") | {"status": "ok"}
+
+    async def _apply_directory(self, path: str, options: WeightUpdateOptions, param: str) -> dict:
+        """Apply the safetensors files of `path` (inside an --allowed-weight-dir) as one update."""
+        directory = self._allowed_directory(path)
         try:
             tensors = await asyncio.to_thread(lambda: list(iter_safetensors(directory)))
         except ValueError as exc:
-            raise ApiError(400, str(exc), param="weight_dir") from None
+            raise ApiError(400, str(exc), param=param) from None
         async with self.weights_lock:
-            return await self._apply(tensors, body) | {"status": "ok"}
+            return await self._apply(tensors, options)
 
     async def update_weights_from_tensor(self, request: Request) -> dict:
         body = parse_json(await _read_body(request, self.settings.max_body_bytes), TensorUpdateRequest)
