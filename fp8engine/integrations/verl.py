@@ -34,7 +34,12 @@ import ray
 import torch
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY, BaseRollout
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry, TokenOutput
+from verl.workers.rollout.replica import (
+    RolloutMode,
+    RolloutReplica,
+    RolloutReplicaRegistry,
+    TokenOutput,
+)
 
 from fp8engine.config import EngineConfig
 from fp8engine.engine import LLMEngine
@@ -104,7 +109,7 @@ def sampling_params(params: Mapping[str, Any], prompt_len: int, rollout, max_mod
         values.setdefault("seed", rollout.seed)
     logprobs = values.pop("logprobs", False)
     if not isinstance(logprobs, bool):
-        raise ValueError(f"sampling_params['logprobs'] must be a bool (veRL's calculate_log_probs), got {logprobs!r}")
+        raise TypeError(f"sampling_params['logprobs'] must be a bool (veRL's calculate_log_probs), got {logprobs!r}")
     return SamplingParams(max_tokens=max(1, min(int(max_tokens), room)), logprobs=0 if logprobs else None,
                           logprobs_mode="processed", return_routed_experts=return_routed_experts,
                           detokenize=False, **values)
@@ -291,8 +296,8 @@ class FP8EngineReplica(RolloutReplica):
         if self.world_size != 1:
             raise ValueError(f"the fp8engine backend runs one engine per replica (world size 1), got "
                              f"{self.world_size}: set rollout.tensor_model_parallel_size=1")
-        from verl.utils.device import get_resource_name, get_visible_devices_keyword
         from verl.plugin.platform import get_platform
+        from verl.utils.device import get_resource_name, get_visible_devices_keyword
 
         options: dict[str, Any] = {"name": self._server_name(), "max_concurrency": self.max_concurrency}
         visible = None
@@ -327,7 +332,7 @@ class FP8EngineRollout(BaseRollout):
 
     def __init__(self, config, model_config, device_mesh, *args, replica_rank: int = -1, **kwargs):
         super().__init__(config, model_config, device_mesh)
-        self.replica_rank = int(os.environ.get("RANK", 0)) if replica_rank == -1 else replica_rank
+        self.replica_rank = int(os.environ.get("RANK", "0")) if replica_rank == -1 else replica_rank
         self.bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
         self.server = None
         self.sleep_level = 2

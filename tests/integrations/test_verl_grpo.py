@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("verl")
-import pandas as pd  # noqa: E402
+import pandas as pd
 
 HERE = Path(__file__).resolve().parent
 MODEL = Path(os.environ.get("FP8ENGINE_VERL_MODEL",
@@ -61,7 +61,7 @@ def overrides(tmp: Path, data: Path, engine_kwargs: dict) -> list[str]:
         "trainer.n_gpus_per_node=1", "trainer.nnodes=1", f"trainer.total_training_steps={STEPS}",
         "trainer.total_epochs=100", "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.save_freq=-1",
         "trainer.logger=[console,file]", "trainer.project_name=fp8engine_verl",
-        f"trainer.experiment_name=grpo", f"trainer.default_local_dir={tmp / 'checkpoints'}",
+        "trainer.experiment_name=grpo", f"trainer.default_local_dir={tmp / 'checkpoints'}",
         "+ray_kwargs.ray_init.num_gpus=1", "+ray_kwargs.ray_init.num_cpus=16",
     ]
 
@@ -88,12 +88,17 @@ def run_grpo(tmp: Path, engine_kwargs: dict) -> tuple[list[dict], list[dict], fl
 
 
 def step_table(steps: list[dict], checks: list[dict]) -> list[dict]:
-    """Per step: generate, update_weights and train seconds as veRL times them, the engine's commit seconds of the
-    sync that followed the step (checks[0] is the sync before step 1), and veRL's logprob difference."""
+    """Per step: generate, update_weights and train seconds as veRL times them (its v1 trainer polls its replay
+    buffer every 2 s, so its gen time is a multiple of that: engine_gen_s is the engine's own busy time in the
+    step's rollout), the engine's commit seconds of the sync that followed the step (checks[0] is the sync before
+    step 1) and the sync check's seconds (inside veRL's update_weights timer), and veRL's logprob difference."""
     rows = []
     for i, record in enumerate(steps):
         data = record["data"]
-        rows.append({"step": record["step"], "gen_s": data.get("timing_s/gen"),
+        engine_gen = None
+        if i + 1 < len(checks):
+            engine_gen = checks[i + 1]["engine_step_seconds_total"] - checks[i]["engine_step_seconds_total"]
+        rows.append({"step": record["step"], "gen_s": data.get("timing_s/gen"), "engine_gen_s": engine_gen,
                      "update_weights_s": data.get("timing_s/update_weights"),
                      "train_s": data.get("timing_s/update_actor"), "step_s": data.get("timing_s/step"),
                      "engine_commit_s": checks[i + 1]["engine_commit_seconds"] if i + 1 < len(checks) else None,

@@ -120,7 +120,10 @@ def _check_sync(rollout, yielded: list[tuple[str, torch.Tensor]], report: dict, 
     expected_names = ray.get(server.expected_weight_names.remote())
     fp8 = "fp8" in (rollout.config.quantization, (rollout.config.engine_kwargs.get("fp8engine") or {}).get(
         "quantization"))
-    from fp8engine.weights.quant import dequantize_weight_blockwise, quantize_weight_blockwise
+    from fp8engine.weights.quant import (
+        dequantize_weight_blockwise,
+        quantize_weight_blockwise,
+    )
     mismatches, quantized = [], 0
     for name, tensor in yielded:
         got = engine[name]
@@ -133,19 +136,22 @@ def _check_sync(rollout, yielded: list[tuple[str, torch.Tensor]], report: dict, 
             diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else None
             mismatches.append({"name": name, "max_abs_diff": diff})
     tied = "lm_head.weight" in names and "lm_head.weight" not in expected_names
+    stats = ray.get(server.stats.remote())
     return {"pid": os.getpid(), "weight_version": report["weight_version"], "num_tensors": len(names),
             "names": names, "engine_expected_names": expected_names, "tied_lm_head": tied,
             "tied_head_equals_embedding": bool(tied and torch.equal(engine["lm_head.weight"],
                                                                       engine["model.embed_tokens.weight"])),
             "fp8": fp8, "num_quantized_checked": quantized, "mismatches": mismatches,
             "engine_commit_seconds": report["seconds"], "update_weights_seconds": seconds,
-            "num_buckets": report["num_buckets"], "num_bytes": report["num_bytes"]}
+            "num_buckets": report["num_buckets"], "num_bytes": report["num_bytes"],
+            "engine_step_seconds_total": stats["step_seconds_total"],
+            "engine_generation_tokens_total": stats["num_generation_tokens_total"]}
 
 
 def _install_sync_check(path: str) -> None:
     """Wraps FP8EngineRollout.update_weights where veRL's worker gets its rollout class (get_rollout_class): this
     module is imported while verl itself is, so the plugin may not be importable yet."""
-    import verl.workers.rollout.base as base
+    from verl.workers.rollout import base
     get_rollout_class = base.get_rollout_class
 
     def get_checked_rollout_class(rollout_name: str, mode: str = "async"):
