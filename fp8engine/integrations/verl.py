@@ -12,8 +12,8 @@ loads it explicitly), which registers three pieces:
 - `FP8EngineRollout` (`_ROLLOUT_REGISTRY[("fp8engine", "async")]`): lives in veRL's FSDP worker process (hybrid
   mode). `update_weights` hands the generator's tensors to the actor as shared-memory handles
   (`weights/tensor_handles.py`, never the Ray object store) in buckets of
-  `rollout.checkpoint_engine.update_weights_bucket_megabytes`; the actor stages them and commits once, at the
-  end, with `weight_version=global_steps` (all or nothing). `release()` / `resume(tags)` are sleep / wake.
+  `rollout.checkpoint_engine.update_weights_bucket_megabytes` (each bucket copied into one flat tensor: SGLang's
+  flattened bucket); the actor stages them and commits once, at the end, with `weight_version=global_steps` (all or nothing). `release()` / `resume(tags)` are sleep / wake.
 
 Engine options: `actor_rollout_ref.rollout.engine_kwargs.fp8engine.<EngineConfig field>=value` (quantization,
 kv_cache_dtype, batch_invariant, ...), over what the rollout config implies (model path, dtype, lengths, seed,
@@ -45,7 +45,7 @@ from fp8engine.config import EngineConfig
 from fp8engine.engine import LLMEngine
 from fp8engine.entrypoints.async_engine import AsyncEngine, EnginePaused
 from fp8engine.outputs import RequestOutput
-from fp8engine.rl.sync import bucket_bytes_of, buckets
+from fp8engine.rl.sync import buckets
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights import tensor_handles
 
@@ -378,22 +378,27 @@ class FP8EngineRollout(BaseRollout):
         return report
 
     async def _send_weights(self, weights, global_steps: int | None) -> dict[str, Any]:
+        """Each bucket is copied into one flat tensor of its own (SGLang's flattened bucket) before its handle is
+        taken: pickling a tensor for sharing moves its storage into shared memory in place, which would move the
+        trainer's own parameters there (FSDP2 with one rank yields them without a copy)."""
         server, held, previous = self._server(), [], None
         try:
             for bucket in buckets(weights, self.bucket_bytes, None):
                 if previous is not None:
-                    await server.update_weights_from_tensor.remote([tensor_handles.dumps(previous)], flush=False)
-                held.append(bucket)
-                previous = bucket
+                    await server.update_weights_from_tensor.remote([tensor_handles.dumps(previous)],
+                                                                   "flattened_bucket", flush=False)
+                previous = tensor_handles.flatten(bucket)
+                held.append(previous)
             if previous is None:
                 raise ValueError("update_weights: the weights generator yielded no tensors")
-            report = await server.update_weights_from_tensor.remote([tensor_handles.dumps(previous)], flush=True,
+            report = await server.update_weights_from_tensor.remote([tensor_handles.dumps(previous)],
+                                                                     "flattened_bucket", flush=True,
                                                                      weight_version=global_steps)
         except BaseException:
             await server.drop_staged.remote()
             raise
         report["num_buckets"] = len(held)
-        report["num_bytes"] = sum(map(bucket_bytes_of, held))
+        report["num_bytes"] = sum(flat["flattened_tensor"].numel() for flat in held)
         return report
 
     async def _send_adapter(self, weights, peft_config: dict, global_steps: int | None) -> dict[str, Any]:

@@ -149,3 +149,35 @@ def test_rollout_refuses_delta_flush():
         asyncio.run(plugin.FP8EngineRollout.update_weights(rollout, iter(()), wire_format="delta_flush"))
     with pytest.raises(ValueError, match="wire_format"):
         asyncio.run(plugin.FP8EngineRollout.update_weights(rollout, iter(()), wire_format="bytes"))
+
+
+class _Handle:
+    """Stands in for a Ray actor handle in-process: handle.method.remote(...) is awaitable."""
+
+    def __init__(self, target):
+        self._target = target
+
+    def __getattr__(self, name):
+        return types.SimpleNamespace(remote=getattr(self._target, name))
+
+
+def test_rollout_syncs_in_flat_buckets_committed_once(server):
+    """FP8EngineRollout.update_weights as veRL's worker calls it: many buckets (1 MiB), one commit at global_steps;
+    the trainer's tensors stay where they were (a flat copy is shared, not their storage)."""
+    server, loop = server
+    engine = server.engine.engine
+    rollout = plugin.FP8EngineRollout.__new__(plugin.FP8EngineRollout)
+    rollout.config, rollout.bucket_bytes, rollout.server, rollout.last_update = rollout_config(), 1 << 20, \
+        _Handle(server), {}
+    names = loop.run_until_complete(server.expected_weight_names())
+    weights = [(n, engine.get_weights_by_name(n).float() * 0.99) for n in names]
+    report = loop.run_until_complete(rollout.update_weights(iter(weights), global_steps=11))
+    assert report["weight_version"] == 11 == engine.weight_version and report["num_tensors"] == len(names)
+    assert report["num_buckets"] > 10 and report["num_bytes"] == sum(t.numel() * 4 for _, t in weights)
+    assert not any(t.is_shared() for _, t in weights)
+    for name, tensor in weights[:: max(1, len(weights) // 20)]:
+        assert torch.equal(engine.get_weights_by_name(name), tensor.to(engine.runner.dtype)), name
+    bad = [(names[0], weights[0][1]), ("model.layers.0.no_such.weight", weights[0][1])]
+    with pytest.raises(ValueError, match="no_such"):
+        loop.run_until_complete(rollout.update_weights(iter(bad), global_steps=12))
+    assert engine.weight_version == 11 and server._staged == []  # nothing committed, nothing left staged
