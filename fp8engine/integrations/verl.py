@@ -13,7 +13,8 @@ loads it explicitly), which registers three pieces:
   mode). `update_weights` hands the generator's tensors to the actor as shared-memory handles
   (`weights/tensor_handles.py`, never the Ray object store) in buckets of
   `rollout.checkpoint_engine.update_weights_bucket_megabytes` (each bucket copied into one flat tensor: SGLang's
-  flattened bucket); the actor stages them and commits once, at the end, with `weight_version=global_steps` (all or nothing). `release()` / `resume(tags)` are sleep / wake.
+  flattened bucket); the actor stages them and commits once, at the end, with `weight_version=global_steps` (all
+  or nothing). `release()` / `resume(tags)` are sleep / wake.
 
 Engine options: `actor_rollout_ref.rollout.engine_kwargs.fp8engine.<EngineConfig field>=value` (quantization,
 kv_cache_dtype, batch_invariant, ...), over what the rollout config implies (model path, dtype, lengths, seed,
@@ -86,7 +87,7 @@ def engine_config(rollout, model_path: str, lora_rank: int = 0) -> EngineConfig:
     return EngineConfig(**(options | overrides))
 
 
-def sampling_params(params: Mapping[str, Any], prompt_len: int, rollout, max_model_len: int,
+def to_sampling_params(params: Mapping[str, Any], prompt_len: int, rollout, max_model_len: int,
                     return_routed_experts: bool = False) -> SamplingParams:
     """veRL's per-request sampling dict as SamplingParams. Without max_tokens (veRL sends none) a response may take
     `rollout.response_length` tokens, less what a multi-turn prompt already used of prompt_length +
@@ -149,7 +150,7 @@ class FP8EngineServer:
         self.model_config = omega_conf_to_dataclass(model_config)
         self.rollout_mode = rollout_mode
         self.replica_rank = replica_rank
-        self.lora_rank = lora_rank_of(model_config)
+        self.lora_rank = lora_rank_of(self.model_config)
         self.engine: AsyncEngine | None = None
         self._staged: list[tuple[str, torch.Tensor]] = []
         self._gate = asyncio.Event()
@@ -171,7 +172,8 @@ class FP8EngineServer:
         if extra:
             raise ValueError(f"generate: unsupported argument(s) {extra}")
         prompt_ids = [int(t) for t in prompt_ids]
-        params = sampling_params_for(self, prompt_ids, sampling_params)
+        params = to_sampling_params(sampling_params, len(prompt_ids), self.config,
+                                    self.engine.engine.max_model_len, self.config.enable_rollout_routing_replay)
         while True:
             if not self._gate.is_set():
                 if self._rejecting:
@@ -278,11 +280,6 @@ class FP8EngineServer:
         pass
 
 
-def sampling_params_for(server: FP8EngineServer, prompt_ids: list[int], params: Mapping[str, Any]) -> SamplingParams:
-    return sampling_params(params, len(prompt_ids), server.config, server.engine.engine.max_model_len,
-                           server.config.enable_rollout_routing_replay)
-
-
 # ----------------------------------------------------------------------------- the replica
 def server_name(replica_rank: int, role: str = "", suffix: str = "") -> str:
     """The Ray name of a replica's server actor (role "reward_" / "teacher_" for those models' replicas)."""
@@ -380,25 +377,33 @@ class FP8EngineRollout(BaseRollout):
     async def _send_weights(self, weights, global_steps: int | None) -> dict[str, Any]:
         """Each bucket is copied into one flat tensor of its own (SGLang's flattened bucket) before its handle is
         taken: pickling a tensor for sharing moves its storage into shared memory in place, which would move the
-        trainer's own parameters there (FSDP2 with one rank yields them without a copy)."""
+        trainer's own parameters there (FSDP2 with one rank yields them without a copy). The report splits the
+        time: read_seconds reading veRL's generator (its gathers) and copying the buckets, handover_seconds in
+        the actor's calls (handles, staging, the commit: the engine's own share is `seconds`)."""
         server, held, previous = self._server(), [], None
+        read = handover = 0.0
         try:
+            mark = time.perf_counter()
             for bucket in buckets(weights, self.bucket_bytes, None):
                 if previous is not None:
+                    read, mark = read + time.perf_counter() - mark, time.perf_counter()
                     await server.update_weights_from_tensor.remote([tensor_handles.dumps(previous)],
                                                                    "flattened_bucket", flush=False)
+                    handover, mark = handover + time.perf_counter() - mark, time.perf_counter()
                 previous = tensor_handles.flatten(bucket)
                 held.append(previous)
             if previous is None:
                 raise ValueError("update_weights: the weights generator yielded no tensors")
+            read, mark = read + time.perf_counter() - mark, time.perf_counter()
             report = await server.update_weights_from_tensor.remote([tensor_handles.dumps(previous)],
                                                                      "flattened_bucket", flush=True,
                                                                      weight_version=global_steps)
+            handover += time.perf_counter() - mark
         except BaseException:
             await server.drop_staged.remote()
             raise
-        report["num_buckets"] = len(held)
-        report["num_bytes"] = sum(flat["flattened_tensor"].numel() for flat in held)
+        report |= {"num_buckets": len(held), "num_bytes": sum(flat["flattened_tensor"].numel() for flat in held),
+                   "read_seconds": read, "handover_seconds": handover}
         return report
 
     async def _send_adapter(self, weights, peft_config: dict, global_steps: int | None) -> dict[str, Any]:

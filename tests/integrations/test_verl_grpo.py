@@ -76,8 +76,8 @@ def run_grpo(tmp: Path, engine_kwargs: dict) -> tuple[list[dict], list[dict], fl
         "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0", "WANDB_MODE": "disabled",
         "HF_HUB_OFFLINE": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides(tmp, write_data(tmp / "train.parquet"),
-                                                                                      engine_kwargs)],
+    args = overrides(tmp, write_data(tmp / "train.parquet"), engine_kwargs)
+    proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=1200)
     wall = time.perf_counter() - start
     (tmp / "main_ppo.log").write_text(proc.stdout + proc.stderr)
@@ -91,7 +91,8 @@ def step_table(steps: list[dict], checks: list[dict]) -> list[dict]:
     """Per step: generate, update_weights and train seconds as veRL times them (its v1 trainer polls its replay
     buffer every 2 s, so its gen time is a multiple of that: engine_gen_s is the engine's own busy time in the
     step's rollout), the engine's commit seconds of the sync that followed the step (checks[0] is the sync before
-    step 1) and the sync check's seconds (inside veRL's update_weights timer), and veRL's logprob difference."""
+    step 1), the plugin's split of that sync (reading veRL's generator and copying buckets; the actor's calls) and the
+    sync check's seconds (inside veRL's update_weights timer too), and veRL's logprob difference."""
     rows = []
     for i, record in enumerate(steps):
         data = record["data"]
@@ -102,6 +103,8 @@ def step_table(steps: list[dict], checks: list[dict]) -> list[dict]:
                      "update_weights_s": data.get("timing_s/update_weights"),
                      "train_s": data.get("timing_s/update_actor"), "step_s": data.get("timing_s/step"),
                      "engine_commit_s": checks[i + 1]["engine_commit_seconds"] if i + 1 < len(checks) else None,
+                     "sync_read_s": checks[i + 1]["read_seconds"] if i + 1 < len(checks) else None,
+                     "sync_handover_s": checks[i + 1]["handover_seconds"] if i + 1 < len(checks) else None,
                      "sync_check_s": checks[i + 1]["check_seconds"] if i + 1 < len(checks) else None,
                      "rollout_probs_diff_mean": data.get("training/rollout_probs_diff_mean"),
                      "grad_norm": data.get("actor/grad_norm")})

@@ -48,18 +48,18 @@ def test_engine_config_from_rollout_config():
 
 def test_sampling_params_mapping():
     config = rollout_config(response_length=8, prompt_length=32, repetition_penalty=1.1)
-    params = plugin.sampling_params({"temperature": 0.7, "top_p": 0.9, "top_k": 5, "logprobs": True}, 10, config, 40)
+    params = plugin.to_sampling_params({"temperature": 0.7, "top_p": 0.9, "top_k": 5, "logprobs": True}, 10, config, 40)
     assert (params.max_tokens, params.logprobs, params.logprobs_mode, params.repetition_penalty, params.top_k) == (
         8, 0, "processed", 1.1, 5)
-    assert plugin.sampling_params({"logprobs": False}, 10, config, 40).logprobs is None
-    assert plugin.sampling_params({}, 36, config, 40).max_tokens == 4  # what the multi-turn prompt left
-    assert plugin.sampling_params({"max_tokens": 100}, 10, config, 40).max_tokens == 30  # max_model_len
+    assert plugin.to_sampling_params({"logprobs": False}, 10, config, 40).logprobs is None
+    assert plugin.to_sampling_params({}, 36, config, 40).max_tokens == 4  # what the multi-turn prompt left
+    assert plugin.to_sampling_params({"max_tokens": 100}, 10, config, 40).max_tokens == 30  # max_model_len
     with pytest.raises(ValueError, match="unsupported key.*'best_of'"):
-        plugin.sampling_params({"best_of": 2}, 10, config, 40)
+        plugin.to_sampling_params({"best_of": 2}, 10, config, 40)
     with pytest.raises(TypeError, match="must be a bool"):
-        plugin.sampling_params({"logprobs": 5}, 10, config, 40)
+        plugin.to_sampling_params({"logprobs": 5}, 10, config, 40)
     with pytest.raises(ValueError, match="no room"):
-        plugin.sampling_params({}, 40, config, 40)
+        plugin.to_sampling_params({}, 40, config, 40)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,8 @@ def server():
 
 def test_generate_token_output(server):
     server, loop = server
-    prompt = server.engine.engine.tokenize("Count to five, then name three colors, two animals, four rivers and one mountain, slowly please:")
+    prompt = server.engine.engine.tokenize("Count to five, then name three colors, two animals, four rivers and "
+                                           "one mountain, slowly please:")
     assert 16 < len(prompt) <= 32  # a whole KV block of it can come from the prefix cache
     out = loop.run_until_complete(server.generate(prompt, {"temperature": 1.0, "logprobs": True, "seed": 3}, "r1"))
     again = loop.run_until_complete(server.generate(prompt, {"temperature": 1.0, "logprobs": True, "seed": 3}, "r2"))

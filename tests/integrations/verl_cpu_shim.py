@@ -33,11 +33,13 @@ def _mem_get_info(device=None) -> tuple[int, int]:
     return memory.available, memory.total
 
 
-CPU_DEVICE = types.SimpleNamespace(**({name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("_")} | dict(
+_TORCH_CPU = {name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("_")}
+CPU_DEVICE = types.SimpleNamespace(**(_TORCH_CPU | dict(
     empty_cache=lambda: None, synchronize=lambda device=None: None, set_device=lambda device: None,
     current_device=lambda: "cpu", device_count=lambda: 1, is_available=lambda: True,
     get_device_name=lambda device=None: "CPU", manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
-    get_rng_state=lambda device=None: torch.get_rng_state(), set_rng_state=lambda state, device=None: torch.set_rng_state(state),
+    get_rng_state=lambda device=None: torch.get_rng_state(),
+    set_rng_state=lambda state, device=None: torch.set_rng_state(state),
     memory_allocated=lambda device=None: 0, memory_reserved=lambda device=None: 0,
     max_memory_allocated=lambda device=None: 0, max_memory_reserved=lambda device=None: 0,
     reset_peak_memory_stats=lambda device=None: None, mem_get_info=_mem_get_info,
@@ -144,6 +146,7 @@ def _check_sync(rollout, yielded: list[tuple[str, torch.Tensor]], report: dict, 
             "fp8": fp8, "num_quantized_checked": quantized, "mismatches": mismatches,
             "engine_commit_seconds": report["seconds"], "update_weights_seconds": seconds,
             "num_buckets": report["num_buckets"], "num_bytes": report["num_bytes"],
+            "read_seconds": report["read_seconds"], "handover_seconds": report["handover_seconds"],
             "engine_step_seconds_total": stats["step_seconds_total"],
             "engine_generation_tokens_total": stats["num_generation_tokens_total"]}
 
