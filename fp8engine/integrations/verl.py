@@ -375,10 +375,8 @@ class FP8EngineRollout(BaseRollout):
         return report
 
     async def _send_weights(self, weights, global_steps: int | None) -> dict[str, Any]:
-        """Each bucket is copied into one flat tensor of its own (SGLang's flattened bucket) before its handle is
-        taken: pickling a tensor for sharing moves its storage into shared memory in place, which would move the
-        trainer's own parameters there (FSDP2 with one rank yields them without a copy). The report splits the
-        time: read_seconds reading veRL's generator (its gathers) and copying the buckets, handover_seconds in
+        """Each bucket is copied once into a flat shared-memory tensor of its own (`shared_bucket`). The report splits
+        the time: read_seconds reading veRL's generator (its gathers) and copying the buckets, handover_seconds in
         the actor's calls (handles, staging, the commit: the engine's own share is `seconds`)."""
         server, held, previous = self._server(), [], None
         read = handover = 0.0
@@ -390,7 +388,7 @@ class FP8EngineRollout(BaseRollout):
                     await server.update_weights_from_tensor.remote([tensor_handles.dumps(previous)],
                                                                    "flattened_bucket", flush=False)
                     handover, mark = handover + time.perf_counter() - mark, time.perf_counter()
-                previous = tensor_handles.flatten(bucket)
+                previous = shared_bucket(bucket)
                 held.append(previous)
             if previous is None:
                 raise ValueError("update_weights: the weights generator yielded no tensors")
@@ -415,6 +413,26 @@ class FP8EngineRollout(BaseRollout):
                                                          weight_version=global_steps)
         report["num_buckets"] = 1
         return report
+
+
+def shared_bucket(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+    """SGLang's flattened bucket (tensor_handles.flatten) with its flat tensor allocated in shared memory and the
+    tensors copied in once: pickling it for the hand-over then copies nothing. (Pickling the yielded tensors
+    themselves would move their storage into shared memory in place, with a copy: FSDP2 on one rank yields its own
+    parameters, which would then live in /dev/shm.)"""
+    starts, at = [], 0
+    for _, tensor in bucket:
+        at = -(-at // 16) * 16  # each tensor starts aligned, whatever the dtypes before it
+        starts.append(at)
+        at += tensor.numel() * tensor.element_size()
+    flat = torch.empty(at, dtype=torch.uint8).share_memory_()
+    metadata = []
+    for (name, tensor), start in zip(bucket, starts):
+        end = start + tensor.numel() * tensor.element_size()
+        flat[start:end].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        metadata.append(tensor_handles.FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, start, end,
+                                                               tensor.numel()))
+    return {"flattened_tensor": flat, "metadata": metadata}
 
 
 def _load_replica() -> type[RolloutReplica]:
