@@ -1,7 +1,7 @@
 PY ?= python3
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-avx512 bench-short bench-baselines gpu-check
+.PHONY: setup demo test test-avx512 test-integrations bench-short bench-baselines gpu-check
 
 # Idempotent: CPU PyTorch from the local file first, then the project, then the default model.
 setup:
@@ -30,6 +30,15 @@ test-avx512:
 	@if grep -qw amx_tile /proc/cpuinfo; then \
 		FP8ENGINE_FP8_GEMM=avx512 FP8ENGINE_BF16_GEMM=avx512 FP8ENGINE_REQUIRE_CPP=1 $(PY) -m pytest -q $(AVX512_TESTS); \
 	else echo "test-avx512: no AMX tiles here, the suite above ran the paths this CPU takes (AVX-512 or AVX2)"; fi
+
+# Other frameworks' own trainers driving fp8engine, each in an environment of its own under ~/.cache/fp8engine
+# (built when absent, reused after): veRL 0.9.1's GRPO trainer (main_ppo) for 3 steps, BF16 and FP8 engines
+# (tests/integrations/test_verl_grpo.py, about 2.5 min a run on 2 cores; test_verl_plugin.py first, seconds). Not part of `make test`.
+VERL_VENV ?= $(HOME)/.cache/fp8engine/verl-venv
+test-integrations:
+	PY=$(PY) bash tests/integrations/verl_env.sh "$(VERL_VENV)"
+	cd /tmp && FP8ENGINE_REQUIRE_CPP=1 "$(VERL_VENV)/bin/python" -m pytest -q -s -p no:randomly -p no:cacheprovider \
+		"$(CURDIR)/tests/integrations/test_verl_plugin.py" "$(CURDIR)/tests/integrations/test_verl_grpo.py"
 
 bench-short:
 	fp8engine bench --workload rl-short --modes bf16,fp8-linear --baseline hf --json bench_results/rl-short.json

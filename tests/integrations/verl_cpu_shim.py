@@ -1,0 +1,192 @@
+"""Test-only: what veRL 0.9.1 lacks to run its own GRPO trainer on a CPU, and a check of every weight sync.
+
+Loaded in every veRL process (driver, task runner, FSDP workers, the fp8engine server actor) through
+`VERL_USE_EXTERNAL_MODULES=verl_cpu_shim` with this directory on PYTHONPATH (test_verl_grpo.py sets both).
+
+CPU gaps bridged here (the rest are config overrides in test_verl_grpo.py): veRL knows no CPU platform
+(`get_device_name()` gives "cuda", the collective backend "nccl"), so a "cpu" platform is registered
+(`VERL_PLATFORM=cpu`) with gloo collectives, torch.cpu as its device module (plus the memory and RNG calls
+veRL makes on torch.cuda) and "CPU" as the device name its FLOPs counter looks up; its process group's
+backend string ("cpu:gloo,cpu:gloo" there) becomes plain "gloo".
+
+Sync check (`VERL_SYNC_CHECK`: a JSON-lines file): after each `FP8EngineRollout.update_weights`, every tensor veRL's
+generator yielded is compared with the engine's `get_weights_by_name` — bitwise after the cast to the model dtype,
+or, for an FP8 linear, with the dequantized blockwise quantization of what was yielded — and one line records
+the names, mismatches, the engine's commit seconds and veRL's wall seconds for the whole call.
+"""
+
+import json
+import os
+import time
+import types
+
+import psutil
+import torch
+from verl.plugin.platform.platform_cuda import PlatformCUDA
+from verl.plugin.platform.platform_manager import PlatformRegistry
+
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _mem_get_info(device=None) -> tuple[int, int]:
+    memory = psutil.virtual_memory()
+    return memory.available, memory.total
+
+
+_TORCH_CPU = {name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("_")}
+CPU_DEVICE = types.SimpleNamespace(**(_TORCH_CPU | dict(
+    empty_cache=lambda: None, synchronize=lambda device=None: None, set_device=lambda device: None,
+    current_device=lambda: "cpu", device_count=lambda: 1, is_available=lambda: True,
+    get_device_name=lambda device=None: "CPU", manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
+    get_rng_state=lambda device=None: torch.get_rng_state(),
+    set_rng_state=lambda state, device=None: torch.set_rng_state(state),
+    memory_allocated=lambda device=None: 0, memory_reserved=lambda device=None: 0,
+    max_memory_allocated=lambda device=None: 0, max_memory_reserved=lambda device=None: 0,
+    reset_peak_memory_stats=lambda device=None: None, mem_get_info=_mem_get_info,
+    memory=types.SimpleNamespace(_set_allocator_settings=lambda settings: None))))
+
+
+@PlatformRegistry.register(platform="cpu")
+class PlatformCPU(PlatformCUDA):
+    """veRL's platform interface on the CPU: gloo collectives; Ray's "GPU" resource stands for the one CPU slot
+    (`ray_init.num_gpus=1`), so the resource pools veRL builds per GPU still place one worker."""
+
+    @property
+    def device_name(self) -> str:
+        return "cpu"
+
+    @property
+    def device_module(self):
+        return CPU_DEVICE
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check=False) -> bool:
+        return True
+
+    def current_device(self) -> str:
+        return "cpu"  # veRL uses it as the device of .to(...) and device_id=; an index would mean an accelerator
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        pass
+
+    def synchronize(self, device_index=None) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def get_device_capability(self, device_index: int = 0):
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def rollout_env_vars(self) -> dict[str, str]:
+        return {}
+
+
+def _gloo_only(init_process_group):
+    """veRL asks for backend f"cpu:gloo,{device}:{collectives}", which on this platform names the CPU twice."""
+    def init(*args, backend=None, **kwargs):
+        if backend == "cpu:gloo,cpu:gloo":
+            backend = "gloo"
+        return init_process_group(*args, backend=backend, **kwargs)
+    return init
+
+
+torch.distributed.init_process_group = _gloo_only(torch.distributed.init_process_group)
+
+
+def _check_sync(rollout, yielded: list[tuple[str, torch.Tensor]], report: dict, seconds: float) -> dict:
+    server = rollout._server()
+    import ray
+    names = [name for name, _ in yielded]
+    engine = ray.get(server.get_weights_by_name.remote(names))
+    expected_names = ray.get(server.expected_weight_names.remote())
+    fp8 = "fp8" in (rollout.config.quantization, (rollout.config.engine_kwargs.get("fp8engine") or {}).get(
+        "quantization"))
+    from fp8engine.weights.quant import (
+        dequantize_weight_blockwise,
+        quantize_weight_blockwise,
+    )
+    mismatches, quantized = [], 0
+    for name, tensor in yielded:
+        got = engine[name]
+        if fp8 and name.endswith(tuple(f"{p}.weight" for p in FP8_LINEARS)):
+            want = dequantize_weight_blockwise(*quantize_weight_blockwise(tensor.float())).to(got.dtype)
+            quantized += 1
+        else:
+            want = tensor.to(got.dtype)
+        if got.shape != want.shape or not torch.equal(got, want):
+            diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else None
+            mismatches.append({"name": name, "max_abs_diff": diff})
+    tied = "lm_head.weight" in names and "lm_head.weight" not in expected_names
+    stats = ray.get(server.stats.remote())
+    return {"pid": os.getpid(), "weight_version": report["weight_version"], "num_tensors": len(names),
+            "names": names, "engine_expected_names": expected_names, "tied_lm_head": tied,
+            "tied_head_equals_embedding": bool(tied and torch.equal(engine["lm_head.weight"],
+                                                                      engine["model.embed_tokens.weight"])),
+            "fp8": fp8, "num_quantized_checked": quantized, "mismatches": mismatches,
+            "engine_commit_seconds": report["seconds"], "update_weights_seconds": seconds,
+            "num_buckets": report["num_buckets"], "num_bytes": report["num_bytes"],
+            "read_seconds": report["read_seconds"], "handover_seconds": report["handover_seconds"],
+            "engine_step_seconds_total": stats["step_seconds_total"],
+            "engine_generation_tokens_total": stats["num_generation_tokens_total"]}
+
+
+def _install_sync_check(path: str) -> None:
+    """Wraps FP8EngineRollout.update_weights where veRL's worker gets its rollout class (get_rollout_class): this
+    module is imported while verl itself is, so the plugin may not be importable yet."""
+    from verl.workers.rollout import base
+    get_rollout_class = base.get_rollout_class
+
+    def get_checked_rollout_class(rollout_name: str, mode: str = "async"):
+        cls = get_rollout_class(rollout_name, mode)
+        if rollout_name == "fp8engine" and not getattr(cls.update_weights, "sync_checked", False):
+            cls.update_weights = _checked(cls.update_weights, path)
+        return cls
+
+    base.get_rollout_class = get_checked_rollout_class
+
+
+def _checked(update_weights, path: str):
+    async def checked_update_weights(self, weights, *args, **kwargs):
+        yielded = []
+
+        def tee():
+            for name, tensor in weights:
+                yielded.append((name, tensor.detach().to("cpu").clone()))
+                yield name, tensor
+
+        start = time.perf_counter()
+        report = await update_weights(self, tee(), *args, **kwargs)
+        seconds = time.perf_counter() - start
+        record = _check_sync(self, yielded, report, seconds)
+        record["check_seconds"] = time.perf_counter() - start - seconds  # inside veRL's update_weights timer too
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return report
+
+    checked_update_weights.sync_checked = True
+    return checked_update_weights
+
+
+if os.environ.get("VERL_SYNC_CHECK"):
+    _install_sync_check(os.environ["VERL_SYNC_CHECK"])
