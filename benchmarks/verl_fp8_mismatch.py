@@ -30,7 +30,7 @@ quantization error. Run both inside veRL's venv (make test-integrations builds i
 """
 
 import argparse
-import glob
+import itertools
 import json
 import os
 import sys
@@ -63,7 +63,7 @@ def run(args) -> None:
         "RAY_USAGE_STATS_ENABLED": "0"}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *over], cwd=out, env=env,
-                          capture_output=True, text=True, timeout=1800)
+                          capture_output=True, text=True, timeout=1800, check=False)
     (out / "main_ppo.log").write_text(proc.stdout + proc.stderr)
     print(f"main_ppo exit {proc.returncode} in {time.perf_counter() - start:.0f} s; dump in {dump}")
     if proc.returncode:
@@ -85,7 +85,7 @@ def load_run(directory: Path) -> list[dict]:
     """Per step: the rollouts veRL scored (prompt, response, engine logprobs from the rollout, veRL's rollout and
     FSDP logprobs) and the weight version they were sampled with."""
     dump = directory / "dump"
-    records = [json.loads(line) for f in sorted(dump.glob("rollouts_*.jsonl")) for line in open(f)]
+    records = [json.loads(line) for f in sorted(dump.glob("rollouts_*.jsonl")) for line in f.read_text().splitlines()]
     debug = sorted(dump.glob("debug_*.pt"), key=lambda f: int(f.stem.rsplit("_", 1)[1]))
     steps = []
     for step, f in enumerate(debug, 1):
@@ -172,7 +172,10 @@ def weight_error(weights: dict, base: dict) -> dict:
     the first synced weights, share of 128x128 blocks whose amax (hence scale) changed, share of elements whose
     FP8 code changed, and how well the update U = W - W0 survives a cast: ||(C(W) - C(W0)) - U|| / ||U|| for C the
     bfloat16 cast (what veRL's FSDP computes with, param_dtype bf16) and the FP8 quantize-dequantize."""
-    from fp8engine.weights.quant import dequantize_weight_blockwise, quantize_weight_blockwise
+    from fp8engine.weights.quant import (
+        dequantize_weight_blockwise,
+        quantize_weight_blockwise,
+    )
     err = norm = change = lost16 = lost8 = 0.0
     blocks = blocks_changed = codes = codes_changed = 0
     for name, w in weights.items():
@@ -201,7 +204,7 @@ def by_probability(p_ref: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> lis
     """|p_a - p_b| and |log p_a - log p_b| by bins of the reference token probability."""
     edges = [0.0, 0.1, 0.5, 0.9, 0.99, 1.0001]
     out = []
-    for lo, hi in zip(edges, edges[1:]):
+    for lo, hi in itertools.pairwise(edges):
         m = (p_ref >= lo) & (p_ref < hi)
         if m.any():
             out.append({"p": f"[{lo:g},{min(hi, 1):g})", "tokens": int(m.sum()),
@@ -241,10 +244,11 @@ def analyze(args) -> None:
             lp["fq16b"] = teacher_forced(hf_model(as_bf16, torch.bfloat16, True), rows)
             lp["engb"] = engine_scores(engine, as_bf16, rows)
             lp["eng"] = engine_scores(engine, weights, rows)
+            p_hf32 = torch.cat(lp["hf32"]).exp()
             record = {"step": step["step"], "weight_version": step["version"], "tokens": sum(map(len, lp["roll"])),
                       "verl_rollout_probs_diff_mean": step["metrics"]["training/rollout_probs_diff_mean"],
                       "mean_p_hf32": torch.cat(lp["hf32"]).exp().mean().item(),
-                      "mean_p(1-p)_hf32": (lambda p: (p * (1 - p)).mean().item())(torch.cat(lp["hf32"]).exp()),
+                      "mean_p(1-p)_hf32": (p_hf32 * (1 - p_hf32)).mean().item(),
                       "pairs": {f"{a}-{b}": compare(lp[a], lp[b]) for a, b in pairs},
                       "weights": weight_error(weights, base),
                       "fq_vs_hf32_by_p": by_probability(torch.cat(lp["hf32"]).exp(), torch.cat(lp["fq"]),

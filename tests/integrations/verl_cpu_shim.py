@@ -210,7 +210,7 @@ def _dump_generate(generate, directory: str):
                   "token_ids": list(out.token_ids), "log_probs": out.log_probs,
                   "global_steps": (out.extra_fields or {}).get("global_steps"),
                   "min_global_steps": (out.extra_fields or {}).get("min_global_steps")}
-        with open(os.path.join(directory, f"rollouts_{os.getpid()}.jsonl"), "a") as f:
+        with open(os.path.join(directory, f"rollouts_{os.getpid()}.jsonl"), "a") as f:  # noqa: ASYNC230
             f.write(json.dumps(record) + "\n")
         return out
 
@@ -250,7 +250,7 @@ def _install_dump(directory: str) -> None:
     def dumping_calculate_debug_metrics(data):
         calls[0] += 1
         batch = {k: data.batch[k].detach().cpu().clone() for k in
-                 ("responses", "response_mask", "rollout_log_probs", "old_log_probs") if k in data.batch.keys()}
+                 ("responses", "response_mask", "rollout_log_probs", "old_log_probs") if k in data.batch}
         result = calculate(data)
         torch.save(batch | {"metrics": result}, os.path.join(directory, f"debug_{os.getpid()}_{calls[0]}.pt"))
         return result
