@@ -13,6 +13,12 @@ Sync check (`VERL_SYNC_CHECK`: a JSON-lines file): after each `FP8EngineRollout.
 generator yielded is compared with the engine's `get_weights_by_name` — bitwise after the cast to the model dtype,
 or, for an FP8 linear, with the dequantized blockwise quantization of what was yielded — and one line records
 the names, mismatches, the engine's commit seconds and veRL's wall seconds for the whole call.
+
+Dump (`FP8ENGINE_VERL_DUMP`: a directory; benchmarks/verl_fp8_mismatch.py reads it): every sync's yielded tensors
+(`weights_v{version}.safetensors`, as yielded), every rollout the server actor answers (`rollouts_{pid}.jsonl`:
+prompt ids, response ids, the engine's logprobs, the weight version of the last token) and, each step, the inputs of
+veRL's `calculate_debug_metrics` (`debug_{n}.pt`: responses, response_mask, rollout_log_probs, old_log_probs), the
+function that reports `training/rollout_probs_diff_mean`. Off unless the variable is set.
 """
 
 import json
@@ -178,6 +184,8 @@ def _checked(update_weights, path: str):
         start = time.perf_counter()
         report = await update_weights(self, tee(), *args, **kwargs)
         seconds = time.perf_counter() - start
+        if os.environ.get("FP8ENGINE_VERL_DUMP"):
+            _dump_weights(os.environ["FP8ENGINE_VERL_DUMP"], report["weight_version"], yielded)
         record = _check_sync(self, yielded, report, seconds)
         record["check_seconds"] = time.perf_counter() - start - seconds  # inside veRL's update_weights timer too
         with open(path, "a") as f:
@@ -188,5 +196,69 @@ def _checked(update_weights, path: str):
     return checked_update_weights
 
 
+def _dump_weights(directory: str, version, yielded: list[tuple[str, torch.Tensor]]) -> None:
+    from safetensors.torch import save_file
+    os.makedirs(directory, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in yielded}, os.path.join(directory, f"weights_v{version}.safetensors"))
+
+
+def _dump_generate(generate, directory: str):
+    async def dumped_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+        out = await generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+        record = {"request_id": str(request_id), "prompt_ids": [int(t) for t in prompt_ids],
+                  "sampling_params": {k: v for k, v in sampling_params.items() if isinstance(v, int | float | bool)},
+                  "token_ids": list(out.token_ids), "log_probs": out.log_probs,
+                  "global_steps": (out.extra_fields or {}).get("global_steps"),
+                  "min_global_steps": (out.extra_fields or {}).get("min_global_steps")}
+        with open(os.path.join(directory, f"rollouts_{os.getpid()}.jsonl"), "a") as f:  # noqa: ASYNC230
+            f.write(json.dumps(record) + "\n")
+        return out
+
+    dumped_generate.dumped = True
+    return dumped_generate
+
+
+def _install_dump(directory: str) -> None:
+    """Wraps the server actor's generate once the plugin module has finished importing (it registers itself on its
+    last line; this module may be imported while the plugin is, through veRL's import), and veRL's
+    calculate_debug_metrics before its trainer imports it."""
+    os.makedirs(directory, exist_ok=True)
+    import sys
+
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+    register = RolloutReplicaRegistry.register
+
+    def patch_server():
+        module = sys.modules.get("fp8engine.integrations.verl")
+        server = getattr(module, "FP8EngineServer", None)
+        if server is not None and not getattr(server.generate, "dumped", False):
+            server.generate = _dump_generate(server.generate, directory)
+
+    def dumping_register(name, *args, **kwargs):
+        result = register(name, *args, **kwargs)
+        if name == "fp8engine":
+            patch_server()
+        return result
+
+    RolloutReplicaRegistry.register = dumping_register
+    patch_server()
+
+    from verl.utils.debug import metrics
+    calculate = metrics.calculate_debug_metrics
+    calls = [0]
+
+    def dumping_calculate_debug_metrics(data):
+        calls[0] += 1
+        batch = {k: data.batch[k].detach().cpu().clone() for k in
+                 ("responses", "response_mask", "rollout_log_probs", "old_log_probs") if k in data.batch}
+        result = calculate(data)
+        torch.save(batch | {"metrics": result}, os.path.join(directory, f"debug_{os.getpid()}_{calls[0]}.pt"))
+        return result
+
+    metrics.calculate_debug_metrics = dumping_calculate_debug_metrics
+
+
 if os.environ.get("VERL_SYNC_CHECK"):
     _install_sync_check(os.environ["VERL_SYNC_CHECK"])
+if os.environ.get("FP8ENGINE_VERL_DUMP"):
+    _install_dump(os.environ["FP8ENGINE_VERL_DUMP"])
