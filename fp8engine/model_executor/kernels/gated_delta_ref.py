@@ -21,6 +21,10 @@ steps would), then each grid chunk it starts with the chunked form, a last parti
 that change nothing. The state after position p therefore has the same bits for every split of positions <= p
 into calls that start and end on the grid (and at p); a call that ends off the grid leaves its partial chunk
 computed in chunked form, which a later call cannot extend, so such splits change the low bits.
+
+On CPU torch's sigmoid, silu and softplus give an element other bits in the vectorised body of a tensor than in its
+scalar tail (measured, torch 2.13), so a token's result would depend on its row in the batch; exp and log do not,
+and the functions here are built from them and IEEE-exact arithmetic (tests/test_gated_delta.py holds them to it).
 """
 
 import torch
@@ -32,6 +36,29 @@ L2NORM_EPS = 1e-6
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, as FLA and transformers compute it."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return 1 / (1 + torch.exp(-x))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x))
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)), x itself above 20 as torch's threshold; log1p from log as Kahan computes it."""
+    e = torch.exp(x.clamp(max=20))
+    u = 1 + e
+    log1p = torch.where(u == 1, e, torch.log(u) * e / (u - 1))
+    return torch.where(x > 20, x, log1p)
+
+
+def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g = -exp(A_log) * softplus(a + dt_bias) in float32, beta = sigmoid(b) in b's dtype) from the outputs of
+    in_proj_a and in_proj_b [T, Hv]."""
+    return -A_log.float().exp() * softplus(a.float() + dt_bias), sigmoid(b)
 
 
 def causal_conv1d_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
@@ -46,7 +73,7 @@ def causal_conv1d_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
     for j in range(1, k):
         acc = acc + xs[j:j + x.shape[0]].float() * wf[:, j]
     new_state = xs[xs.shape[0] - (k - 1):].t().to(conv_state.dtype)
-    return F.silu(acc.to(x.dtype)), new_state
+    return silu(acc.to(x.dtype)), new_state
 
 
 def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,7 +81,7 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
     float32 rounded to x's dtype, times weight, times silu(z) in float32, rounded once more."""
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return ((weight * normed) * F.silu(z.float())).to(x.dtype)
+    return ((weight * normed) * silu(z.float())).to(x.dtype)
 
 
 def prepare_qkvgb(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

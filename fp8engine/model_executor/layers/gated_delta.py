@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fp8engine.model_executor.kernels.gated_delta_ref import (
-    causal_conv1d_ref, chunked_gated_delta_ref, gated_rms_norm_ref, recurrent_gated_delta_ref)
+    causal_conv1d_ref, chunked_gated_delta_ref, decay_and_beta, gated_rms_norm_ref, recurrent_gated_delta_ref)
 
 Projection = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
 Mode = Literal["recurrent", "chunked"]
@@ -116,8 +116,7 @@ def gated_delta_layer(x: torch.Tensor, w: GatedDeltaWeights, states: list[GatedD
     t, kd = x.shape[0], w.num_k_heads * w.head_k_dim
     mixed = project(x, w.in_proj_qkv)
     z = project(x, w.in_proj_z).view(t, w.num_v_heads, w.head_v_dim)
-    beta = torch.sigmoid(project(x, w.in_proj_b))
-    g = -w.A_log.float().exp() * F.softplus(project(x, w.in_proj_a).float() + w.dt_bias)
+    g, beta = decay_and_beta(project(x, w.in_proj_a), project(x, w.in_proj_b), w.A_log, w.dt_bias)
     conv_out, convs = [], []
     for state, part in zip(states, mixed.split(seq_lens)):
         out, conv = causal_conv1d_ref(part, state.conv, w.conv_weight)
