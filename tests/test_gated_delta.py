@@ -9,30 +9,41 @@ recurrent vs chunked within 2.3e-6 over 150 tokens (states 1.6e-7). The file run
 import pytest
 import torch
 from torch.nn import functional as F
-from transformers import DynamicCache, Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+from transformers import (
+    DynamicCache,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+)
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from fp8engine.model_executor.kernels.gated_delta_ref import (chunked_gated_delta_ref, recurrent_gated_delta_ref, sigmoid,
-                                                              silu, softplus)
-from fp8engine.model_executor.layers.gated_delta import (GatedDeltaState, GatedDeltaWeights, gated_delta_layer,
-                                                         weights_from_hf)
+from fp8engine.model_executor.kernels.gated_delta_ref import (
+    chunked_gated_delta_ref,
+    recurrent_gated_delta_ref,
+    sigmoid,
+    silu,
+    softplus,
+)
+from fp8engine.model_executor.layers.gated_delta import (
+    GatedDeltaState,
+    GatedDeltaWeights,
+    gated_delta_layer,
+    weights_from_hf,
+)
 
 C = 16  # chunk length in these tests: divides a block of 16 or more
 HIDDEN = 32
-TINY = dict(hidden_size=HIDDEN, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-            linear_conv_kernel_dim=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-            intermediate_size=64, vocab_size=64)
+TINY = {"hidden_size": HIDDEN, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "intermediate_size": 64, "vocab_size": 64}
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16}
 ARCHS = {
     "qwen3_5": (Qwen3_5TextConfig, Qwen3_5GatedDeltaNet, {}),
-    "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeGatedDeltaNet, dict(num_experts=4, num_experts_per_tok=2,
-                                                                       moe_intermediate_size=16,
-                                                                       shared_expert_intermediate_size=16)),
-    "qwen3_next": (Qwen3NextConfig, Qwen3NextGatedDeltaNet, dict(num_experts=4, num_experts_per_tok=2,
-                                                                moe_intermediate_size=16,
-                                                                shared_expert_intermediate_size=16)),
+    "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeGatedDeltaNet, MOE),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextGatedDeltaNet, MOE),
 }
 TOL = 1e-5
 

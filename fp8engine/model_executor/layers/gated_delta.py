@@ -18,7 +18,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from fp8engine.model_executor.kernels.gated_delta_ref import (
-    causal_conv1d_ref, chunked_gated_delta_ref, decay_and_beta, gated_rms_norm_ref, recurrent_gated_delta_ref)
+    causal_conv1d_ref,
+    chunked_gated_delta_ref,
+    decay_and_beta,
+    gated_rms_norm_ref,
+    recurrent_gated_delta_ref,
+)
 
 Projection = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
 Mode = Literal["recurrent", "chunked"]
