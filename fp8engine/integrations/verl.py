@@ -331,6 +331,7 @@ class FP8EngineRollout(BaseRollout):
         super().__init__(config, model_config, device_mesh)
         self.replica_rank = int(os.environ.get("RANK", "0")) if replica_rank == -1 else replica_rank
         self.bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
+        self.sync_dtype = getattr(torch, self.config.dtype)  # what the synced floats are cast to (shared_bucket)
         self.server = None
         self.sleep_level = 2
         self.last_update: dict[str, Any] = {}
@@ -388,7 +389,7 @@ class FP8EngineRollout(BaseRollout):
                     await server.update_weights_from_tensor.remote([tensor_handles.dumps(previous)],
                                                                    "flattened_bucket", flush=False)
                     handover, mark = handover + time.perf_counter() - mark, time.perf_counter()
-                previous = shared_bucket(bucket)
+                previous = shared_bucket(bucket, self.sync_dtype)
                 held.append(previous)
             if previous is None:
                 raise ValueError("update_weights: the weights generator yielded no tensors")
@@ -415,19 +416,27 @@ class FP8EngineRollout(BaseRollout):
         return report
 
 
-def shared_bucket(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+def shared_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> dict:
     """SGLang's flattened bucket (tensor_handles.flatten) with its flat tensor allocated in shared memory and the
     tensors copied in once: pickling it for the hand-over then copies nothing. (Pickling the yielded tensors
     themselves would move their storage into shared memory in place, with a copy: FSDP2 on one rank yields its own
-    parameters, which would then live in /dev/shm.)"""
+    parameters, which would then live in /dev/shm.)
+
+    dtype: floating-point tensors are cast to it on the way (the engine's model dtype). veRL's FSDP2 yields its
+    float32 master weights while its forward, and so the logprobs a rollout is compared with, computes with them
+    cast to its param_dtype (bfloat16): an FP8 engine fed the float32 values quantized a policy the trainer never
+    computes with, and veRL's rollout_probs_diff_mean grew with every step (0.026 / 0.050 / 0.077) where, fed the
+    bfloat16 cast, it stays at the FP8 floor (docs/integrations.md). The cast also halves the bytes handed over."""
+    cast = [(name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() and tensor.element_size() > 1
+             else tensor) for name, tensor in bucket]
     starts, at = [], 0
-    for _, tensor in bucket:
+    for _, tensor in cast:
         at = -(-at // 16) * 16  # each tensor starts aligned, whatever the dtypes before it
         starts.append(at)
         at += tensor.numel() * tensor.element_size()
     flat = torch.empty(at, dtype=torch.uint8).share_memory_()
     metadata = []
-    for (name, tensor), start in zip(bucket, starts):
+    for (name, tensor), start in zip(cast, starts):
         end = start + tensor.numel() * tensor.element_size()
         flat[start:end].view(tensor.dtype).view(tensor.shape).copy_(tensor)
         metadata.append(tensor_handles.FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, start, end,

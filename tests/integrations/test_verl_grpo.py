@@ -26,6 +26,7 @@ MODEL = Path(os.environ.get("FP8ENGINE_VERL_MODEL",
 STEPS = 3
 PROMPTS = ["Count from 1 to 10.", "What is 12 times 7?"]
 BF16_PROBS_DIFF_MAX = 0.02
+FP8_PROBS_DIFF_MAX = 0.045
 ENGINES = {"bf16": {}, "fp8": {"quantization": "fp8"}}
 
 
@@ -126,8 +127,9 @@ def test_verl_grpo(engine, tmp_path):
     assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in rows), rows
     diffs = [r["rollout_probs_diff_mean"] for r in rows]
     assert all(d is not None and d >= 0 for d in diffs), diffs
-    if engine == "bf16":
-        assert max(diffs) < BF16_PROBS_DIFF_MAX, diffs
+    # BF16 at its floor; FP8 at its own (about 0.03: W8A8 on these weights), flat over the steps because the
+    # plugin hands over the bfloat16 cast the trainer computes with (fed float32 it grew to 0.05 / 0.08)
+    assert max(diffs) < (BF16_PROBS_DIFF_MAX if engine == "bf16" else FP8_PROBS_DIFF_MAX), diffs
 
     assert [c["weight_version"] for c in checks] == list(range(STEPS + 1))  # veRL's global_steps: 0 before step 1
     for check in checks:

@@ -151,6 +151,9 @@ def test_shared_bucket_mixed_dtypes():
     assert flat["flattened_tensor"].is_shared()
     assert [(n, torch.equal(t, dict(bucket)[n])) for n, t in tensor_handles.unflatten(flat)] == [
         (n, True) for n, _ in bucket]
+    cast = dict(tensor_handles.unflatten(plugin.shared_bucket(bucket, torch.bfloat16)))  # floats to the model dtype
+    assert [cast[n].dtype for n in "abcd"] == [torch.bfloat16, torch.bfloat16, torch.int64, torch.bfloat16]
+    assert torch.equal(cast["b"], dict(bucket)["b"].to(torch.bfloat16)) and torch.equal(cast["c"], torch.arange(3))
 
 
 def test_rollout_refuses_delta_flush():
@@ -179,11 +182,13 @@ def test_rollout_syncs_in_flat_buckets_committed_once(server):
     rollout = plugin.FP8EngineRollout.__new__(plugin.FP8EngineRollout)
     rollout.config, rollout.bucket_bytes, rollout.server, rollout.last_update = rollout_config(), 1 << 20, \
         _Handle(server), {}
+    rollout.sync_dtype = engine.runner.dtype
     names = loop.run_until_complete(server.expected_weight_names())
     weights = [(n, engine.get_weights_by_name(n).float() * 0.99) for n in names]
     report = loop.run_until_complete(rollout.update_weights(iter(weights), global_steps=11))
     assert report["weight_version"] == 11 == engine.weight_version and report["num_tensors"] == len(names)
-    assert report["num_buckets"] > 10 and report["num_bytes"] >= sum(t.numel() * 4 for _, t in weights)
+    itemsize = engine.runner.dtype.itemsize  # handed over in the model dtype
+    assert report["num_buckets"] > 10 and report["num_bytes"] >= sum(t.numel() * itemsize for _, t in weights)
     assert not any(t.is_shared() for _, t in weights)
     for name, tensor in weights[:: max(1, len(weights) // 20)]:
         assert torch.equal(engine.get_weights_by_name(name), tensor.to(engine.runner.dtype)), name

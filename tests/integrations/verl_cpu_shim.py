@@ -11,7 +11,8 @@ backend string ("cpu:gloo,cpu:gloo" there) becomes plain "gloo".
 
 Sync check (`VERL_SYNC_CHECK`: a JSON-lines file): after each `FP8EngineRollout.update_weights`, every tensor veRL's
 generator yielded is compared with the engine's `get_weights_by_name` — bitwise after the cast to the model dtype,
-or, for an FP8 linear, with the dequantized blockwise quantization of what was yielded — and one line records
+or, for an FP8 linear, with the dequantized blockwise quantization of that cast (what the plugin hands over) — and
+one line records
 the names, mismatches, the engine's commit seconds and veRL's wall seconds for the whole call.
 
 Dump (`FP8ENGINE_VERL_DUMP`: a directory; benchmarks/verl_fp8_mismatch.py reads it): every sync's yielded tensors
@@ -136,7 +137,8 @@ def _check_sync(rollout, yielded: list[tuple[str, torch.Tensor]], report: dict, 
     for name, tensor in yielded:
         got = engine[name]
         if fp8 and name.endswith(tuple(f"{p}.weight" for p in FP8_LINEARS)):
-            want = dequantize_weight_blockwise(*quantize_weight_blockwise(tensor.float())).to(got.dtype)
+            # the plugin hands over the model dtype's cast (shared_bucket), which the engine quantizes
+            want = dequantize_weight_blockwise(*quantize_weight_blockwise(tensor.to(got.dtype).float())).to(got.dtype)
             quantized += 1
         else:
             want = tensor.to(got.dtype)
