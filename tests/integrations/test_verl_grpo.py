@@ -26,7 +26,7 @@ MODEL = Path(os.environ.get("FP8ENGINE_VERL_MODEL",
 STEPS = 3
 PROMPTS = ["Count from 1 to 10.", "What is 12 times 7?"]
 BF16_PROBS_DIFF_MAX = 0.02
-FP8_PROBS_DIFF_MAX = 0.045
+FP8_PROBS_DIFF_MAX = 0.05  # its floor varies with the samples: 0.022-0.037 seen (lr 0 and 1e-4)
 ENGINES = {"bf16": {}, "fp8": {"quantization": "fp8"}}
 
 
