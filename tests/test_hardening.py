@@ -29,10 +29,13 @@ from tests.prompts import CHATS, RAW
 CONTEXT = 48  # max_model_len of these servers: every generation is short, whatever a request asks
 FLAGS = ["--dtype", "float32", "--max-model-len", str(CONTEXT), "--num-kv-blocks", "64"]
 EXAMPLES = 25  # per operation and generation mode (positive, negative)
-# Fuzzed with schema-invalid requests only: a valid /init_weights_update_group or /init_weight_transfer_engine
-# waits (up to its timeout_s) for a trainer's rendezvous at the address it names. /pause is resumed after every case, so that the
-# rest of the run is served; the other group endpoints answer at once with no group open.
-NEGATIVE_ONLY = {"/init_weights_update_group", "/init_weight_transfer_engine"}
+# Fuzzed with schema-invalid requests only: a valid /init_weights_update_group waits (up to its timeout_s) for a
+# trainer's rendezvous at the address it names. /pause is resumed after every case, so that the rest of the run is
+# served; the other group endpoints answer at once with no group open.
+NEGATIVE_ONLY = {"/init_weights_update_group"}
+# Not fuzzed: a "schema-invalid" init_info the server still takes (a port as a numeric string) waits for a trainer
+# at the address it names, and holds the server's shutdown meanwhile (test_rl_stacks.py checks its bad bodies).
+NOT_FUZZED = {"/init_weight_transfer_engine"}
 RESUME_AFTER = {"/pause", "/pause_generation"}
 # Fuzzed after the rest: a level-2 sleep leaves the server without weights, and so every generation 503.
 LAST = {"/sleep", "/wake_up", "/release_memory_occupation", "/resume_memory_occupation"}
@@ -245,7 +248,8 @@ def test_schemathesis_finds_no_5xx_and_no_response_outside_the_schema(tiny_qwen3
     # The tiny model: a fuzzed request may ask for hundreds of samples (10 prompts x n=22 happened)
     with serving(["--model", tiny_qwen3_dir, *FLAGS]) as base_url:
         schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
-        operations = sorted((r.ok() for r in schema.get_all_operations()), key=lambda op: op.path in LAST)
+        operations = sorted((op for op in (r.ok() for r in schema.get_all_operations()) if op.path not in NOT_FUZZED),
+                            key=lambda op: op.path in LAST)
         assert len(operations) >= 14
         for operation in operations:
             if operation.path not in NEGATIVE_ONLY:

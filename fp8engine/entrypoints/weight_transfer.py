@@ -33,7 +33,7 @@ from fp8engine.weights.dist_update import parse_dtype
 GLOO_PREFIX = "fp8engine-gloo"
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30  # vLLM's defaults: both sides must agree
 DEFAULT_PACKED_NUM_BUFFERS = 2
-TIMEOUT_S = 600.0
+TIMEOUT_S = 300.0  # as vLLM's StatelessProcessGroup store
 
 
 class TransferInit(_Request):
