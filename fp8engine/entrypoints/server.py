@@ -41,8 +41,9 @@ Other RL stacks' protocols: vLLM's RL API (vllm_api.py: /pause?mode=, /is_paused
        routes, /inference/v1/generate, /tokenize, ...) and SGLang's native one (sglang_api.py: /generate,
        /pause_generation, /abort_request, ...). Where a path is ours too, the request's shape decides: /pause with
        query parameters or no body is vLLM's (abort, and the prefix cache cleared), with a JSON body ours;
-       /update_weights with a JSON {"update_info"} is vLLM's weight transfer, with a safetensors body ours. Replies
-       on shared paths carry both servers' keys (e.g. "status" and "paused"; SGLang's "success" and "message").
+       /update_weights with a JSON {"update_info"} is vLLM's weight transfer, {"weight_dir"} prime-rl's directory
+       reload, a safetensors body ours. Replies to their forms carry their keys (vLLM's "status", SGLang's "success"
+       and "message") beside ours; /resume, the same request in both, answers both.
 Generation requests answer 503 while paused in "abort" or "wait" mode, and while the engine sleeps. Request and choice
 extensions are listed in protocol.py; /openapi.json describes every endpoint (openapi.py).
 """
@@ -120,8 +121,8 @@ from fp8engine.entrypoints.protocol import (
     parse_json,
     validate,
 )
-from fp8engine.entrypoints.rollouts import Rollouts
 from fp8engine.entrypoints import sglang_api, vllm_api
+from fp8engine.entrypoints.rollouts import Rollouts
 from fp8engine.entrypoints.weight_transfer import WeightTransfer
 from fp8engine.outputs import EngineStats, RequestOutput
 from fp8engine.sampling_params import STRUCTURED
@@ -408,7 +409,7 @@ class Server:
     # ----------------------------------------------------------------- RL
     async def pause(self, request: Request) -> dict:
         """Ours with a JSON body {"mode"} (default "wait"); vLLM's with query parameters or no body at all (mode
-        "abort" by default, and the prefix cache cleared). Both replies carry both servers' keys."""
+        "abort" by default, and the prefix cache cleared), whose reply carries our keys beside vLLM's "status"."""
         data = await _read_body(request, self.settings.max_body_bytes)
         if request.query_params and data.strip():
             raise ApiError(400, "mode: give it as a query parameter (vLLM's /pause) or in a JSON body (ours), not "
