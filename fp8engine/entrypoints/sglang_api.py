@@ -37,6 +37,7 @@ from fp8engine.entrypoints.protocol import (
     ApiError,
     Text,
     TokenIds,
+    _finite,
     _OpenAIRequest,
     _Request,
     parse_json,
@@ -80,14 +81,17 @@ class SglangSamplingParams(_OpenAIRequest):
     def _off(cls, value: int) -> int:
         return -1 if value <= 0 or value >= 1 << 30 else value  # SGLang writes "off" as -1 or 1 << 30
 
-    def engine(self, logprobs: int | None, logprobs_mode: str, routed: bool) -> SamplingParams:
+    def engine(self, room: int, logprobs: int | None, logprobs_mode: str, prompt_logprobs: int | None,
+               routed: bool) -> SamplingParams:
+        """Our SamplingParams for a prompt with `room` tokens of context left (max_new_tokens beyond it is cut)."""
         structured = {k: v for k, v in (("json_schema", self.json_schema), ("regex", self.regex),
                                          ("grammar", self.ebnf)) if v is not None}
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens, stop=self.stop,
+            max_tokens=min(self.max_new_tokens, room), min_tokens=self.min_new_tokens, stop=self.stop,
             stop_token_ids=list(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, seed=self.sampling_seed,
-            logprobs=logprobs, logprobs_mode=logprobs_mode, presence_penalty=self.presence_penalty,
+            logprobs=logprobs, logprobs_mode=logprobs_mode, prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             return_routed_experts=routed, **structured)
@@ -188,16 +192,15 @@ class SglangRoutes:
             raise ApiError(400, f"{field}: {exc}", param=field) from None
         samplings = body.params(len(prompts))
         logprobs = body.top_logprobs_num if body.return_logprob else None
+        prompt_logprobs = logprobs if body.logprob_start_len >= 0 else None
         params = []
         for sampling, prompt in zip(samplings, prompts):
             mode = body.logprobs_mode or ("raw" if sampling.temperature == 0 else "processed")
+            room = max(self.server.max_model_len - len(prompt), 1)
             try:
-                params.append(sampling.engine(logprobs, mode, body.return_routed_experts))
-                params[-1].max_tokens = min(params[-1].max_tokens, max(self.server.max_model_len - len(prompt), 1))
+                params.append(sampling.engine(room, logprobs, mode, prompt_logprobs, body.return_routed_experts))
             except ValueError as exc:
                 raise ApiError(400, f"sampling_params: {exc}", param="sampling_params") from None
-        if body.return_logprob and body.logprob_start_len >= 0:
-            params = [_with_prompt_logprobs(p, body.top_logprobs_num) for p in params]
         rid = body.rid if isinstance(body.rid, str) else uuid.uuid4().hex
         rids = body.rid if isinstance(body.rid, list) and len(body.rid) == len(prompts) else \
             [rid if not body.batched else f"{rid}-{i}" for i in range(len(prompts))]
@@ -233,7 +236,7 @@ class SglangRoutes:
 
     def _entries(self, logprobs: list, token_ids: list[int], body: SglangGenerateRequest) -> list[list]:
         text = self.server.tokens.text if body.return_text_in_logprobs else (lambda _: None)
-        return [[lp, t, text(t)] for lp, t in zip(logprobs, token_ids)]
+        return [[_finite(lp), t, text(t)] for lp, t in zip(logprobs, token_ids)]
 
     def _tops(self, top: dict[int, float] | None, body: SglangGenerateRequest) -> list[list]:
         ranked = sorted((top or {}).items(), key=lambda item: -item[1])[:body.top_logprobs_num]
@@ -279,8 +282,3 @@ class SglangRoutes:
         return {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": fp8engine.__version__,
                 "accelerator": None if s.device == "cpu" else s.device, "num_accelerators": int(s.device != "cpu"),
                 "loads": [load]}
-
-
-def _with_prompt_logprobs(params: SamplingParams, k: int) -> SamplingParams:
-    params.prompt_logprobs = k
-    return params

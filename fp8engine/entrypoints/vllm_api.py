@@ -39,6 +39,7 @@ from fp8engine.entrypoints.protocol import (
     ChatMessage,
     TokenIds,
     ToolSpec,
+    _finite,
     _OpenAIRequest,
     _Request,
     parse_json,
@@ -318,7 +319,7 @@ class VllmRoutes:
         tops = out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)
         text = self.server.tokens.text
         return [None if logprob is None else {str(token): {
-                    "logprob": _clamp(logprob), "rank": _rank(token, top), "decoded_token": text(token)}}
+                    "logprob": _finite(logprob), "rank": _rank(token, top), "decoded_token": text(token)}}
                 for token, logprob, top in zip(out.prompt_token_ids, out.prompt_logprobs or [], tops)]
 
     async def tokenize(self, request: Request) -> dict:
@@ -396,18 +397,14 @@ def _logprob_entry(token: int, logprob: float, top: dict[int, float] | None, k: 
     ranked = sorted((top or {}).items(), key=lambda item: -item[1])
     rank = _rank(token, top)
     entries = [(token, logprob, rank)] + [(t, lp, i + 1) for i, (t, lp) in enumerate(ranked) if t != token]
-    return {"token_id": token, "logprob": _clamp(logprob), "rank": rank,
-            "top_logprobs": [{"token_id": t, "logprob": _clamp(lp), "rank": r} for t, lp, r in entries[:max(k, 1)]]}
+    return {"token_id": token, "logprob": _finite(logprob), "rank": rank,
+            "top_logprobs": [{"token_id": t, "logprob": _finite(lp), "rank": r} for t, lp, r in entries[:max(k, 1)]]}
 
 
 def _rank(token: int, top: dict[int, float] | None) -> int | None:
     """The 1-based rank of `token` among the top logprobs given (None when it is not among them)."""
     ranked = sorted((top or {}).items(), key=lambda item: -item[1])
     return next((i + 1 for i, (t, _) in enumerate(ranked) if t == token), None)
-
-
-def _clamp(logprob: float) -> float:
-    return logprob if logprob > -9999.0 else -9999.0  # NaN and -inf too, as vLLM's wire does
 
 
 def _npy_base64(routed: torch.Tensor) -> str:
