@@ -63,8 +63,12 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_dir)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
+        if self.runner.gdn_layers and config.speculative is not None:
+            raise ValueError(f"speculative={config.speculative!r} is not supported with a hybrid model "
+                             f"({self.runner.hf_config.model_type!r}): verification would have to roll its "
+                             f"linear-attention states back to the last accepted token")
         self.scheduler = Scheduler(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                   config.max_num_seqs, config.max_num_batched_tokens)
+                                   config.max_num_seqs, config.max_num_batched_tokens, self.runner.num_state_slots)
         checkpoint_scales = read_kv_scales(self.model_dir) if config.load_format == "auto" else {}
         self.kv_scales = KVScaleManager(config, self.runner.attn_layers, checkpoint_scales)
         if config.batch_invariant:  # the runner's method, not a closure over self: no engine <-> kv_scales cycle
@@ -155,6 +159,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(scheduled, self.config.max_num_batched_tokens, self.scheduler.extend)
         self.runner.copy_blocks(self.scheduler.take_pending_copies())
+        self.runner.apply_state_ops(self.scheduler.take_state_ops())
         with self.kv_scales.calibrating():
             result = self.runner.execute(scheduled)
         self.num_steps += 1
@@ -637,6 +642,9 @@ class LLMEngine:
             resident_bytes={tag: 0 if tag in self.sleeping else self.runner.resident_bytes(tag) for tag in TAGS},
             weights_missing=len(self.weights_missing), num_sleeps_total=self.num_sleeps,
             sleep_seconds_total=self.sleep_seconds_total, wake_seconds_total=self.wake_seconds_total,
+            num_state_slots_total=self.runner.num_state_slots,
+            num_state_slots_free=0 if bm.states is None else bm.states.num_free,
+            state_bytes_per_sequence=self.runner.state_bytes_per_slot(),
             num_graph_recaptures_total=self.runner.graph_captures,
             graph_recapture_seconds_total=self.runner.graph_capture_seconds)
 

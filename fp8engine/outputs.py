@@ -138,6 +138,9 @@ class EngineStats:
     lora_active: bool = False  # an adapter is loaded (the decoder plan steps aside while it is)
     sleeping: dict[str, int] = field(default_factory=dict)  # tag -> the level it sleeps at (sleep / wake_up)
     resident_bytes: dict[str, int] = field(default_factory=dict)  # tag -> bytes it holds now (0 while asleep)
+    num_state_slots_total: int = 0  # hybrid models: per-sequence state slots of the linear-attention layers
+    num_state_slots_free: int = 0
+    state_bytes_per_sequence: int = 0  # one slot's bytes over every linear-attention layer
     weights_missing: int = 0  # weights a level-2 sleep released that no update has committed since (steps refuse)
     num_sleeps_total: int = 0
     sleep_seconds_total: float = 0.0  # inside sleep()

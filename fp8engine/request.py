@@ -72,6 +72,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table: list[int] = []  # written by the block manager
         self.num_hashed_blocks = 0
+        self.state_slot: int | None = None  # hybrid models: the state pool's slot (written by the block manager)
         self.block_hashes: list[int] = []  # chained hashes of full blocks, memoised by the block manager
         self.status = SeqStatus.WAITING
         self.num_preemptions = 0

@@ -17,6 +17,16 @@ ROPE = {  # small original contexts, so the scalings change frequencies the shor
 MOE = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, norm_topk_prob=True,
            num_hidden_layers=3, head_dim=32)
 
+# Hybrid (issue 63): 3 GDN layers to 1 gated-attention layer, set explicitly; partial RoPE (a quarter of each head)
+HYBRID = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+              layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                   mrope_section=[2, 1, 1]))
+HYBRID_MOE = dict(HYBRID, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                  shared_expert_intermediate_size=64)
+HYBRID_CONFIGS = {"Qwen3_5": "Qwen3_5TextConfig", "Qwen3_5Moe": "Qwen3_5MoeTextConfig"}
+
 ARCHS = {
     "qwen2-tied": ("Qwen2", dict(tie_word_embeddings=True)),
     "qwen2": ("Qwen2", dict(tie_word_embeddings=False)),
@@ -27,12 +37,17 @@ ARCHS = {
     # MoE blocks in layers 3 and 5 only (every 2nd layer, minus layer 1): dense MLPs between them
     "qwen3_moe-sparse": ("Qwen3Moe", dict(MOE, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[1],
                                           num_hidden_layers=6)),
+    "qwen3_5": ("Qwen3_5", dict(HYBRID)),
+    "qwen3_5_moe": ("Qwen3_5Moe", dict(HYBRID_MOE)),
+    # a dense MLP in layer 1 (mlp_only_layers), the MoE block with its shared expert in the others
+    "qwen3_next": ("Qwen3Next", dict(HYBRID_MOE, norm_topk_prob=True, mlp_only_layers=[1], rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))),
 }
 
 
 def hf_config(arch: str, tokenizer, **overrides):
     family, options = ARCHS[arch]
-    cls = getattr(transformers, f"{family}Config")
+    cls = getattr(transformers, HYBRID_CONFIGS.get(family, f"{family}Config"))
     return cls(**(dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                        eos_token_id=tokenizer.eos_token_id) | SHAPE | options | overrides))
 

@@ -7,6 +7,7 @@ used first (blocks holding no reusable content go to the front of that list).
 
 from collections import OrderedDict
 
+from fp8engine.kvcache.state_pool import StatePool
 from fp8engine.request import Sequence
 
 
@@ -21,8 +22,11 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    """num_state_slots > 0 (a hybrid model): every sequence holding blocks also holds a state slot (states)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 0):
         self.block_size = block_size
+        self.states = StatePool(num_state_slots) if num_state_slots else None
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -43,8 +47,9 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding a prefix of seq's tokens, leaving at least one token to compute."""
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+        """Cached blocks holding a prefix of seq's tokens, leaving at least one token to compute. None with state
+        slots: a cached block holds KV, not the state after it."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs or self.states is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits = []
@@ -59,12 +64,16 @@ class BlockManager:
         return hits
 
     def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:
+        if self.states is not None and seq.state_slot is None and not self.states.num_free:
+            return False
         reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         fresh = max(0, -(-num_tokens // self.block_size) - len(seq.block_table) - len(hits))
         return reused_free + fresh <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> None:
-        """Give seq blocks for its first num_tokens tokens, reusing prefix hits first."""
+        """Give seq blocks for its first num_tokens tokens, reusing prefix hits first (and a state slot)."""
+        if self.states is not None and seq.state_slot is None:
+            seq.state_slot = self.states.take()
         for block_id in hits:
             self._take_hit(block_id)
             seq.block_table.append(block_id)
@@ -77,6 +86,9 @@ class BlockManager:
             self._release(block_id)
         seq.block_table.clear()
         seq.num_hashed_blocks = 0
+        if seq.state_slot is not None:
+            self.states.give(seq.state_slot)
+            seq.state_slot = None
 
     def grow_uncached(self, seq: Sequence, num_tokens: int) -> int:
         """Give seq blocks toward num_tokens tokens from free blocks that hold no prefix-cache content only (taking
@@ -97,10 +109,14 @@ class BlockManager:
     def can_fork(self, parent: Sequence) -> bool:
         """True when a fork of parent can get its copy of a partial last block."""
         has_partial = len(parent.block_table) > parent.num_computed_tokens // self.block_size
+        if self.states is not None and not self.states.num_free:
+            return False
         return self.num_free_blocks >= int(has_partial)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """child shares parent's full blocks; a partial last block is copied (copy on write)."""
+        """child shares parent's full blocks; a partial last block is copied (copy on write), and so is the state."""
+        if self.states is not None:
+            child.state_slot = self.states.take(copy_of=parent.state_slot)
         num_full = parent.num_computed_tokens // self.block_size
         for block_id in parent.block_table[:num_full]:
             self.blocks[block_id].ref_count += 1

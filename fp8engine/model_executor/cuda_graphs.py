@@ -77,6 +77,8 @@ def unavailable_reason(config, runner) -> str | None:
         return "enforce_eager=True"
     if runner.moe_blocks:
         return "MoE routing sorts tokens by expert on the host"
+    if runner.gdn_layers:
+        return "hybrid model: its linear-attention layers step per sequence on the host"
     if runner.kernels.names.get("attention", "").startswith("flashinfer"):
         return "FlashInfer attention plans each batch on the host"
     return None

@@ -87,8 +87,8 @@ def build(model, kernels: KernelSet, scale_fmt: str | None) -> FusedDecoder | No
     if not kernels.decoder_plan:
         return None
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if not layers or not all(isinstance(layer.self_attn, DecoderAttention) and type(layer.mlp) is MLP
-                             for layer in layers):
+    if not layers or not all(isinstance(getattr(layer, "self_attn", None), DecoderAttention)
+                             and type(layer.mlp) is MLP for layer in layers):
         return None
     linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj)]

@@ -1,6 +1,7 @@
 """Model runner: builds the model and its paged KV cache, turns a schedule into a flat batch and runs it."""
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from fp8engine.model_executor.layers.embedding import LMHead
 from fp8engine.model_executor.layers.linear import Linear
 from fp8engine.model_executor.layers.lora import LoRA
 from fp8engine.model_executor.models import model_class
+from fp8engine.model_executor.models.qwen3_5 import text_config
 from fp8engine.model_executor.models.llama import LinearFactory
 from fp8engine.request import ScheduledSeq, Sequence
 from fp8engine.weights import layout
@@ -57,7 +59,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        self.hf_config = AutoConfig.from_pretrained(model_dir)
+        self.hf_config = text_config(AutoConfig.from_pretrained(model_dir))
         self.vocab_size = self.hf_config.vocab_size  # read every step: a config attribute is a slow lookup
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
         self.kernels = kernel_set.select(config)
@@ -65,8 +67,11 @@ class ModelRunner:
             logger.warning("%s", warning)
         make_linear = LinearFactory(self.dtype, self.kernels, config.fp8_scale_fmt, config.max_lora_rank,
                                     config.lm_head_fp8)
+        cls = model_class(self.hf_config)
+        # hybrid models: the batch-invariant engine runs GDN prefill in the recurrent form (docs/hybrid-models.md)
+        extra = {"recurrent": config.batch_invariant} if getattr(cls, "hybrid", False) else {}
         with torch.device(self.device):
-            self.model = model_class(self.hf_config)(self.hf_config, make_linear, self.max_model_len)
+            self.model = cls(self.hf_config, make_linear, self.max_model_len, **extra)
         # before loading: the loader's targets are views of the tensors' final homes
         self.weight_buffers = _weight_buffers(self.model)  # LoRA's A and B: weights, though buffers
         self.home = None if self.device.type != "cpu" else host_memory.rehome(
@@ -93,12 +98,17 @@ class ModelRunner:
         self.model.eval()
         self.attn_layers = self.model.attention_layers()
         self.moe_blocks = self.model.moe_blocks()
+        self.gdn_layers = self.model.gdn_layers() if hasattr(self.model, "gdn_layers") else []
         self.block_size = config.block_size
         self.kv_cache: torch.Tensor | None = None
         self.routed_experts: torch.Tensor | None = None
+        # hybrid models: a state slot for each sequence that may run (kvcache/state_pool.py), in the KV budget
+        self.num_state_slots = config.max_num_seqs if self.gdn_layers else 0
+        self.states: list[torch.Tensor] = []
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache()
         self.routed_experts = self._allocate_routed_experts()
+        self.states = self._allocate_states()
         self._attach_cache(self.kv_cache, self.routed_experts)
         self.model.fused = fused_decoder.build(self.model, self.kernels, config.fp8_scale_fmt)
         self.lora_layers = {name.removesuffix(".lora"): m for name, m in self.model.named_modules()
@@ -145,6 +155,11 @@ class ModelRunner:
         elems = 2 * len(self.attn_layers) * self.block_size * first.num_kv_heads * first.head_dim
         return elems * torch.empty(0, dtype=self.kv_dtype).element_size()
 
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one sequence's state over every GDN layer (0 for a model without them)."""
+        return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+                   for layer in self.gdn_layers for shape, dtype in layer.state_shapes(self.dtype))
+
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
@@ -156,10 +171,12 @@ class ModelRunner:
                 budget = int((free - activations) * DEFAULT_GPU_KV_FRACTION)
             else:
                 budget = DEFAULT_CPU_KV_BYTES
-        num = budget // self.kv_bytes_per_block()
+        states = self.num_state_slots * self.state_bytes_per_slot()
+        num = (budget - states) // self.kv_bytes_per_block()
         if num < 1:
-            raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV block "
-                             f"({self.kv_bytes_per_block()} bytes)")
+            held = f" after the state slots of {self.num_state_slots} sequences ({states} bytes)" if states else ""
+            raise ValueError(f"kv_cache_memory_bytes={budget} leaves less than one KV block "
+                             f"({self.kv_bytes_per_block()} bytes){held}")
         return num
 
     def _allocate_kv_cache(self) -> torch.Tensor:
@@ -183,6 +200,30 @@ class ModelRunner:
         top_k, num_experts = self.moe_blocks[0].top_k, self.moe_blocks[0].experts.num_experts
         dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
         return self._zeros((self.num_blocks * self.block_size, len(self.moe_blocks), top_k), dtype)
+
+    def _allocate_states(self) -> list[torch.Tensor]:
+        """The state pool: per kind of state (conv, recurrent) one [GDN layers, slots, ...] tensor, zero (the KV
+        cache's tag: sleep releases it with the KV), each layer given its views."""
+        if not self.gdn_layers:
+            return []
+        kinds = self.gdn_layers[0].state_shapes(self.dtype)
+        states = [self._zeros((len(self.gdn_layers), self.num_state_slots, *shape), dtype) for shape, dtype in kinds]
+        for i, layer in enumerate(self.gdn_layers):
+            layer.conv_state, layer.rec_state = states[0][i], states[1][i]
+        return states
+
+    def apply_state_ops(self, ops: tuple[list[tuple[int, int]], list[int]]) -> None:
+        """The scheduler's pending state-slot copies (forks), then its zeroings (fresh slots)."""
+        copies, zeros = ops
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            for t in self.states:
+                t[:, dst] = t[:, src]
+        if zeros:
+            index = torch.tensor(zeros, device=self.device)
+            for t in self.states:
+                t[:, index] = 0
 
     def _attach_cache(self, cache: torch.Tensor | None, routed: torch.Tensor | None) -> None:
         """Points every attention layer at its [2, blocks, block_size, heads, dim] slice of cache, and every MoE
@@ -220,7 +261,7 @@ class ModelRunner:
         """Bytes the tag holds while awake: what sleep releases (on CPU the weights' whole pages of their mapping,
         the weights that could not move aside)."""
         if tag == "kv_cache":
-            return sum(t.untyped_storage().nbytes() for t in (self.kv_cache, self.routed_experts) if t is not None)
+            return sum(t.untyped_storage().nbytes() for t in self._kv_tensors())
         if self.home is not None:
             return self.home.weight_bytes
         return sum(t.untyped_storage().nbytes() for t in self.weight_tensors())
@@ -273,12 +314,16 @@ class ModelRunner:
         model's other device buffers (derived from the config: rotary tables), which go with the weights and always
         come back."""
         if tag == "kv_cache":
-            return [(t, False) for t in (self.kv_cache, self.routed_experts) if t is not None]
+            return [(t, False) for t in self._kv_tensors()]
         weights = self.weight_tensors()
         ids = {_storage_id(t) for t in weights}
         derived = {_storage_id(b): b for b in self.model.buffers()
                    if b.device.type != "cpu" and _storage_id(b) not in ids}
         return [(t, False) for t in weights] + [(b, True) for b in derived.values()]
+
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        """The "kv_cache" tag's tensors: the KV cache, the routed experts and the state pool."""
+        return [t for t in (self.kv_cache, self.routed_experts, *self.states) if t is not None]
 
     def recapture_graphs(self) -> None:
         """The decode graphs captured again after a CUDA sleep dropped them (counted and timed)."""
@@ -383,13 +428,17 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
+        state_slots = torch.tensor([item.seq.state_slot for item in scheduled], dtype=torch.int64,
+                                   device=dev) if self.gdn_layers else None
         if dev.type != "cpu":
-            return self._stage_on_device(ids, positions, slots, starts, seq_lens, padded, sample_rows) + (prompt_rows,)
+            staged = self._stage_on_device(ids, positions, slots, starts, seq_lens, padded, sample_rows)
+            staged[2].state_slots = state_slots
+            return staged + (prompt_rows,)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev))
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev), state_slots=state_slots)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.int64, device=dev), prompt_rows)

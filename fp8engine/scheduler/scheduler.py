@@ -15,8 +15,8 @@ from fp8engine.request import ScheduledSeq, SeqStatus, Sequence
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int):
-        self.block_manager = self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
+                 max_num_batched_tokens: int, num_state_slots: int = 0):
+        self.block_manager = self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, num_state_slots)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -166,6 +166,10 @@ class Scheduler:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(source, destination) KV blocks the forks since the last call need copied before the next forward."""
         return self.bm.take_pending_copies()
+
+    def take_state_ops(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """(state slot copies, slots to zero) since the last call (kvcache/state_pool.py); nothing without slots."""
+        return ([], []) if self.bm.states is None else self.bm.states.take_pending()
 
     def reset_prefix_cache(self) -> None:
         self.bm.reset_prefix_cache()

@@ -9,6 +9,7 @@ at once (a stacked [E, ...] tensor quantized per expert: a 'split' target).
 
 import glob
 import json
+import logging
 import math
 import os
 import re
@@ -25,6 +26,7 @@ from fp8engine.weights.quant import FP8_DTYPE, dequantize_weight_blockwise, quan
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v|q)_scale$")
+logger = logging.getLogger(__name__)
 QuantizeInto = Callable[..., None]
 BlockScales = Callable[[torch.Tensor, str | None], tuple[torch.Tensor, bool] | None]  # (scales, all finite)
 
@@ -97,6 +99,11 @@ def resolve(model: torch.nn.Module, name: str) -> Target:
 
 
 def _resolve(model: torch.nn.Module, name: str) -> Target:
+    if name.startswith(getattr(model, "ignored_prefixes", ())):  # what a text engine does not run (a VLM's vision)
+        return Target(name, "ignored", torch.empty(0))
+    alias = getattr(model, "hf_alias", None)
+    if alias is not None:
+        name = alias(name)
     tied = getattr(model, "tie_word_embeddings", False)
     if name == "lm_head.weight" and tied:
         name = "model.embed_tokens.weight"
@@ -160,6 +167,8 @@ def check(target: Target, tensor: torch.Tensor, block_scales: BlockScales | None
     a split target); otherwise returns None."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"weight {target.name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if target.kind == "ignored":
+        return None
     if tuple(tensor.shape) != target.shape:
         raise ValueError(f"weight {target.name!r}: shape {tuple(tensor.shape)} does not match the "
                          f"model's {target.shape}")
@@ -211,6 +220,8 @@ def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = qu
           scales: torch.Tensor | None = None) -> bool:
     """Write into the target's storage in place; True when the tensor was quantized. scales: what
     `check` returned (block scales computed while validating), passed on to the quantizer."""
+    if target.kind == "ignored":
+        return False
     tensor = tensor.to(target.view.device)
     if target.kind == "split":
         for (index, part), part_scales in zip(target.parts, scales or [None] * len(target.parts)):
@@ -231,11 +242,17 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str, quantize_into: Quant
     """Load every tensor of a Hugging Face directory; each model tensor must be covered. Pre-quantized FP8
     tensors (`weight` E4M3 + `weight_scale_inv`) are copied as they are."""
     check_quantization_config(model, model_dir)
-    seen = set()
+    seen, ignored = set(), set()
     for name, tensor in iter_safetensors(model_dir, lambda n: not (is_skipped(n) or is_kv_scale(n))):
         target = resolve(model, name)
+        if target.kind == "ignored":
+            ignored.add(next(p for p in model.ignored_prefixes if name.startswith(p)))
+            continue
         write(target, tensor, quantize_into, check(target, tensor, block_scales))
         seen.update(covered(target))
+    if ignored:
+        logger.info("skipped the checkpoint's %s tensors: a text engine does not use them",
+                    ", ".join(p + "*" for p in sorted(ignored)))
     missing = [n for n in expected_names(model) if n not in seen and n != "lm_head.weight"]
     if missing:
         raise ValueError(f"checkpoint {model_dir!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -283,6 +300,8 @@ def check_quantization_config(model: torch.nn.Module, model_dir: str) -> None:
 
 def covered(target: Target) -> list[str]:
     """The names (as expected_names gives them) of the weights that a write of target fills."""
+    if target.kind == "ignored":
+        return []
     if target.kind == "split":
         return [part.name for _, part in target.parts]
     return [target.name.removesuffix("_scale_inv") if target.kind == "fp8_scale" else target.name]
@@ -293,10 +312,13 @@ def expected_names(model: torch.nn.Module) -> list[str]:
     inverse = {}
     for hf, (fused, shard) in model.packed_modules.items():
         inverse.setdefault(fused, {})[shard] = hf
-    names = []
+    names, owners = [], []
     for module_name, module in model.named_modules():
+        if any(module_name.startswith(owner + ".") for owner in owners):
+            continue  # named by the module above it that maps its names (hf_names)
         if hasattr(module, "hf_names"):
             names += [f"{module_name}.{n}" for n in module.hf_names()]
+            owners.append(module_name)
             continue
         params = [n for n, _ in module.named_parameters(recurse=False) if n != "weight_scale_inv"]
         head, _, leaf = module_name.rpartition(".")
@@ -312,6 +334,8 @@ def expected_names(model: torch.nn.Module) -> list[str]:
 
 def read(target: Target, dtype: torch.dtype) -> torch.Tensor:
     """The target's weight as the model uses it, in the HF shape: FP8 dequantized to `dtype`, else a copy."""
+    if target.kind == "ignored":
+        raise ValueError(f"weight {target.name!r}: the engine does not hold it (a text engine skips it)")
     if target.kind == "split":
         out = torch.empty(target.shape, dtype=dtype, device=target.view.device)
         for index, part in target.parts:

@@ -76,6 +76,19 @@ def causal_conv1d_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
     return silu(acc.to(x.dtype)), new_state
 
 
+def causal_conv1d_batch(x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """causal_conv1d_ref for B sequences of one new token each (a decode step): x [B, C], conv_states [B, C, K-1]
+    -> (silu(conv) [B, C], new states [B, C, K-1]); the same ops per element, so the same bits."""
+    k = weight.shape[1]
+    xs = torch.cat([conv_states.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, K]
+    wf = weight.float()
+    acc = xs[:, :, 0].float() * wf[:, 0]
+    for j in range(1, k):
+        acc = acc + xs[:, :, j].float() * wf[:, j]
+    return silu(acc.to(x.dtype)), xs[:, :, 1:].to(conv_states.dtype)
+
+
 def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * norm(x) * silu(z) over the last dim (head_v_dim), in transformers' rounding order: the norm in
     float32 rounded to x's dtype, times weight, times silu(z) in float32, rounded once more."""

@@ -16,12 +16,15 @@ class AttentionMetadata:
     slot_mapping [T] int64: cache slot (block * block_size + offset) of each new token.
     query_start_loc [S+1] int32, seq_lens [S] int32 (context incl. new tokens),
     block_tables [S, max_blocks] int32.
+    state_slots [S] int64: each sequence's slot in the state pool (hybrid models; None: one sequence from the zero
+    state, a detached forward).
     """
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
+    state_slots: torch.Tensor | None = None
 
 
 class Attention(nn.Module):

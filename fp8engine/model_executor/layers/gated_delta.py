@@ -6,7 +6,9 @@ its own fixed-size state, in plain torch on the references of kernels/gated_delt
     o = gated delta rule(q, k, v, g, beta; state) -> gated RMSNorm(o, z) -> out_proj
 
 Computed in transformers' rounding order (projections, conv output and beta in the model dtype; g, the delta rule
-and the state in float32; o rounded to the model dtype before the norm). Not yet wired into the engine.
+and the state in float32; o rounded to the model dtype before the norm). `GatedDeltaNet` is the engine's module:
+its projections are the engine's linear layers and its states live in the runner's state pool (one slot per
+sequence, `AttentionMetadata.state_slots`).
 """
 
 from collections.abc import Callable
@@ -18,12 +20,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from fp8engine.model_executor.kernels.gated_delta_ref import (
+    causal_conv1d_batch,
     causal_conv1d_ref,
     chunked_gated_delta_ref,
     decay_and_beta,
     gated_rms_norm_ref,
     recurrent_gated_delta_ref,
 )
+from fp8engine.model_executor.layers.linear import Linear
 
 Projection = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
 Mode = Literal["recurrent", "chunked"]
@@ -150,3 +154,150 @@ def delta_rule(q, k, v, g, beta, states: list[GatedDeltaState], seq_lens: list[i
         outs.append(out)
         recurrents.append(recurrent)
     return torch.cat(outs), recurrents
+
+
+class _Holder(nn.Module):
+    """A submodule that only holds a weight (HF's `conv1d`, the gated `norm`), so the names match."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+class GatedDeltaNet(nn.Module):
+    """A GDN layer of the engine (HF's `linear_attn`). in_proj_qkv, in_proj_z and out_proj are the model's linear
+    layers (FP8 when the model is); in_proj_a and in_proj_b stay in the model dtype (their outputs feed softplus and
+    sigmoid, and their [num_v_heads, hidden] blocks would be mostly padding). conv_state [slots, conv_dim, K-1] and
+    rec_state [slots, Hv, dk, dv] are this layer's views of the runner's state pool; a step reads and writes the
+    rows its sequences' slots name (AttentionMetadata.state_slots), a slot the scheduler hands out zeroed.
+
+    recurrent: every token takes the recurrent step (the batch-invariant engine: a state's bits do not depend on
+    how its positions were split into steps); otherwise prefill takes the chunked form on its absolute grid.
+
+    fused_names: Qwen3-Next's checkpoint layout (`in_proj_qkvz`, `in_proj_ba`, grouped per key head): the loader
+    reaches this module through `hf_target` and regroups them into the split projections."""
+
+    def __init__(self, cfg, make_linear, recurrent: bool, fused_names: bool = False, chunk_size: int = 64):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.num_k_heads}")
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel_size = cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        self.recurrent, self.chunk_size, self.fused_names = recurrent, chunk_size, fused_names
+        dtype, kernels = make_linear.dtype, make_linear.kernels
+        hidden = cfg.hidden_size
+        self.in_proj_qkv = make_linear(hidden, [self.conv_dim])
+        self.in_proj_z = make_linear(hidden, [self.value_dim])
+        self.in_proj_b = Linear(hidden, [self.num_v_heads], dtype, kernels)
+        self.in_proj_a = Linear(hidden, [self.num_v_heads], dtype, kernels)
+        self.out_proj = make_linear(self.value_dim, [hidden])
+        self.conv1d = _Holder(torch.zeros(self.conv_dim, 1, self.kernel_size, dtype=dtype))
+        self.norm = _Holder(torch.ones(self.head_v_dim, dtype=dtype))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=torch.float32), requires_grad=False)
+        self.conv_state: torch.Tensor | None = None
+        self.rec_state: torch.Tensor | None = None
+        if fused_names:
+            self.hf_names = self._fused_hf_names
+            self.hf_target = self._fused_hf_target
+
+    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of one sequence's state in this layer: the conv inputs and the recurrent state."""
+        return [((self.conv_dim, self.kernel_size - 1), dtype),
+                ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32)]
+
+    # ------------------------------------------------------------------ Qwen3-Next's names
+    def _fused_hf_names(self) -> list[str]:
+        return ["in_proj_qkvz.weight", "in_proj_ba.weight", "out_proj.weight", "conv1d.weight", "norm.weight",
+                "dt_bias", "A_log"]
+
+    def _fused_hf_target(self, name: str, rest: str):
+        from fp8engine.weights import loader
+        if rest in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
+            rows = self._fused_rows()
+            dests = ("in_proj_qkv", "in_proj_z") if rest == "in_proj_qkvz.weight" else ("in_proj_b", "in_proj_a")
+            parts = [((rows[d],), loader._linear_target(name, getattr(self, d), 0, "weight")) for d in dests]
+            total = sum(len(rows[d]) for d in dests)
+            dtype = self.dt_bias.dtype  # the shape a check compares, no storage
+            view = torch.empty((), dtype=dtype).expand(total, self.in_proj_qkv.in_features)
+            return loader.Target(name, "split", view, parts=parts)
+        module_path, _, attr = rest.rpartition(".")
+        if module_path in ("out_proj",) and attr == "weight":
+            return loader._linear_target(name, self.out_proj, 0, "weight")
+        owner = self.get_submodule(module_path) if module_path else self
+        tensor = getattr(owner, attr, None)
+        if module_path in ("", "conv1d", "norm") and isinstance(tensor, torch.Tensor):
+            return loader.Target(name, "dense", tensor.data, matrix=tensor if tensor.dim() == 2 else None)
+        raise ValueError(f"unknown weight name {name!r}: a Qwen3-Next GDN layer has no {rest!r}")
+
+    def _fused_rows(self) -> dict[str, torch.Tensor]:
+        """Which rows of Qwen3-Next's in_proj_qkvz / in_proj_ba each split projection takes, in its row order:
+        per key head j the fused rows are [q_j (dk) | k_j (dk) | v of its r value heads | z of them] and
+        [b of its r value heads | a of them] (layers/gated_delta.split_qwen3_next does the same on tensors)."""
+        hk, dk, dv, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
+        group = 2 * dk + 2 * r * dv
+        base = torch.arange(hk)[:, None] * group
+        q = (base + torch.arange(dk)).flatten()
+        k = (base + dk + torch.arange(dk)).flatten()
+        v = (base + 2 * dk + torch.arange(r * dv)).flatten()
+        z = (base + 2 * dk + r * dv + torch.arange(r * dv)).flatten()
+        ba = torch.arange(hk)[:, None] * 2 * r
+        return {"in_proj_qkv": torch.cat([q, k, v]), "in_proj_z": z,
+                "in_proj_b": (ba + torch.arange(r)).flatten(), "in_proj_a": (ba + r + torch.arange(r)).flatten()}
+
+    # ------------------------------------------------------------------ compute
+    def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
+        """x [T, hidden] of the step's sequences packed in order -> [T, hidden]; their states advanced in place."""
+        t = x.shape[0]
+        starts, lens, slots = self._batch(meta, t)
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)
+        g, beta = decay_and_beta(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        conv_weight = self.conv1d.weight[:, 0]
+        if slots is None:  # a detached forward (calibration, profile): one sequence from the zero state
+            conv_states = torch.zeros(1, self.conv_dim, self.kernel_size - 1, dtype=x.dtype, device=x.device)
+            rec_states = torch.zeros(1, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=x.device)
+        else:
+            conv_states, rec_states = self.conv_state[slots], self.rec_state[slots]
+        if all(n == 1 for n in lens):
+            conv_out, new_conv = causal_conv1d_batch(mixed, conv_states, conv_weight)
+        else:
+            outs, convs = [], []
+            for i, part in enumerate(mixed.split(lens)):
+                out, conv = causal_conv1d_ref(part, conv_states[i], conv_weight)
+                outs.append(out)
+                convs.append(conv)
+            conv_out, new_conv = torch.cat(outs), torch.stack(convs)
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        if self.recurrent or all(n == 1 for n in lens):
+            core, new_rec = recurrent_gated_delta_ref(q, k, v, g, beta, rec_states, lens)
+        else:
+            outs, recs = [], []
+            parts = zip(*(y.split(lens) for y in (q, k, v, g, beta)))
+            for i, (qs, ks, vs, gs, bs) in enumerate(parts):
+                out, rec = chunked_gated_delta_ref(qs, ks, vs, gs, bs, rec_states[i], starts[i], self.chunk_size)
+                outs.append(out)
+                recs.append(rec)
+            core, new_rec = torch.cat(outs), torch.stack(recs)
+        if slots is not None:
+            self.conv_state[slots] = new_conv
+            self.rec_state[slots] = new_rec
+        normed = gated_rms_norm_ref(core.to(x.dtype), z, self.norm.weight, self.eps)
+        return self.out_proj(normed.flatten(1))
+
+    @staticmethod
+    def _batch(meta, t: int) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """(each sequence's first new position, its number of new tokens, the state slots or None)."""
+        slots = getattr(meta, "state_slots", None)
+        bounds = meta.query_start_loc.tolist()
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        starts = [c - n for c, n in zip(meta.seq_lens.tolist(), lens)]
+        return starts, lens, slots
