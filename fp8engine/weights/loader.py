@@ -204,6 +204,7 @@ def _min_max(tensor: torch.Tensor) -> tuple[float, float]:
     """One pass, no temporaries; NaN and +-Inf propagate into the result."""
     if tensor.numel() == 0:
         return 0.0, 0.0
+    tensor = tensor.detach()  # a trainer's parameter may require grad
     low, high = torch.aminmax(tensor.float() if tensor.dtype == FP8_DTYPE else tensor)
     return float(low), float(high)
 
