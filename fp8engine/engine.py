@@ -68,7 +68,8 @@ class LLMEngine:
                              f"({self.runner.hf_config.model_type!r}): verification would have to roll its "
                              f"linear-attention states back to the last accepted token")
         self.scheduler = Scheduler(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                   config.max_num_seqs, config.max_num_batched_tokens, self.runner.num_state_slots)
+                                   config.max_num_seqs, config.max_num_batched_tokens, self.runner.num_state_slots,
+                                   self.runner.num_state_snapshots)
         checkpoint_scales = read_kv_scales(self.model_dir) if config.load_format == "auto" else {}
         self.kv_scales = KVScaleManager(config, self.runner.attn_layers, checkpoint_scales)
         if config.batch_invariant:  # the runner's method, not a closure over self: no engine <-> kv_scales cycle
@@ -645,6 +646,8 @@ class LLMEngine:
             num_state_slots_total=self.runner.num_state_slots,
             num_state_slots_free=0 if bm.states is None else bm.states.num_free,
             state_bytes_per_sequence=self.runner.state_bytes_per_slot(),
+            num_state_snapshots=0 if bm.states is None else len(bm.states.cached),
+            num_state_snapshots_taken_total=0 if bm.states is None else bm.states.num_snapshots_taken,
             num_graph_recaptures_total=self.runner.graph_captures,
             graph_recapture_seconds_total=self.runner.graph_capture_seconds)
 

@@ -141,6 +141,8 @@ class EngineStats:
     num_state_slots_total: int = 0  # hybrid models: per-sequence state slots of the linear-attention layers
     num_state_slots_free: int = 0
     state_bytes_per_sequence: int = 0  # one slot's bytes over every linear-attention layer
+    num_state_snapshots: int = 0  # states kept at block boundaries for prefix-cache hits (kvcache/state_pool.py)
+    num_state_snapshots_taken_total: int = 0
     weights_missing: int = 0  # weights a level-2 sleep released that no update has committed since (steps refuse)
     num_sleeps_total: int = 0
     sleep_seconds_total: float = 0.0  # inside sleep()

@@ -73,6 +73,7 @@ class Sequence:
         self.block_table: list[int] = []  # written by the block manager
         self.num_hashed_blocks = 0
         self.state_slot: int | None = None  # hybrid models: the state pool's slot (written by the block manager)
+        self.state_restore: int | None = None  # ... the snapshot a prefix hit starts it from
         self.block_hashes: list[int] = []  # chained hashes of full blocks, memoised by the block manager
         self.status = SeqStatus.WAITING
         self.num_preemptions = 0
@@ -135,6 +136,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     draft: tuple[int, ...] = ()
+    snapshots: tuple[tuple[int, int], ...] = ()  # hybrid models: (after how many new tokens, snapshot slot) each
 
     @property
     def samples(self) -> bool:

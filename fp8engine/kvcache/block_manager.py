@@ -24,9 +24,11 @@ class Block:
 class BlockManager:
     """num_state_slots > 0 (a hybrid model): every sequence holding blocks also holds a state slot (states)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 0,
+                 num_state_snapshots: int = 0):
         self.block_size = block_size
-        self.states = StatePool(num_state_slots) if num_state_slots else None
+        snapshots = num_state_snapshots if enable_prefix_caching else 0
+        self.states = StatePool(num_state_slots, snapshots) if num_state_slots else None
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -47,9 +49,11 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding a prefix of seq's tokens, leaving at least one token to compute. None with state
-        slots: a cached block holds KV, not the state after it."""
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs or self.states is not None:
+        """Cached blocks holding a prefix of seq's tokens, leaving at least one token to compute. With state slots
+        (a hybrid model) cut back to the deepest one with a state snapshot after it, which seq's slot will start
+        from (seq.state_restore)."""
+        seq.state_restore = None
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits = []
@@ -59,6 +63,10 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != seq.block_tokens(i, self.block_size):
                 break
             hits.append(block_id)
+        if self.states is not None:
+            while hits and (slot := self.states.lookup(self.block_hash(seq, len(hits) - 1))) is None:
+                hits.pop()
+            seq.state_restore = slot if hits else None
         self.num_prefix_queries += max_blocks
         self.num_prefix_hits += len(hits)
         return hits
@@ -73,7 +81,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> None:
         """Give seq blocks for its first num_tokens tokens, reusing prefix hits first (and a state slot)."""
         if self.states is not None and seq.state_slot is None:
-            seq.state_slot = self.states.take()
+            seq.state_slot = self.states.take(copy_of=seq.state_restore if hits else None)
         for block_id in hits:
             self._take_hit(block_id)
             seq.block_table.append(block_id)
@@ -89,6 +97,7 @@ class BlockManager:
         if seq.state_slot is not None:
             self.states.give(seq.state_slot)
             seq.state_slot = None
+            self.states.retire(seq.seq_id, lambda i: self.block_hash(seq, i))
 
     def grow_uncached(self, seq: Sequence, num_tokens: int) -> int:
         """Give seq blocks toward num_tokens tokens from free blocks that hold no prefix-cache content only (taking
@@ -151,7 +160,30 @@ class BlockManager:
         """Blocks in use or holding prefix-cache content (what a KV-scale change must convert)."""
         return [b.block_id for b in self.blocks if b.ref_count > 0 or b.hash is not None]
 
+    def plan_snapshots(self, seq: Sequence, num_new_tokens: int) -> tuple[tuple[int, int], ...]:
+        """(offset in this step's tokens after which seq's state is kept, its slot) for each snapshot the step
+        takes (kvcache/state_pool.py): at the prompt's last full block when the step crosses it (cached at once),
+        and at the last block boundary it crosses (seq's rolling snapshot)."""
+        if self.states is None or not self.states.num_snapshots:
+            return ()
+        bs, start = self.block_size, seq.num_computed_tokens
+        end = start + num_new_tokens
+        snapshots = []
+        prompt_end = (seq.num_prompt_tokens - 1) // bs * bs
+        if start < prompt_end <= end:
+            slot = self.states.cached_slot(self.block_hash(seq, prompt_end // bs - 1))
+            if slot is not None:
+                snapshots.append((prompt_end - start, slot))
+        boundary = end // bs * bs
+        if start < boundary != prompt_end:
+            slot = self.states.snapshot_slot(seq.seq_id, boundary // bs - 1)
+            if slot is not None:
+                snapshots.append((boundary - start, slot))
+        return tuple(snapshots)
+
     def reset_prefix_cache(self) -> None:
+        if self.states is not None:
+            self.states.clear_snapshots()
         for block in self.blocks:
             block.hash, block.token_ids = None, ()
         self.cached.clear()

@@ -102,8 +102,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_cache: torch.Tensor | None = None
         self.routed_experts: torch.Tensor | None = None
-        # hybrid models: a state slot for each sequence that may run (kvcache/state_pool.py), in the KV budget
-        self.num_state_slots = config.max_num_seqs if self.gdn_layers else 0
+        # hybrid models: state slots for running sequences and snapshots (kvcache/state_pool.py), in the KV budget
+        self.num_state_slots, self.num_state_snapshots = self._state_slots()
         self.states: list[torch.Tensor] = []
         self.num_blocks = self._num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache()
@@ -160,6 +160,21 @@ class ModelRunner:
         return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
                    for layer in self.gdn_layers for shape, dtype in layer.state_shapes(self.dtype))
 
+    def _state_slots(self) -> tuple[int, int]:
+        """(slots for running sequences, snapshot slots) of a hybrid model, (0, 0) otherwise: a slot for each of
+        max_num_seqs, up to half the KV budget (more sequences wait for a slot), and as many snapshots (with prefix
+        caching), up to an eighth of it. The KV blocks get the rest."""
+        if not self.gdn_layers:
+            return 0, 0
+        per, seqs = self.state_bytes_per_slot(), self.config.max_num_seqs
+        snapshots = seqs if self.config.enable_prefix_caching else 0
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None and self.config.num_kv_blocks is None and self.device.type == "cpu":
+            budget = DEFAULT_CPU_KV_BYTES
+        if budget is None:
+            return seqs, snapshots
+        return min(seqs, max(1, budget // 2 // per)), min(snapshots, budget // 8 // per)
+
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
@@ -171,10 +186,11 @@ class ModelRunner:
                 budget = int((free - activations) * DEFAULT_GPU_KV_FRACTION)
             else:
                 budget = DEFAULT_CPU_KV_BYTES
-        states = self.num_state_slots * self.state_bytes_per_slot()
+        slots = self.num_state_slots + self.num_state_snapshots
+        states = slots * self.state_bytes_per_slot()
         num = (budget - states) // self.kv_bytes_per_block()
         if num < 1:
-            held = f" after the state slots of {self.num_state_slots} sequences ({states} bytes)" if states else ""
+            held = f" after {slots} state slots ({states} bytes)" if states else ""
             raise ValueError(f"kv_cache_memory_bytes={budget} leaves less than one KV block "
                              f"({self.kv_bytes_per_block()} bytes){held}")
         return num
@@ -207,7 +223,8 @@ class ModelRunner:
         if not self.gdn_layers:
             return []
         kinds = self.gdn_layers[0].state_shapes(self.dtype)
-        states = [self._zeros((len(self.gdn_layers), self.num_state_slots, *shape), dtype) for shape, dtype in kinds]
+        slots = self.num_state_slots + self.num_state_snapshots
+        states = [self._zeros((len(self.gdn_layers), slots, *shape), dtype) for shape, dtype in kinds]
         for i, layer in enumerate(self.gdn_layers):
             layer.conv_state, layer.rec_state = states[0][i], states[1][i]
         return states
@@ -428,17 +445,20 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
-        state_slots = torch.tensor([item.seq.state_slot for item in scheduled], dtype=torch.int64,
-                                   device=dev) if self.gdn_layers else None
+        state_slots, snapshots = None, []
+        if self.gdn_layers:
+            state_slots = torch.tensor([item.seq.state_slot for item in scheduled], dtype=torch.int64, device=dev)
+            snapshots = [(i, *snapshot) for i, item in enumerate(scheduled) for snapshot in item.snapshots]
         if dev.type != "cpu":
             staged = self._stage_on_device(ids, positions, slots, starts, seq_lens, padded, sample_rows)
-            staged[2].state_slots = state_slots
+            staged[2].state_slots, staged[2].state_snapshots = state_slots, snapshots
             return staged + (prompt_rows,)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev), state_slots=state_slots)
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev), state_slots=state_slots,
+            state_snapshots=snapshots)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.int64, device=dev), prompt_rows)

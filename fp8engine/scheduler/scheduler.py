@@ -15,8 +15,9 @@ from fp8engine.request import ScheduledSeq, SeqStatus, Sequence
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, num_state_slots: int = 0):
-        self.block_manager = self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, num_state_slots)
+                 max_num_batched_tokens: int, num_state_slots: int = 0, num_state_snapshots: int = 0):
+        self.block_manager = self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, num_state_slots,
+                                                    num_state_snapshots)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -36,6 +37,9 @@ class Scheduler:
         budget -= sum(s.num_new_tokens for s in scheduled)
         if not preempted:
             scheduled += self._schedule_waiting(budget)
+        if self.bm.states is not None:
+            for item in scheduled:
+                item.snapshots = self.bm.plan_snapshots(item.seq, item.num_new_tokens)
         return scheduled
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], bool]:

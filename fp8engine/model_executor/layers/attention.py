@@ -1,7 +1,7 @@
 """Paged attention layer: writes this step's K/V into the paged cache, then attends over it."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     state_slots: torch.Tensor | None = None
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class Attention(nn.Module):

@@ -252,46 +252,78 @@ class GatedDeltaNet(nn.Module):
 
     # ------------------------------------------------------------------ compute
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
-        """x [T, hidden] of the step's sequences packed in order -> [T, hidden]; their states advanced in place."""
+        """x [T, hidden] of the step's sequences packed in order -> [T, hidden]; their states advanced in place, and
+        the snapshots meta asks for written (a sequence's state after so many of its new tokens)."""
         t = x.shape[0]
         starts, lens, slots = self._batch(meta, t)
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)
         g, beta = decay_and_beta(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
-        conv_weight = self.conv1d.weight[:, 0]
         if slots is None:  # a detached forward (calibration, profile): one sequence from the zero state
             conv_states = torch.zeros(1, self.conv_dim, self.kernel_size - 1, dtype=x.dtype, device=x.device)
             rec_states = torch.zeros(1, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=x.device)
         else:
             conv_states, rec_states = self.conv_state[slots], self.rec_state[slots]
+        snapshots = getattr(meta, "state_snapshots", None) or []
+        inside: dict[int, list[tuple[int, int]]] = {}  # sequence -> its snapshots that fall inside its tokens
+        for i, n, slot in sorted(snapshots):
+            if n < lens[i]:
+                inside.setdefault(i, []).append((n, slot))
         if all(n == 1 for n in lens):
-            conv_out, new_conv = causal_conv1d_batch(mixed, conv_states, conv_weight)
+            conv_out, new_conv = causal_conv1d_batch(mixed, conv_states, self.conv1d.weight[:, 0])
+            core, new_rec = recurrent_gated_delta_ref(*self._split_qkv(conv_out), g, beta, rec_states, lens)
+        elif self.recurrent and not inside:
+            conv_out, new_conv = self._conv_each(mixed, conv_states, lens)
+            core, new_rec = recurrent_gated_delta_ref(*self._split_qkv(conv_out), g, beta, rec_states, lens)
         else:
-            outs, convs = [], []
-            for i, part in enumerate(mixed.split(lens)):
-                out, conv = causal_conv1d_ref(part, conv_states[i], conv_weight)
-                outs.append(out)
-                convs.append(conv)
-            conv_out, new_conv = torch.cat(outs), torch.stack(convs)
-        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        if self.recurrent or all(n == 1 for n in lens):
-            core, new_rec = recurrent_gated_delta_ref(q, k, v, g, beta, rec_states, lens)
-        else:
-            outs, recs = [], []
-            parts = zip(*(y.split(lens) for y in (q, k, v, g, beta)))
-            for i, (qs, ks, vs, gs, bs) in enumerate(parts):
-                out, rec = chunked_gated_delta_ref(qs, ks, vs, gs, bs, rec_states[i], starts[i], self.chunk_size)
-                outs.append(out)
-                recs.append(rec)
-            core, new_rec = torch.cat(outs), torch.stack(recs)
+            core, new_conv, new_rec = self._each(mixed, g, beta, conv_states, rec_states, starts, lens, inside)
         if slots is not None:
             self.conv_state[slots] = new_conv
             self.rec_state[slots] = new_rec
+            for i, n, slot in snapshots:
+                if n == lens[i]:
+                    self.conv_state[slot], self.rec_state[slot] = new_conv[i], new_rec[i]
         normed = gated_rms_norm_ref(core.to(x.dtype), z, self.norm.weight, self.eps)
         return self.out_proj(normed.flatten(1))
+
+    def _split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t = conv_out.shape[0]
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(t, self.num_k_heads, self.head_k_dim), k.reshape(t, self.num_k_heads, self.head_k_dim),
+                v.reshape(t, self.num_v_heads, self.head_v_dim))
+
+    def _conv_each(self, mixed: torch.Tensor, conv_states: torch.Tensor,
+                   lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        outs, convs = [], []
+        for i, part in enumerate(mixed.split(lens)):
+            out, conv = causal_conv1d_ref(part, conv_states[i], self.conv1d.weight[:, 0])
+            outs.append(out)
+            convs.append(conv)
+        return torch.cat(outs), torch.stack(convs)
+
+    def _each(self, mixed, g, beta, conv_states, rec_states, starts, lens, inside):
+        """Sequence by sequence, each in pieces cut where a snapshot falls inside its tokens (the snapshot written
+        between them): the recurrent form, or the chunked form on each sequence's grid."""
+        outs, convs, recs = [], [], []
+        for i, (part, gs, bs) in enumerate(zip(mixed.split(lens), g.split(lens), beta.split(lens))):
+            conv, rec = conv_states[i], rec_states[i]
+            cuts = dict(inside.get(i, ()))
+            bounds = [0, *cuts, lens[i]]
+            for lo, hi in zip(bounds, bounds[1:]):
+                out, conv = causal_conv1d_ref(part[lo:hi], conv, self.conv1d.weight[:, 0])
+                q, k, v = self._split_qkv(out)
+                if self.recurrent:
+                    o, r = recurrent_gated_delta_ref(q, k, v, gs[lo:hi], bs[lo:hi], rec[None], [hi - lo])
+                    o, rec = o, r[0]
+                else:
+                    o, rec = chunked_gated_delta_ref(q, k, v, gs[lo:hi], bs[lo:hi], rec, starts[i] + lo,
+                                                     self.chunk_size)
+                outs.append(o)
+                if hi in cuts:
+                    self.conv_state[cuts[hi]], self.rec_state[cuts[hi]] = conv, rec
+            convs.append(conv)
+            recs.append(rec)
+        return torch.cat(outs), torch.stack(convs), torch.stack(recs)
 
     @staticmethod
     def _batch(meta, t: int) -> tuple[list[int], list[int], torch.Tensor | None]:

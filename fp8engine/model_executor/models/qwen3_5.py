@@ -99,7 +99,8 @@ def rope_of(cfg) -> tuple[float, float]:
 
 class GatedAttention(nn.Module):
     """Full attention with an output gate: q_proj gives [q | gate] per head (fused here with k and v as qkv_proj,
-    HF's row order kept), per-head zero-centred q/k norms, partial RoPE, paged attention, o_proj(attn * sigmoid(gate))."""
+    HF's row order kept), per-head zero-centred q/k norms, partial RoPE, paged attention, then
+    o_proj(attn * sigmoid(gate))."""
 
     def __init__(self, cfg, layer_idx: int, make_linear: LinearFactory, rotary: PartialRotary):
         super().__init__()
