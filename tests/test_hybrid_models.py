@@ -212,3 +212,16 @@ def test_a_three_turn_episode_prefills_only_each_turns_new_tokens(tiny_dir):
     for turn in (1, 2):  # new: the observation + the previous turn's last token, + at most a block's remainder
         new = sent[turn] - sent[turn - 1] - episodes * params.max_tokens + episodes
         assert prefilled[turn] <= new + episodes * (block - 1) < sent[turn]
+
+
+def test_kv_scales_name_the_decoder_layer_of_an_attention_layer(tiny_dir):
+    """Layer 3 is the one attention layer: its scales by the checkpoint's name (either prefix); a GDN layer's
+    index is refused by name, nothing changed."""
+    engine = make_engine(tiny_dir("qwen3_5"), kv_cache_dtype="fp8_e4m3", kv_scale_mode="external")
+    engine.update_weights({"model.language_model.layers.3.self_attn.k_scale": torch.tensor(0.5),
+                           "model.layers.3.self_attn.v_scale": torch.tensor(0.25)})
+    assert engine.get_stats().kv_scales == {"model.layers.3.self_attn": (0.5, 0.25)}
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_scale': the model has no attention layer 0 "
+                                         r"\(its attention layers: \[3\]\)"):
+        engine.update_weights({"model.layers.0.self_attn.k_scale": torch.tensor(2.0)})
+    assert engine.get_stats().kv_scales == {"model.layers.3.self_attn": (0.5, 0.25)}

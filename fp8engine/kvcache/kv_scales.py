@@ -54,10 +54,14 @@ class KVScaleManager:
         self.fixed_calibration: Callable[[], None] | None = None
         self.rescale: Callable[[int, tuple[float, float], tuple[float, float]], None] | None = None
         self._index = {id(layer): i for i, layer in enumerate(layers)}
+        # a checkpoint names a scale by its decoder layer (model.layers.{i}.self_attn); in a hybrid model the
+        # attention layers are only some of them
+        self._by_decoder_layer = {int(layer.name.split(".")[2]): i for i, layer in enumerate(layers)}
         if self.enabled:
             for layer in layers:
                 layer.q_scale = 1.0 if self.fp8_attention else 0.0
-            self._apply({i: pair for i, pair in checkpoint.items() if i < len(layers)})
+            self._apply({self._by_decoder_layer[i]: pair for i, pair in checkpoint.items()
+                         if i in self._by_decoder_layer})
         self.pending = self.enabled and self.mode == "recompute"
 
     def current(self) -> dict[str, tuple[float, float]]:
@@ -108,11 +112,16 @@ class KVScaleManager:
             self.pending = True
 
     # ------------------------------------------------------------- external
+    def attention_index(self, name: str, decoder_layer: int) -> int:
+        """The attention layer (its index here) of KV scale tensor `name` for decoder layer decoder_layer."""
+        if decoder_layer not in self._by_decoder_layer:
+            raise ValueError(f"{name!r}: the model has no attention layer {decoder_layer} (its attention layers: "
+                             f"{sorted(self._by_decoder_layer)})")
+        return self._by_decoder_layer[decoder_layer]
+
     def check_scale_tensor(self, name: str, layer: int, tensor: torch.Tensor) -> float:
-        """The value of KV scale tensor `name` for attention layer `layer` in a weight update; ValueError if it
-        cannot be applied."""
-        if layer >= len(self.layers):
-            raise ValueError(f"{name!r}: the model has {len(self.layers)} layers")
+        """The value of KV scale tensor `name` for attention layer `layer` (attention_index) in a weight update;
+        ValueError if it cannot be applied."""
         if tensor.numel() != 1:
             raise ValueError(f"{name!r}: a KV scale must be a single value, got shape {tuple(tensor.shape)}")
         value = float(tensor.float().reshape(()))

@@ -25,7 +25,7 @@ from fp8engine.weights.quant import FP8_DTYPE, dequantize_weight_blockwise, quan
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
-KV_SCALE_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k|v|q)_scale$")
+KV_SCALE_NAME = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.self_attn\.(k|v|q)_scale$")
 logger = logging.getLogger(__name__)
 QuantizeInto = Callable[..., None]
 BlockScales = Callable[[torch.Tensor, str | None], tuple[torch.Tensor, bool] | None]  # (scales, all finite)

@@ -27,7 +27,8 @@ def stage(model: torch.nn.Module, weights, kv_scales, block_scales: BlockScales 
     """Validate every (hf_name, tensor) of `weights` against the model; nothing is written.
 
     kv_scales: what takes the KV scales (model.layers.{i}.self_attn.{k,v,q}_scale): its
-    check_scale_tensor(name, layer, tensor) returns the value or raises ValueError (kvcache's KVScaleManager).
+    attention_index(name, decoder layer) and check_scale_tensor(name, layer, tensor) map and check it or raise
+    ValueError (kvcache's KVScaleManager).
 
     block_scales: the quantizer's scale pass; FP8-bound tensors are then validated through their block
     scales, which the commit reuses instead of computing them again."""
@@ -39,7 +40,7 @@ def stage(model: torch.nn.Module, weights, kv_scales, block_scales: BlockScales 
         staged.num_bytes += tensor.numel() * tensor.element_size()
         kv_scale = KV_SCALE_NAME.match(name)
         if kv_scale is not None:
-            layer, which = int(kv_scale[1]), kv_scale[2]
+            layer, which = kv_scales.attention_index(name, int(kv_scale[1])), kv_scale[2]
             staged.kv_scales.setdefault(layer, {})[which] = kv_scales.check_scale_tensor(name, layer, tensor)
         elif not is_skipped(name):
             target = resolve(model, name)
