@@ -53,7 +53,7 @@ def cpu_can_build(op: str) -> bool:
     if op in ("bf16_linear", "paged_attention", "write_kv_cache", "sample_rows") and avx2:  # AVX2 kernels where AVX-512 falls short
         return True
     needs = {"bf16_linear": {"avx512_bf16"}, "fp8_block_linear": set(), "fp8_quantize_weight_": set(),
-             "fp8_block_scales_": set(), "fp8_linear_isa": set(), "amx_usable": set()}.get(
+             "fp8_block_scales_": set(), "fp8_linear_isa": set(), "amx_usable": set(), "gdn_recurrent_": set()}.get(
         op, {"avx512f", "avx512bw", "avx512vl"})
     return needs <= flags
 

@@ -214,3 +214,41 @@ def test_elementwise_functions_do_not_depend_on_position():
             assert torch.equal(ours(x[start:start + n]), full[start:start + n])
         assert torch.equal(ours(x.view(-1, 4).t()).t().flatten(), full)
         torch.testing.assert_close(full, torchs(x), rtol=1e-6, atol=1e-30)
+
+
+def _kernel_case(seq_lens, hk=2, hv=4, dk=16, dv=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(seq_lens)
+    q, k = torch.randn(t, hk, dk, generator=gen), torch.randn(t, hk, dk, generator=gen)
+    v = torch.randn(t, hv, dv, generator=gen)
+    g = -torch.rand(t, hv, generator=gen) * 2
+    beta = torch.rand(t, hv, generator=gen)
+    states = torch.randn(len(seq_lens), hv, dk, dv, generator=gen) * 0.1
+    return q, k, v, g, beta, states
+
+
+def _kernel(kernel, q, k, v, g, beta, pool, slots, seq_lens):
+    from fp8engine.model_executor.kernels.gated_delta_ref import kernel_inputs
+    bounds = torch.tensor([0, *seq_lens]).cumsum(0)
+    return kernel(*kernel_inputs(q, k, v, g, beta), pool, torch.tensor(slots), bounds)
+
+
+def test_cpp_recurrent_kernel_matches_the_reference_and_is_bitwise_however_split():
+    """csrc/gated_delta.cpp: within float32 rounding of recurrent_gated_delta_ref (dv = 24: a vector and a tail);
+    bit for bit alone vs in a batch, in any slot, and with its tokens split into calls."""
+    from tests.conftest import require_cpu_op
+    ops = require_cpu_op("gdn_recurrent_")  # the op itself
+    lens = [7, 1, 12]
+    q, k, v, g, beta, states = _kernel_case(lens)
+    ref_out, ref_states = recurrent_gated_delta_ref(q, k, v, g, beta, states, lens)
+    pool = torch.zeros(5, *states.shape[1:])
+    pool[[3, 0, 4]] = states
+    out = _kernel(ops, q, k, v, g, beta, pool, [3, 0, 4], lens)
+    assert (out - ref_out).abs().max() < 1e-5 and (pool[[3, 0, 4]] - ref_states).abs().max() < 1e-5
+    assert pool[[1, 2]].eq(0).all()  # the other slots untouched
+    alone = torch.zeros(1, *states.shape[1:])
+    alone[0] = states[2]
+    rows = slice(8, 20)
+    first = _kernel(ops, q[8:13], k[8:13], v[8:13], g[8:13], beta[8:13], alone, [0], [5])
+    rest = _kernel(ops, q[13:20], k[13:20], v[13:20], g[13:20], beta[13:20], alone, [0], [7])
+    assert torch.equal(torch.cat([first, rest]), out[rows]) and torch.equal(alone[0], pool[4])

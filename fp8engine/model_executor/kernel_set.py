@@ -73,6 +73,9 @@ class KernelSet:
     head_nt16: bool  # the (BF16) LM head's weight is stored in the nt16 layout, which lm_head reads
     dense_nt16: Callable | None  # dense_linear for a Linear layer's weight in the nt16 layout (None: rows only)
     names: dict[str, str] = field(default_factory=dict)
+    # gdn_recurrent(q, k, v, g, beta, states, slots, query_start_loc) -> o: the gated delta rule's recurrent form on
+    # prepared inputs, in place on the state pool (csrc/gated_delta.cpp); None: the torch references
+    gdn_recurrent: Callable | None = None
 
     @property
     def linear_name(self) -> str:
@@ -182,6 +185,8 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
         quantize_into, block_scales = quant.quantize_weight_into, None
     sample_rows = ops.sample_rows if has("sample_rows") else None
     names["sampler"] = "cpp+torch" if sample_rows is not None else "torch"
+    gdn = ops.gdn_recurrent_ if has("gdn_recurrent_") else None
+    names["gated_delta"] = "cpp-recurrent" if gdn is not None else "torch"
     names["moe"] = "grouped"
     huge_pages = envs.flag("FP8ENGINE_HUGE_PAGES") and host_memory.available()
 
@@ -197,7 +202,8 @@ def _cpu(config: EngineConfig, ops) -> KernelSet:
         lora_add, names["lora"] = functools.partial(layer_ops_ref.lora_add_dense, dense), "dense-linear"
     return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm, rotary, silu, lora_add,
                      write_kv, attend, None, sample_rows, quantize_into, block_scales, partition,
-                     (fp8_gemm, bf16_gemm), decoder_plan, True, huge_pages, nt16, head_nt16, dense_nt16, names)
+                     (fp8_gemm, bf16_gemm), decoder_plan, True, huge_pages, nt16, head_nt16, dense_nt16, names,
+                     gdn_recurrent=gdn)
 
 
 def fp8_linear_ref(x, w_q, w_scale_inv, bias=None, scale_fmt=None, scale_rows=None) -> torch.Tensor:

@@ -109,6 +109,15 @@ def prepare_qkvgb(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return q, k, v.float(), g.float(), beta.float()
 
 
+def kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """prepare_qkvgb's values without repeating the key heads, contiguous float32: what csrc/gated_delta.cpp takes
+    (it reads key head h // r for value head h)."""
+    q, k = l2norm(q.float()), l2norm(k.float())
+    q = q * q.shape[-1] ** -0.5
+    return tuple(x.float().contiguous() for x in (q, k, v, g, beta))
+
+
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of n sequences, prepared (float32): q, k [n, H, dk], v [n, H, dv], g, beta [n, H],

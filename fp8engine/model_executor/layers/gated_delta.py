@@ -25,6 +25,7 @@ from fp8engine.model_executor.kernels.gated_delta_ref import (
     chunked_gated_delta_ref,
     decay_and_beta,
     gated_rms_norm_ref,
+    kernel_inputs,
     recurrent_gated_delta_ref,
 )
 from fp8engine.model_executor.layers.linear import Linear
@@ -190,6 +191,8 @@ class GatedDeltaNet(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.recurrent, self.chunk_size, self.fused_names = recurrent, chunk_size, fused_names
         dtype, kernels = make_linear.dtype, make_linear.kernels
+        # the C++ recurrent form (CPU): every token of prefill and decode through it, exact or not
+        self.gdn_kernel = kernels.gdn_recurrent
         hidden = cfg.hidden_size
         self.in_proj_qkv = make_linear(hidden, [self.conv_dim])
         self.in_proj_z = make_linear(hidden, [self.value_dim])
@@ -261,28 +264,28 @@ class GatedDeltaNet(nn.Module):
         g, beta = decay_and_beta(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
         if slots is None:  # a detached forward (calibration, profile): one sequence from the zero state
             conv_states = torch.zeros(1, self.conv_dim, self.kernel_size - 1, dtype=x.dtype, device=x.device)
-            rec_states = torch.zeros(1, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=x.device)
+            pool = torch.zeros(1, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=x.device)
+            index = torch.zeros(1, dtype=torch.int64, device=x.device)
         else:
-            conv_states, rec_states = self.conv_state[slots], self.rec_state[slots]
+            conv_states, pool, index = self.conv_state[slots], self.rec_state, slots
         snapshots = getattr(meta, "state_snapshots", None) or []
         inside: dict[int, list[tuple[int, int]]] = {}  # sequence -> its snapshots that fall inside its tokens
         for i, n, slot in sorted(snapshots):
             if n < lens[i]:
                 inside.setdefault(i, []).append((n, slot))
-        if all(n == 1 for n in lens):
-            conv_out, new_conv = causal_conv1d_batch(mixed, conv_states, self.conv1d.weight[:, 0])
-            core, new_rec = recurrent_gated_delta_ref(*self._split_qkv(conv_out), g, beta, rec_states, lens)
-        elif self.recurrent and not inside:
-            conv_out, new_conv = self._conv_each(mixed, conv_states, lens)
-            core, new_rec = recurrent_gated_delta_ref(*self._split_qkv(conv_out), g, beta, rec_states, lens)
+        if inside:
+            core, new_conv = self._by_piece(mixed, g, beta, conv_states, pool, index, starts, lens, inside)
         else:
-            core, new_conv, new_rec = self._each(mixed, g, beta, conv_states, rec_states, starts, lens, inside)
+            if all(n == 1 for n in lens):
+                conv_out, new_conv = causal_conv1d_batch(mixed, conv_states, self.conv1d.weight[:, 0])
+            else:
+                conv_out, new_conv = self._conv_each(mixed, conv_states, lens)
+            core = self._delta(conv_out, g, beta, pool, index, starts, lens)
         if slots is not None:
             self.conv_state[slots] = new_conv
-            self.rec_state[slots] = new_rec
             for i, n, slot in snapshots:
                 if n == lens[i]:
-                    self.conv_state[slot], self.rec_state[slot] = new_conv[i], new_rec[i]
+                    self.conv_state[slot], self.rec_state[slot] = new_conv[i], self.rec_state[slots[i]]
         normed = gated_rms_norm_ref(core.to(x.dtype), z, self.norm.weight, self.eps)
         return self.out_proj(normed.flatten(1))
 
@@ -301,29 +304,43 @@ class GatedDeltaNet(nn.Module):
             convs.append(conv)
         return torch.cat(outs), torch.stack(convs)
 
-    def _each(self, mixed, g, beta, conv_states, rec_states, starts, lens, inside):
+    def _delta(self, conv_out, g, beta, pool: torch.Tensor, index: torch.Tensor, starts: list[int],
+               lens: list[int]) -> torch.Tensor:
+        """The delta rule over the packed sequences whose recurrent states are pool[index], advanced in place:
+        the C++ recurrent form where there is one, else the references (recurrent when exact or decoding, the
+        chunked form on each sequence's grid otherwise) -> o [T, Hv, dv] float32."""
+        q, k, v = self._split_qkv(conv_out)
+        if self.gdn_kernel is not None:
+            bounds = torch.tensor([0, *lens]).cumsum(0)
+            return self.gdn_kernel(*kernel_inputs(q, k, v, g, beta), pool, index, bounds)
+        states = pool[index]
+        if self.recurrent or all(n == 1 for n in lens):
+            core, new = recurrent_gated_delta_ref(q, k, v, g, beta, states, lens)
+        else:
+            outs, recs = [], []
+            for i, (qs, ks, vs, gs, bs) in enumerate(zip(*(y.split(lens) for y in (q, k, v, g, beta)))):
+                out, rec = chunked_gated_delta_ref(qs, ks, vs, gs, bs, states[i], starts[i], self.chunk_size)
+                outs.append(out)
+                recs.append(rec)
+            core, new = torch.cat(outs), torch.stack(recs)
+        pool[index] = new
+        return core
+
+    def _by_piece(self, mixed, g, beta, conv_states, pool, index, starts, lens, inside):
         """Sequence by sequence, each in pieces cut where a snapshot falls inside its tokens (the snapshot written
-        between them): the recurrent form, or the chunked form on each sequence's grid."""
-        outs, convs, recs = [], [], []
+        between them): what a prefix hit restoring that snapshot computes from there on."""
+        outs, convs = [], []
         for i, (part, gs, bs) in enumerate(zip(mixed.split(lens), g.split(lens), beta.split(lens))):
-            conv, rec = conv_states[i], rec_states[i]
-            cuts = dict(inside.get(i, ()))
+            conv, cuts = conv_states[i], dict(inside.get(i, ()))
             bounds = [0, *cuts, lens[i]]
             for lo, hi in zip(bounds, bounds[1:]):
                 out, conv = causal_conv1d_ref(part[lo:hi], conv, self.conv1d.weight[:, 0])
-                q, k, v = self._split_qkv(out)
-                if self.recurrent:
-                    o, r = recurrent_gated_delta_ref(q, k, v, gs[lo:hi], bs[lo:hi], rec[None], [hi - lo])
-                    o, rec = o, r[0]
-                else:
-                    o, rec = chunked_gated_delta_ref(q, k, v, gs[lo:hi], bs[lo:hi], rec, starts[i] + lo,
-                                                     self.chunk_size)
-                outs.append(o)
+                outs.append(self._delta(out, gs[lo:hi], bs[lo:hi], pool, index[i:i + 1], [starts[i] + lo],
+                                        [hi - lo]))
                 if hi in cuts:
-                    self.conv_state[cuts[hi]], self.rec_state[cuts[hi]] = conv, rec
+                    self.conv_state[cuts[hi]], self.rec_state[cuts[hi]] = conv, pool[index[i]]
             convs.append(conv)
-            recs.append(rec)
-        return torch.cat(outs), torch.stack(convs), torch.stack(recs)
+        return torch.cat(outs), torch.stack(convs)
 
     @staticmethod
     def _batch(meta, t: int) -> tuple[list[int], list[int], torch.Tensor | None]:
