@@ -225,3 +225,39 @@ def test_kv_scales_name_the_decoder_layer_of_an_attention_layer(tiny_dir):
                                          r"\(its attention layers: \[3\]\)"):
         engine.update_weights({"model.layers.0.self_attn.k_scale": torch.tensor(2.0)})
     assert engine.get_stats().kv_scales == {"model.layers.3.self_attn": (0.5, 0.25)}
+
+
+def test_lora_on_gdn_and_attention_projections_equals_merged_weights(tiny_dir):
+    """A PEFT-named adapter (the vision-language prefix on one module) on a GDN layer's in_proj_qkv and out_proj,
+    the gated attention's q_proj and an MLP: float32 logprobs within 1e-4 of an engine whose weights are merged
+    (W + scaling * B A); removing it gives the base model's bits back. Routed experts come back per token."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"model.language_model.layers.0.linear_attn.in_proj_qkv": (128, 256),
+              "model.layers.1.linear_attn.out_proj": (128, 128), "model.layers.3.self_attn.q_proj": (128, 256),
+              "model.layers.2.mlp.down_proj": (256, 128)}
+    adapter = {}
+    for module, (k, n) in shapes.items():
+        adapter[f"base_model.model.{module}.lora_A.weight"] = torch.randn(4, k, generator=gen) * 0.2
+        adapter[f"base_model.model.{module}.lora_B.weight"] = torch.randn(n, 4, generator=gen) * 0.2
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0, logprobs_mode="raw")
+    engine = make_engine(tiny_dir("qwen3_5"), dtype="float32", max_lora_rank=4)
+    base = results(engine.generate(TARGETS[:2], [params] * 2))
+    engine.update_lora(adapter, scaling=2.0)
+    with_lora = results(engine.generate(TARGETS[:2], [params] * 2))
+    merged = make_engine(tiny_dir("qwen3_5"), dtype="float32")
+    update = {}
+    for module in shapes:
+        name = merged.runner.model.hf_alias(module) + ".weight"
+        delta = 2.0 * adapter[f"base_model.model.{module}.lora_B.weight"] @ adapter[
+            f"base_model.model.{module}.lora_A.weight"]
+        update[name] = merged.get_weights_by_name(name) + delta
+    merged.update_weights(update)
+    reference = results(merged.generate(TARGETS[:2], [params] * 2))
+    assert with_lora != base and [t for t, _ in with_lora] == [t for t, _ in reference]
+    assert max(d for (_, a), (_, b) in zip(with_lora, reference) for d in mean_abs(a, b)) < 1e-4
+    engine.update_lora({})
+    assert results(engine.generate(TARGETS[:2], [params] * 2)) == base
+    moe = make_engine(tiny_dir("qwen3_5_moe"), dtype="bfloat16")
+    out = moe.generate([RAW[0]], SamplingParams(temperature=0.0, max_tokens=6, return_routed_experts=True))[0]
+    routed = out.outputs[0].routed_experts
+    assert routed.shape == (len(out.prompt_token_ids) + 5, 4, 2) and 0 <= routed.min() and routed.max() < 8

@@ -78,12 +78,14 @@ def commit_adapter(loras: Mapping[str, torch.nn.Module], staged: StagedAdapter) 
 
 
 def _layer_path(model: torch.nn.Module, loras: Mapping[str, torch.nn.Module], module: str) -> tuple[str, int]:
-    head, _, leaf = module.rpartition(".")
+    alias = getattr(model, "hf_alias", None)  # a vision-language class's prefix (models/qwen3_5.py)
+    head, _, leaf = (alias(module + ".") if alias is not None else module + ".")[:-1].rpartition(".")
     fused, shard = model.packed_modules.get(leaf, (leaf, 0))
     path = f"{head}.{fused}" if head else fused
     if path not in loras:
         raise ValueError(f"LoRA module {module!r}: the model has no linear there that takes an adapter (q/k/v/o "
-                         f"and gate/up/down projections of the decoder layers; MoE experts take none)")
+                         f"and gate/up/down projections of the decoder layers, a GDN layer's in_proj_qkv, in_proj_z "
+                         f"and out_proj; MoE experts take none)")
     return path, shard
 
 
