@@ -1,11 +1,11 @@
 """Decode throughput of a Qwen3.5-2B-shaped hybrid model (issue 63): fp8engine BF16 and FP8 against transformers'
 `generate`, each warmed up on the batch it is timed on, rounds alternating.
 
-The model: transformers' Qwen3_5TextConfig with the 2B's published sizes (24 layers, 18 Gated DeltaNet + 6 gated
-attention, hidden 2048, MLP 6144, 8 query / 2 KV heads of 256, 16 / 16 linear heads of 128), random weights
-(load_format="dummy" for the engine, transformers' init for HF) and the default model's tokenizer, so its vocabulary
-is 49,152 rather than 248,320 (the LM head is a smaller share of a step than in the released model). vLLM's CPU
-build is not run: its 0.32 wheel has no qwen3_5 text model for CPU (say so in the note if that changes).
+The model: `--model qwen3.5-2b-shape` of the bench (fp8engine/bench/hybrid_model.py: the 2B's sizes, random
+weights: load_format="dummy" for the engine, transformers' seeded init for HF, the default model's 49,152-token
+vocabulary). vLLM's CPU build 0.32 does not run it: its Transformers backend refuses the linear-attention layers,
+and its own Qwen3_5ForCausalLM imports torchvision (not in its CPU venv) and runs GDN through Triton kernels,
+which its CPU build disables.
 
     python benchmarks/hybrid_decode.py --batches 1,8,32 --input-len 32 --output-len 64 --rounds 2 [--hf]
 """
@@ -17,30 +17,17 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, Qwen3_5TextConfig
+from transformers import Qwen3_5TextConfig
 
 from fp8engine import EngineConfig, LLMEngine, SamplingParams
-from fp8engine.envs import cache_root
-from fp8engine.weights.default_model import default_model_path
+from fp8engine.bench import hybrid_model
 
-SHAPE = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
-             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-             max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
-             rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25))
 MODES = {"bf16": {}, "fp8-linear": dict(quantization="fp8")}
 
 
 def model_dir() -> str:
-    """A directory with the config and tokenizer only (the engine draws the weights: load_format="dummy")."""
-    path = cache_root() / "models" / "qwen3.5-2b-shape"
-    if not (path / "config.json").exists():
-        path.mkdir(parents=True, exist_ok=True)
-        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-        Qwen3_5TextConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, architectures=["Qwen3_5ForCausalLM"],
-                          eos_token_id=tokenizer.eos_token_id, **SHAPE).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    return str(path)
+    """The shape's config and tokenizer (the engine draws the weights: load_format="dummy")."""
+    return hybrid_model.shape_path("qwen3.5-2b-shape")
 
 
 def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:

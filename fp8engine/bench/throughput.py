@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 import torch
 
+from fp8engine.bench import hybrid_model
 from fp8engine.bench.workloads import (  # noqa: F401
     BASELINES,
     MEANING,
@@ -126,13 +127,18 @@ def engine_config(mode: str, workload: Workload, model: str, dtype: str, device:
         options.update(speculative=speculative, num_speculative_tokens=num_speculative_tokens)
     if workload.kv_cache_tokens is not None:
         options["kv_cache_memory_bytes"] = _bf16_kv_bytes(model, workload.kv_cache_tokens)
-    return EngineConfig(model=model, dtype=dtype, device=device, max_num_seqs=workload.max_num_seqs,
+    if hybrid_model.is_shape(model):
+        options["load_format"] = "dummy"
+    return EngineConfig(model=model_dir(model), dtype=dtype, device=device, max_num_seqs=workload.max_num_seqs,
                         **options)
 
 
 def model_dir(model: str) -> str:
-    """The Hugging Face directory of --model ("default": the prepared default model)."""
+    """The Hugging Face directory of --model ("default": the prepared default model; a name of
+    bench/hybrid_model.py: that shape's config, its weights drawn at start-up)."""
     from fp8engine.weights.default_model import default_model_path
+    if hybrid_model.is_shape(model):
+        return hybrid_model.shape_path(model)
     return default_model_path() if model == "default" else model
 
 
@@ -140,7 +146,9 @@ def _bf16_kv_bytes(model: str, tokens: int) -> int:
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(model_dir(model))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return tokens * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    layer_types = getattr(cfg, "layer_types", None)  # a hybrid model's KV is its full-attention layers'
+    layers = cfg.num_hidden_layers if not layer_types else sum(t == "full_attention" for t in layer_types)
+    return tokens * 2 * layers * cfg.num_key_value_heads * head_dim * 2
 
 
 def sampling_params(workload: Workload) -> SamplingParams:
@@ -203,7 +211,12 @@ def run_hf(workload: Workload, prompts: list[list[int]], model: str, dtype: str)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = model_dir(model)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    if hybrid_model.is_shape(model):  # the shape's config only: transformers' seeded random init
+        from transformers import AutoConfig
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).to(getattr(torch, dtype)).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
     sample = workload.temperature > 0
     kwargs = dict(do_sample=sample, temperature=workload.temperature if sample else None, top_p=None, top_k=None,
