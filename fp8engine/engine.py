@@ -63,13 +63,9 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_dir)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
-        if self.runner.gdn_layers and config.speculative is not None:
-            raise ValueError(f"speculative={config.speculative!r} is not supported with a hybrid model "
-                             f"({self.runner.hf_config.model_type!r}): verification would have to roll its "
-                             f"linear-attention states back to the last accepted token")
         self.scheduler = Scheduler(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                    config.max_num_seqs, config.max_num_batched_tokens, self.runner.num_state_slots,
-                                   self.runner.num_state_snapshots)
+                                   self.runner.num_state_snapshots, self.runner.spec_states_per_slot)
         checkpoint_scales = read_kv_scales(self.model_dir) if config.load_format == "auto" else {}
         self.kv_scales = KVScaleManager(config, self.runner.attn_layers, checkpoint_scales)
         if config.batch_invariant:  # the runner's method, not a closure over self: no engine <-> kv_scales cycle

@@ -74,6 +74,8 @@ class Sequence:
         self.num_hashed_blocks = 0
         self.state_slot: int | None = None  # hybrid models: the state pool's slot (written by the block manager)
         self.state_restore: int | None = None  # ... the snapshot a prefix hit starts it from
+        # ... a verification step's (first draft position, drafts): where its state rolls back to
+        self.draft_span: tuple[int, int] | None = None
         self.block_hashes: list[int] = []  # chained hashes of full blocks, memoised by the block manager
         self.status = SeqStatus.WAITING
         self.num_preemptions = 0

@@ -3,7 +3,8 @@
 test_models.py (the ARCHS loop); here: BF16 against HF's own BF16 error, the state pool (slots in the KV budget,
 taken and given back with a sequence, forks copying the state, preemption recomputing it), exact rollouts
 (batch invariance in BF16 and FP8, chunked prefill, trainer replay), weights from a transformers model's
-`named_parameters()` equal a checkpoint load, FP8 refit in place, and a checkpoint laid out as released.
+`named_parameters()` equal a checkpoint load, FP8 refit in place, a checkpoint laid out as released, prefix caching
+through state snapshots (a 3-turn episode), LoRA, KV-scale names, and speculative decoding's state roll-back.
 
 Measured (this Xeon, 8 prompts x 16 greedy tokens, mean |teacher-forced logprob - HF float32's|): BF16 engine vs
 HF BF16's own distance to float32, qwen3_5 0.032 vs 0.023, qwen3_5_moe 0.090 vs 0.140, qwen3_next 0.088 vs 0.199
@@ -76,8 +77,10 @@ def test_state_pool_is_counted_in_the_kv_budget_and_given_back(tiny_dir):
     # a budget of one state: one running sequence (max_num_seqs wait for slots), no snapshot, no KV block left
     with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=53760 leaves less than one KV block .*after 1 state"):
         make_engine(tiny_dir("qwen3_5"), dtype="bfloat16", kv_cache_memory_bytes=53760)
-    with pytest.raises(ValueError, match="speculative='suffix' is not supported with a hybrid model"):
-        make_engine(tiny_dir("qwen3_5"), dtype="bfloat16", speculative="suffix")
+    # speculative decoding: num_speculative_tokens more slots a running sequence, in the same budget
+    spec = make_engine(tiny_dir("qwen3_5"), dtype="bfloat16", max_num_seqs=8, kv_cache_memory_bytes=4 << 20,
+                       speculative="suffix", num_speculative_tokens=2)
+    assert spec.get_stats().num_kv_blocks_total == ((4 << 20) - (8 * 3 + 8) * 53760) // kv_block
 
 
 @pytest.mark.parametrize("arch,mode", [("qwen3_5", "bf16"), ("qwen3_5", "full-fp8"), ("qwen3_5_moe", "fp8-linear"),
@@ -261,3 +264,26 @@ def test_lora_on_gdn_and_attention_projections_equals_merged_weights(tiny_dir):
     out = moe.generate([RAW[0]], SamplingParams(temperature=0.0, max_tokens=6, return_routed_experts=True))[0]
     routed = out.outputs[0].routed_experts
     assert routed.shape == (len(out.prompt_token_ids) + 5, 4, 2) and 0 <= routed.min() and routed.max() < 8
+
+
+def test_speculative_decoding_rolls_the_state_back_bitwise(tiny_dir):
+    """Verification keeps the state after each of its tokens (num_speculative_tokens more slots a sequence) and
+    rolls back to the last accepted one: with drafts that are the plain run's tokens with every third one wrong, or
+    random, every output is the plain run's bit for bit (n=4 seeded samples, FP8, batch invariant)."""
+    import random
+
+    from tests.test_speculative import SEEDED, by_prompt, oracle, run
+    options = dict(batch_invariant=True, quantization="fp8", max_num_seqs=8)
+    prompts = [RAW[3], CHATS[1]]
+    plain = make_engine(tiny_dir("qwen3_5"), **options)
+    expected = run(plain, prompts, SEEDED)
+    spec = make_engine(tiny_dir("qwen3_5"), speculative="ngram", num_speculative_tokens=3, **options)
+    assert spec.runner.spec_states_per_slot == 3
+    spec.speculator.source = oracle(by_prompt(plain, prompts, SEEDED), wrong_every=3)
+    assert run(spec, prompts, SEEDED) == expected
+    stats = spec.get_stats()
+    assert stats.spec_accepted_tokens > 20 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+    rng = random.Random(0)
+    spec.speculator.source = lambda seq, k: [rng.randrange(spec.vocab_size) for _ in range(k)]
+    assert run(spec, prompts, SEEDED) == expected
+    assert spec.get_stats().num_state_slots_free == stats.num_state_slots_total

@@ -25,10 +25,10 @@ class BlockManager:
     """num_state_slots > 0 (a hybrid model): every sequence holding blocks also holds a state slot (states)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 0,
-                 num_state_snapshots: int = 0):
+                 num_state_snapshots: int = 0, spec_states_per_slot: int = 0):
         self.block_size = block_size
         snapshots = num_state_snapshots if enable_prefix_caching else 0
-        self.states = StatePool(num_state_slots, snapshots) if num_state_slots else None
+        self.states = StatePool(num_state_slots, snapshots, spec_states_per_slot) if num_state_slots else None
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))

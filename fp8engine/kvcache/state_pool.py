@@ -21,10 +21,16 @@ from collections import OrderedDict
 
 
 class StatePool:
-    def __init__(self, num_slots: int, num_snapshots: int = 0):
-        self.num_slots, self.num_snapshots = num_slots, num_snapshots
+    """spec_per_slot > 0 (speculative decoding): each running slot comes with that many more, where a verification
+    step keeps the state after each of its tokens but the last, so that the state can be rolled back to the last
+    accepted one (`spec_of`)."""
+
+    def __init__(self, num_slots: int, num_snapshots: int = 0, spec_per_slot: int = 0):
+        self.num_slots, self.num_snapshots, self.spec_per_slot = num_slots, num_snapshots, spec_per_slot
         total = num_slots + num_snapshots
         self.free = list(range(total - 1, -1, -1))  # physical slots, the lowest taken first
+        self.spec_free = list(range(total + num_slots * spec_per_slot - 1, total - 1, -1))
+        self.spec_of: dict[int, list[int]] = {}  # a running slot -> its verification slots
         self.num_running = 0  # slots held by sequences (at most num_slots)
         self.rolling: dict[int, tuple[int, int]] = {}  # seq_id -> (block index its snapshot ends, slot)
         self.cached: OrderedDict[int, int] = OrderedDict()  # block hash -> snapshot slot, least recently used first
@@ -41,6 +47,8 @@ class StatePool:
         """A sequence's slot: zeroed before the next forward, or a copy of slot copy_of (a fork, a prefix hit)."""
         self.num_running += 1
         slot = self.free.pop()
+        if self.spec_per_slot:
+            self.spec_of[slot] = [self.spec_free.pop() for _ in range(self.spec_per_slot)]
         if copy_of is None:
             self.pending_zeros.append(slot)
         else:
@@ -50,6 +58,12 @@ class StatePool:
     def give(self, slot: int) -> None:
         self.num_running -= 1
         self.free.append(slot)
+        self.spec_free += self.spec_of.pop(slot, [])
+
+    def roll_back(self, slot: int, num_tokens: int) -> None:
+        """A verification's sequence keeps the state after its first num_tokens tokens of the step (copied from
+        the verification slot that holds it before the next forward)."""
+        self.pending_copies.append((self.spec_of[slot][num_tokens - 1], slot))
 
     # ------------------------------------------------------------------ snapshots
     def _snapshot_room(self) -> bool:

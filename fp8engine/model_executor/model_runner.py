@@ -102,7 +102,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_cache: torch.Tensor | None = None
         self.routed_experts: torch.Tensor | None = None
-        # hybrid models: state slots for running sequences and snapshots (kvcache/state_pool.py), in the KV budget
+        # hybrid models: state slots for running sequences and snapshots (kvcache/state_pool.py), in the KV budget;
+        # with speculative decoding each running slot has num_speculative_tokens more (a verification's roll-back)
+        self.spec_states_per_slot = config.num_speculative_tokens if self.gdn_layers and config.speculative else 0
         self.num_state_slots, self.num_state_snapshots = self._state_slots()
         self.states: list[torch.Tensor] = []
         self.num_blocks = self._num_kv_blocks()
@@ -166,14 +168,14 @@ class ModelRunner:
         caching), up to an eighth of it. The KV blocks get the rest."""
         if not self.gdn_layers:
             return 0, 0
-        per, seqs = self.state_bytes_per_slot(), self.config.max_num_seqs
+        per, seqs = self.state_bytes_per_slot() * (1 + self.spec_states_per_slot), self.config.max_num_seqs
         snapshots = seqs if self.config.enable_prefix_caching else 0
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.config.num_kv_blocks is None and self.device.type == "cpu":
             budget = DEFAULT_CPU_KV_BYTES
         if budget is None:
             return seqs, snapshots
-        return min(seqs, max(1, budget // 2 // per)), min(snapshots, budget // 8 // per)
+        return min(seqs, max(1, budget // 2 // per)), min(snapshots, budget // 8 // self.state_bytes_per_slot())
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -186,7 +188,7 @@ class ModelRunner:
                 budget = int((free - activations) * DEFAULT_GPU_KV_FRACTION)
             else:
                 budget = DEFAULT_CPU_KV_BYTES
-        slots = self.num_state_slots + self.num_state_snapshots
+        slots = self.num_state_slots * (1 + self.spec_states_per_slot) + self.num_state_snapshots
         states = slots * self.state_bytes_per_slot()
         num = (budget - states) // self.kv_bytes_per_block()
         if num < 1:
@@ -223,7 +225,7 @@ class ModelRunner:
         if not self.gdn_layers:
             return []
         kinds = self.gdn_layers[0].state_shapes(self.dtype)
-        slots = self.num_state_slots + self.num_state_snapshots
+        slots = self.num_state_slots * (1 + self.spec_states_per_slot) + self.num_state_snapshots
         states = [self._zeros((len(self.gdn_layers), slots, *shape), dtype) for shape, dtype in kinds]
         for i, layer in enumerate(self.gdn_layers):
             layer.conv_state, layer.rec_state = states[0][i], states[1][i]

@@ -15,9 +15,10 @@ from fp8engine.request import ScheduledSeq, SeqStatus, Sequence
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, num_state_slots: int = 0, num_state_snapshots: int = 0):
+                 max_num_batched_tokens: int, num_state_slots: int = 0, num_state_snapshots: int = 0,
+                 spec_states_per_slot: int = 0):
         self.block_manager = self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching, num_state_slots,
-                                                    num_state_snapshots)
+                                                    num_state_snapshots, spec_states_per_slot)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -132,6 +133,11 @@ class Scheduler:
         end = item.seq.num_computed_tokens + item.num_new_tokens
         covered = self.bm.grow_uncached(item.seq, end + len(draft))
         item.draft = tuple(draft[:covered - end])
+        states = self.bm.states
+        if states is not None and item.draft:  # the state after each token but the last, to roll back to
+            spec = states.spec_of[item.seq.state_slot]
+            item.snapshots += tuple((j, spec[j - 1]) for j in range(1, item.num_new_tokens + len(item.draft)))
+            item.seq.draft_span = (end, len(item.draft))
 
     def accept_draft_token(self, seq: Sequence) -> None:
         """The draft token after seq's computed tokens was accepted (it is seq's next token now): its KV, written
@@ -141,8 +147,15 @@ class Scheduler:
 
     def release_draft_slots(self, seq: Sequence) -> None:
         """After verification: give back the blocks that only rejected drafts used (seq holds, as without
-        drafts, the blocks of its computed tokens)."""
+        drafts, the blocks of its computed tokens), and with state slots roll the state back to the last accepted
+        token."""
         self.bm.trim(seq, seq.num_computed_tokens)
+        states = self.bm.states
+        if states is not None and seq.draft_span is not None:
+            end, drafted = seq.draft_span
+            if seq.num_computed_tokens < end + drafted:  # a draft token was rejected
+                states.roll_back(seq.state_slot, seq.num_computed_tokens - end + 1)
+            seq.draft_span = None
 
     def fork(self, seq: Sequence) -> list[Sequence]:
         """A request's first sample, prefilled, becomes its n samples: [seq] + the n - 1 new ones (just [seq] for

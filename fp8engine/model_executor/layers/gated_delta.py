@@ -269,10 +269,10 @@ class GatedDeltaNet(nn.Module):
         else:
             conv_states, pool, index = self.conv_state[slots], self.rec_state, slots
         snapshots = getattr(meta, "state_snapshots", None) or []
-        inside: dict[int, list[tuple[int, int]]] = {}  # sequence -> its snapshots that fall inside its tokens
-        for i, n, slot in sorted(snapshots):
+        inside: dict[int, dict[int, list[int]]] = {}  # sequence -> offset inside its tokens -> snapshot slots
+        for i, n, slot in snapshots:
             if n < lens[i]:
-                inside.setdefault(i, []).append((n, slot))
+                inside.setdefault(i, {}).setdefault(n, []).append(slot)
         if inside:
             core, new_conv = self._by_piece(mixed, g, beta, conv_states, pool, index, starts, lens, inside)
         else:
@@ -331,14 +331,14 @@ class GatedDeltaNet(nn.Module):
         between them): what a prefix hit restoring that snapshot computes from there on."""
         outs, convs = [], []
         for i, (part, gs, bs) in enumerate(zip(mixed.split(lens), g.split(lens), beta.split(lens))):
-            conv, cuts = conv_states[i], dict(inside.get(i, ()))
-            bounds = [0, *cuts, lens[i]]
+            conv, cuts = conv_states[i], inside.get(i, {})
+            bounds = [0, *sorted(cuts), lens[i]]
             for lo, hi in zip(bounds, bounds[1:]):
                 out, conv = causal_conv1d_ref(part[lo:hi], conv, self.conv1d.weight[:, 0])
                 outs.append(self._delta(out, gs[lo:hi], bs[lo:hi], pool, index[i:i + 1], [starts[i] + lo],
                                         [hi - lo]))
-                if hi in cuts:
-                    self.conv_state[cuts[hi]], self.rec_state[cuts[hi]] = conv, pool[index[i]]
+                for slot in cuts.get(hi, ()):
+                    self.conv_state[slot], self.rec_state[slot] = conv, pool[index[i]]
             convs.append(conv)
         return torch.cat(outs), torch.stack(convs)
 
