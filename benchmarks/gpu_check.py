@@ -73,7 +73,7 @@ def _compare(case: triton_launch.Case, inputs: dict, out, ref) -> dict:
     err = (out - ref).abs()
     scale = ref.abs().max().clamp_min(1e-30)
     result = {"max_abs_err": float(err.max()), "max_rel_err": float(err.max() / scale)}
-    if case.kind in ("linear", "dense", "lora"):
+    if case.kind in ("linear", "dense", "lora", "gdn"):
         result["ok"] = result["max_rel_err"] <= LINEAR_TOL
         return result
     rtol = BF16_RTOL if inputs["q"].dtype == torch.bfloat16 else 1e-5
@@ -100,7 +100,7 @@ def _moved(x, device: torch.device):
 def _reference(case: triton_launch.Case, inputs: dict, device: torch.device):
     """The torch reference on a CPU copy of the inputs, moved back: CPU arithmetic is the contract (on CUDA torch
     computes "tensor / number" as "tensor * (1 / number)", an ulp off the IEEE quotient for some values)."""
-    if case.kind not in ("weight_quant", "act_quant", "write_kv", "attention"):  # refs that read device modules
+    if case.kind not in ("weight_quant", "act_quant", "write_kv", "attention", "gdn"):  # refs reading device modules
         return case.ref(inputs)
     return _moved(case.ref(_moved(inputs, torch.device("cpu"))), device)
 

@@ -178,7 +178,7 @@ def triton_only(mods: SimpleNamespace) -> Iterator[None]:
 class Case:
     """One engine call: `run(mods, inputs)` calls the Triton wrappers, `ref(inputs)` the torch reference."""
     name: str
-    kind: str  # act_quant | weight_quant | linear | dense | rms_norm | lora | write_kv | attention
+    kind: str  # act_quant | weight_quant | linear | dense | rms_norm | lora | write_kv | attention | gdn
     make: Callable[[torch.device], dict]
     run: Callable[[SimpleNamespace, dict], object]
     ref: Callable[[dict], object] | None
@@ -461,6 +461,43 @@ def engine_cases(shape: ModelShape, scale_fmts=(None,), kinds=KINDS, steps=tuple
     return cases
 
 
+# Hybrid models' gated delta rule (dense_triton.gdn_recurrent_triton) at Qwen3.5-35B-A3B / Qwen3-Next's linear
+# heads: 16 key and 32 value heads of 128; a decode step of 8 sequences and a prefill of two.
+GDN_HEADS = (16, 32, 128, 128)
+GDN_SEQS = {"decode": [1] * 8, "prefill": [64, 37]}
+
+
+def _gdn_case(shape: ModelShape, step: str) -> Case:
+    lens = GDN_SEQS[step]
+    hk, hv, dk, dv = GDN_HEADS
+
+    def make(device):
+        from fp8engine.model_executor.kernels.gated_delta_ref import kernel_inputs
+        t = sum(lens)
+        raw = {"q": _randn((t, hk, dk), torch.float32, device), "k": _randn((t, hk, dk), torch.float32, device),
+               "v": _randn((t, hv, dv), torch.float32, device), "g": _randn((t, hv), torch.float32, device, 0.1),
+               "beta": _randn((t, hv), torch.float32, device, 0.3)}
+        if torch.device(device).type != "meta":
+            raw["g"], raw["beta"] = -raw["g"].abs(), raw["beta"].abs().clamp(max=1.0)
+        prepared = dict(zip(("pq", "pk", "pv", "pg", "pbeta"), kernel_inputs(*raw.values())))
+        state = _randn((len(lens) + 1, hv, dk, dv), torch.float32, device, 0.1)
+        slots = torch.arange(1, len(lens) + 1, device=device)
+        starts = torch.tensor([0, *lens], device="cpu").cumsum(0).to(device)
+        return raw | prepared | {"state": state, "slots": slots, "starts": starts}
+
+    def run(mods, inputs):
+        state = inputs["state"].clone()
+        return mods.dense.gdn_recurrent_triton(inputs["pq"], inputs["pk"], inputs["pv"], inputs["pg"],
+                                               inputs["pbeta"], state, inputs["slots"], inputs["starts"])
+
+    def ref(inputs):
+        from fp8engine.model_executor.kernels.gated_delta_ref import recurrent_gated_delta_ref
+        states = inputs["state"][inputs["slots"]]
+        return recurrent_gated_delta_ref(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], states,
+                                         lens)[0]
+    return Case(f"{shape.name}/gdn/{step}", "gdn", make, run, ref)
+
+
 def batch_invariant_cases(shape: ModelShape, vocab: int = 49152) -> list[Case]:
     """The launches of EngineConfig(batch_invariant=True) on CUDA, at every step: FP8 and model-dtype linear
     layers, the float32 LM head, RMSNorm, a LoRA adapter on qkv_proj (the same kernels with or without batch
@@ -476,6 +513,7 @@ def batch_invariant_cases(shape: ModelShape, vocab: int = 49152) -> list[Case]:
         cases.append(_lora_case(bi, "qkv_proj", *linear_layers(shape)[0][1:], step))
     cases += [_attention_case(bi, step, kv_mode, batch_invariant=True)
               for kv_mode in KV_MODES for step in ATTENTION_BATCHES]
+    cases += [_gdn_case(bi, step) for step in GDN_SEQS]  # one kernel with or without batch invariance
     return cases
 
 

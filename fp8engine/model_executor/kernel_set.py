@@ -238,7 +238,7 @@ def _cuda(config: EngineConfig) -> KernelSet:
     flashinfer = not bi and _probed("FlashInfer", attention_triton.probe_flashinfer, device)
     attend = functools.partial(attention_triton.paged_attention_triton, batch_invariant=bi, flashinfer=flashinfer)
     names["attention"] = "flashinfer+triton" if flashinfer else "triton"
-    names["sampler"], names["moe"] = "torch", "triton"
+    names["sampler"], names["moe"], names["gated_delta"] = "torch", "triton", "triton-recurrent"
 
     def quantize_into(w, out_q, out_scale, scale_fmt=None):
         fp8_triton.quantize_weight_blockwise_triton(w, out_q, out_scale, scale_fmt=scale_fmt)
@@ -248,7 +248,8 @@ def _cuda(config: EngineConfig) -> KernelSet:
                      layer_ops_ref.rotary_ref, layer_ops_ref.silu_and_mul_ref,
                      dense_triton.lora_add_triton, attention_triton.write_kv_cache_triton,
                      attend, functools.partial(moe_triton.fused_moe_triton, batch_invariant=bi), None, quantize_into,
-                     None, 0, ("", ""), False, False, False, False, False, None, names)
+                     None, 0, ("", ""), False, False, False, False, False, None, names,
+                     gdn_recurrent=dense_triton.gdn_recurrent_triton)
 
 
 def _probed(library: str, probe, device: torch.device) -> bool:

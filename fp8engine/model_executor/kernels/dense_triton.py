@@ -156,3 +156,58 @@ def lora_add_triton(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch
                                   BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N, BLOCK_R=LORA_BLOCK_R,
                                   INTERPRET=_INTERPRET, num_warps=4, num_stages=2)
     return y
+
+
+# ------------------------------------------------------------------ the gated delta rule (hybrid models)
+GDN_BLOCK_V = 32  # value columns a program keeps of its head's state: [dk, 32] float32 in registers
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, starts_ptr, out_ptr,
+                          num_seqs, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                          BLOCK_V: tl.constexpr):
+    """One program per (sequence, value head, BLOCK_V value columns): the columns' state in registers, the
+    sequence's tokens in order (csrc/gated_delta.cpp's arithmetic; sums over dk as tl.sum of one shape), so a
+    state's bits do not depend on the batch or on how the tokens were split into calls."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    kh = h // (HV // HK)
+    rows = tl.arange(0, DK)
+    slot = tl.load(slots_ptr + b)
+    s_ptrs = state_ptr + ((slot * HV + h) * DK + rows[:, None]) * DV + cols[None, :]
+    s = tl.load(s_ptrs)
+    start = tl.load(starts_ptr + b).to(tl.int64)
+    end = tl.load(starts_ptr + b + 1).to(tl.int64)
+    for t in range(start, end):
+        kt = tl.load(k_ptr + (t * HK + kh) * DK + rows)
+        qt = tl.load(q_ptr + (t * HK + kh) * DK + rows)
+        vt = tl.load(v_ptr + (t * HV + h) * DV + cols)
+        s = s * tl.exp(tl.load(g_ptr + t * HV + h))
+        mem = tl.sum(s * kt[:, None], axis=0)
+        u = (vt - mem) * tl.load(beta_ptr + t * HV + h)
+        s = s + kt[:, None] * u[None, :]
+        tl.store(out_ptr + (t * HV + h) * DV + cols, tl.sum(s * qt[:, None], axis=0))
+    tl.store(s_ptrs, s)
+
+
+def gdn_recurrent_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor, slots: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+    """The kernel set's gdn_recurrent on CUDA (csrc/gated_delta.cpp's contract): q, k [T, Hk, dk], v [T, Hv, dv],
+    g, beta [T, Hv] float32 prepared (kernels/gated_delta_ref.kernel_inputs), state [N, Hv, dk, dv] float32
+    advanced in place at the sequences' slots -> o [T, Hv, dv] float32. dk and dv powers of two, dv a multiple
+    of GDN_BLOCK_V or smaller than it."""
+    tokens, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    block_v = min(GDN_BLOCK_V, dv)
+    if dk & (dk - 1) or dv & (dv - 1) or hv % hk:
+        raise ValueError(f"gdn_recurrent_triton: dk={dk} and dv={dv} must be powers of two and Hv={hv} a "
+                         f"multiple of Hk={hk}")
+    out = torch.empty(tokens, hv, dv, dtype=torch.float32, device=q.device)
+    seqs = slots.numel()
+    starts = query_start_loc.to(device=q.device, dtype=torch.int64)
+    if seqs and tokens:
+        _gdn_recurrent_kernel[(seqs, hv, dv // block_v)](
+            q, k, v, g, beta, state, slots.to(device=q.device, dtype=torch.int64), starts, out, seqs, HK=hk, HV=hv,
+            DK=dk, DV=dv, BLOCK_V=block_v, num_warps=4)
+    return out
