@@ -94,8 +94,9 @@ def test_a_request_does_not_depend_on_its_batch_chunking_or_preemption(arch, mod
     assert results(outs[:4]) == alone
     hit = engine.generate(TARGETS, PARAMS)  # the prompts' KV and their states at block boundaries are cached now
     assert min(o.num_cached_tokens for o in hit[:2]) >= 16 and results(hit) == alone
-    chunked = make_engine(tiny_dir(arch), batch_invariant=True, max_num_batched_tokens=32, **MODES[mode])
-    assert results(chunked.generate(TARGETS, PARAMS)) == alone
+    for chunk in (7, 32):  # prefill chunks off and on the block grid
+        chunked = make_engine(tiny_dir(arch), batch_invariant=True, max_num_batched_tokens=chunk, **MODES[mode])
+        assert results(chunked.generate(TARGETS, PARAMS)) == alone
     tight = make_engine(tiny_dir(arch), batch_invariant=True, num_kv_blocks=9, **MODES[mode])
     long_filler = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=9)
     outs = tight.generate(RAW[4:8] + TARGETS, [long_filler] * 4 + PARAMS)[4:]
@@ -287,3 +288,21 @@ def test_speculative_decoding_rolls_the_state_back_bitwise(tiny_dir):
     spec.speculator.source = lambda seq, k: [rng.randrange(spec.vocab_size) for _ in range(k)]
     assert run(spec, prompts, SEEDED) == expected
     assert spec.get_stats().num_state_slots_free == stats.num_state_slots_total
+
+
+def test_an_aborted_request_resubmitted_prefills_from_its_last_block(tiny_dir):
+    """Abort after 25 tokens, resubmit prompt + partial output: the snapshot at its last full block (48 of 63
+    tokens) spares all but 15 tokens of prefill (all 63 without the prefix cache)."""
+    prefilled = {}
+    for caching in (True, False):
+        engine = make_engine(tiny_dir("qwen3_5"), batch_invariant=True, enable_prefix_caching=caching)
+        request = engine.add_request(CHATS[2], SamplingParams(temperature=1.0, max_tokens=40, seed=1, ignore_eos=True))
+        for _ in range(25):
+            engine.step()
+        partial = engine.abort_request(request)
+        ids = partial.prompt_token_ids + partial.outputs[0].token_ids
+        before = engine.get_stats().num_prompt_tokens_total
+        out = engine.generate([ids], SamplingParams(temperature=1.0, max_tokens=10, seed=2, ignore_eos=True))[0]
+        prefilled[caching] = (len(ids), engine.get_stats().num_prompt_tokens_total - before, out.outputs[0].token_ids)
+    (n, with_cache, tokens), (_, without, plain) = prefilled[True], prefilled[False]
+    assert without == n and with_cache == n % 16 + 16 * (n % 16 == 0) < n and tokens == plain
