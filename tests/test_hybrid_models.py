@@ -142,6 +142,8 @@ def test_update_from_a_transformers_model_equals_a_checkpoint_load(arch, tiny_di
         assert torch.equal(param.view(torch.uint8) if param.dtype.itemsize == 1 else param, theirs[name].view(
             torch.uint8) if param.dtype.itemsize == 1 else theirs[name]), name
     assert results(engine.generate(TARGETS[:2], PARAMS[:1] * 2)) == results(fresh.generate(TARGETS[:2], PARAMS[:1] * 2))
+    with pytest.raises(ValueError, match=r"unknown weight name 'model\.layers\.0\.linear_attn\.foo\.weight'"):
+        engine.update_weights({"model.layers.0.linear_attn.foo.weight": torch.zeros(2)})
 
 
 def test_in_flight_update_recomputes_the_state(tiny_dir):

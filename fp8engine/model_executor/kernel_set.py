@@ -74,7 +74,7 @@ class KernelSet:
     dense_nt16: Callable | None  # dense_linear for a Linear layer's weight in the nt16 layout (None: rows only)
     names: dict[str, str] = field(default_factory=dict)
     # gdn_recurrent(q, k, v, g, beta, states, slots, query_start_loc) -> o: the gated delta rule's recurrent form on
-    # prepared inputs, in place on the state pool (csrc/gated_delta.cpp); None: the torch references
+    # prepared inputs, in place on the state pool (csrc/gated_delta.cpp, dense_triton.py); None: the torch references
     gdn_recurrent: Callable | None = None
 
     @property

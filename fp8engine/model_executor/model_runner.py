@@ -162,6 +162,10 @@ class ModelRunner:
         return sum(math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
                    for layer in self.gdn_layers for shape, dtype in layer.state_shapes(self.dtype))
 
+    def total_state_slots(self) -> int:
+        """Slots of the state pool: running sequences' (each with its verification slots) and snapshots'."""
+        return self.num_state_slots * (1 + self.spec_states_per_slot) + self.num_state_snapshots
+
     def _state_slots(self) -> tuple[int, int]:
         """(slots for running sequences, snapshot slots) of a hybrid model, (0, 0) otherwise: a slot for each of
         max_num_seqs, up to half the KV budget (more sequences wait for a slot), and as many snapshots (with prefix
@@ -188,7 +192,7 @@ class ModelRunner:
                 budget = int((free - activations) * DEFAULT_GPU_KV_FRACTION)
             else:
                 budget = DEFAULT_CPU_KV_BYTES
-        slots = self.num_state_slots * (1 + self.spec_states_per_slot) + self.num_state_snapshots
+        slots = self.total_state_slots()
         states = slots * self.state_bytes_per_slot()
         num = (budget - states) // self.kv_bytes_per_block()
         if num < 1:
@@ -225,7 +229,7 @@ class ModelRunner:
         if not self.gdn_layers:
             return []
         kinds = self.gdn_layers[0].state_shapes(self.dtype)
-        slots = self.num_state_slots * (1 + self.spec_states_per_slot) + self.num_state_snapshots
+        slots = self.total_state_slots()
         states = [self._zeros((len(self.gdn_layers), slots, *shape), dtype) for shape, dtype in kinds]
         for i, layer in enumerate(self.gdn_layers):
             layer.conv_state, layer.rec_state = states[0][i], states[1][i]

@@ -102,17 +102,16 @@ def prepare_qkvgb(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     """Inputs of the delta rule in float32: q, k [T, Hk, dk] L2-normalised (q also scaled by dk ** -0.5) and
     repeated to the Hv value heads; v [T, Hv, dv]; g, beta [T, Hv]."""
     rep = v.shape[1] // k.shape[1]
-    q, k = l2norm(q.float()), l2norm(k.float())
-    q = q * q.shape[-1] ** -0.5
+    q, k, v, g, beta = kernel_inputs(q, k, v, g, beta)
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-    return q, k, v.float(), g.float(), beta.float()
+    return q, k, v, g, beta
 
 
 def kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """prepare_qkvgb's values without repeating the key heads, contiguous float32: what csrc/gated_delta.cpp takes
-    (it reads key head h // r for value head h)."""
+    """The delta rule's inputs in float32, contiguous: q, k L2-normalised, q scaled by dk ** -0.5, the key heads
+    not repeated (what the kernels take: they read key head h // r for value head h; prepare_qkvgb repeats them)."""
     q, k = l2norm(q.float()), l2norm(k.float())
     q = q * q.shape[-1] ** -0.5
     return tuple(x.float().contiguous() for x in (q, k, v, g, beta))

@@ -172,8 +172,9 @@ class GatedDeltaNet(nn.Module):
     rec_state [slots, Hv, dk, dv] are this layer's views of the runner's state pool; a step reads and writes the
     rows its sequences' slots name (AttentionMetadata.state_slots), a slot the scheduler hands out zeroed.
 
-    recurrent: every token takes the recurrent step (the batch-invariant engine: a state's bits do not depend on
-    how its positions were split into steps); otherwise prefill takes the chunked form on its absolute grid.
+    Where the kernel set has gdn_recurrent (C++ on CPU, Triton on CUDA) every token takes it. Without one the torch
+    references run: recurrent=True (the batch-invariant engine: a state's bits do not depend on how its positions
+    were split into steps) steps every token too, otherwise prefill takes the chunked form on its absolute grid.
 
     fused_names: Qwen3-Next's checkpoint layout (`in_proj_qkvz`, `in_proj_ba`, grouped per key head): the loader
     reaches this module through `hf_target` and regroups them into the split projections."""
@@ -191,8 +192,7 @@ class GatedDeltaNet(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.recurrent, self.chunk_size, self.fused_names = recurrent, chunk_size, fused_names
         dtype, kernels = make_linear.dtype, make_linear.kernels
-        # the C++ recurrent form (CPU): every token of prefill and decode through it, exact or not
-        self.gdn_kernel = kernels.gdn_recurrent
+        self.gdn_kernel = kernels.gdn_recurrent  # every token of prefill and decode through it, exact or not
         hidden = cfg.hidden_size
         self.in_proj_qkv = make_linear(hidden, [self.conv_dim])
         self.in_proj_z = make_linear(hidden, [self.value_dim])
@@ -215,9 +215,13 @@ class GatedDeltaNet(nn.Module):
                 ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32)]
 
     # ------------------------------------------------------------------ Qwen3-Next's names
+    def _plain_tensors(self) -> dict[str, torch.Tensor]:
+        """The layer's tensors a Qwen3-Next checkpoint names as they are (none of them a 2-D matrix)."""
+        return {"conv1d.weight": self.conv1d.weight, "norm.weight": self.norm.weight, "dt_bias": self.dt_bias,
+                "A_log": self.A_log}
+
     def _fused_hf_names(self) -> list[str]:
-        return ["in_proj_qkvz.weight", "in_proj_ba.weight", "out_proj.weight", "conv1d.weight", "norm.weight",
-                "dt_bias", "A_log"]
+        return ["in_proj_qkvz.weight", "in_proj_ba.weight", "out_proj.weight", *self._plain_tensors()]
 
     def _fused_hf_target(self, name: str, rest: str):
         from fp8engine.weights import loader
@@ -229,14 +233,12 @@ class GatedDeltaNet(nn.Module):
             dtype = self.dt_bias.dtype  # the shape a check compares, no storage
             view = torch.empty((), dtype=dtype).expand(total, self.in_proj_qkv.in_features)
             return loader.Target(name, "split", view, parts=parts)
-        module_path, _, attr = rest.rpartition(".")
-        if module_path in ("out_proj",) and attr == "weight":
+        if rest == "out_proj.weight":
             return loader._linear_target(name, self.out_proj, 0, "weight")
-        owner = self.get_submodule(module_path) if module_path else self
-        tensor = getattr(owner, attr, None)
-        if module_path in ("", "conv1d", "norm") and isinstance(tensor, torch.Tensor):
-            return loader.Target(name, "dense", tensor.data, matrix=tensor if tensor.dim() == 2 else None)
-        raise ValueError(f"unknown weight name {name!r}: a Qwen3-Next GDN layer has no {rest!r}")
+        tensor = self._plain_tensors().get(rest)
+        if tensor is None:
+            raise ValueError(f"unknown weight name {name!r}: a Qwen3-Next GDN layer has no {rest!r}")
+        return loader.Target(name, "dense", tensor.data)
 
     def _fused_rows(self) -> dict[str, torch.Tensor]:
         """Which rows of Qwen3-Next's in_proj_qkvz / in_proj_ba each split projection takes, in its row order:
@@ -257,8 +259,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
         """x [T, hidden] of the step's sequences packed in order -> [T, hidden]; their states advanced in place, and
         the snapshots meta asks for written (a sequence's state after so many of its new tokens)."""
-        t = x.shape[0]
-        starts, lens, slots = self._batch(meta, t)
+        t, slots = x.shape[0], meta.state_slots
+        starts, lens = self._spans(meta)
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)
         g, beta = decay_and_beta(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
@@ -268,7 +270,7 @@ class GatedDeltaNet(nn.Module):
             index = torch.zeros(1, dtype=torch.int64, device=x.device)
         else:
             conv_states, pool, index = self.conv_state[slots], self.rec_state, slots
-        snapshots = getattr(meta, "state_snapshots", None) or []
+        snapshots = meta.state_snapshots
         inside: dict[int, dict[int, list[int]]] = {}  # sequence -> offset inside its tokens -> snapshot slots
         for i, n, slot in snapshots:
             if n < lens[i]:
@@ -307,7 +309,7 @@ class GatedDeltaNet(nn.Module):
     def _delta(self, conv_out, g, beta, pool: torch.Tensor, index: torch.Tensor, starts: list[int],
                lens: list[int]) -> torch.Tensor:
         """The delta rule over the packed sequences whose recurrent states are pool[index], advanced in place:
-        the C++ recurrent form where there is one, else the references (recurrent when exact or decoding, the
+        the kernel set's recurrent form where there is one, else the references (recurrent when exact or decoding, the
         chunked form on each sequence's grid otherwise) -> o [T, Hv, dv] float32."""
         q, k, v = self._split_qkv(conv_out)
         if self.gdn_kernel is not None:
@@ -343,10 +345,8 @@ class GatedDeltaNet(nn.Module):
         return torch.cat(outs), torch.stack(convs)
 
     @staticmethod
-    def _batch(meta, t: int) -> tuple[list[int], list[int], torch.Tensor | None]:
-        """(each sequence's first new position, its number of new tokens, the state slots or None)."""
-        slots = getattr(meta, "state_slots", None)
+    def _spans(meta) -> tuple[list[int], list[int]]:
+        """(each sequence's first new position, its number of new tokens)."""
         bounds = meta.query_start_loc.tolist()
         lens = [b - a for a, b in zip(bounds, bounds[1:])]
-        starts = [c - n for c, n in zip(meta.seq_lens.tolist(), lens)]
-        return starts, lens, slots
+        return [c - n for c, n in zip(meta.seq_lens.tolist(), lens)], lens
