@@ -89,6 +89,11 @@ class EngineConfig:
     sleep_spill_dir: str | None = _option(None, "CPU: where sleep(level=1) keeps the weights' bytes while their "
                                                 "memory is released (an unlinked file, read back by wake_up); a "
                                                 "directory on disk, not tmpfs; none = FP8ENGINE_CACHE/spill")
+    tensor_parallel_size: int = _option(1, "ranks one replica's model is split over (torch.distributed, gloo on CPU): "
+                                           "> 1 starts that many - 1 worker processes beside the engine's, each "
+                                           "holding a shard of the weights and of the KV cache (docs/scale-out.md)")
+    expert_parallel: bool = _option(False, "MoE with tensor_parallel_size > 1: whole experts per rank instead of split "
+                                           "experts (not built yet)")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
     load_format: str = _option("auto", "auto (the model directory's safetensors) or dummy (seeded random weights "
                                        "from its config.json alone: for benchmarks of a model's shape)", LOAD_FORMATS)
@@ -124,9 +129,22 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
+        self._check_tensor_parallel()
         if self.batch_invariant and (self.device not in ("cpu", "cuda") or self.dtype != "bfloat16"):
             raise ValueError(f"batch_invariant=True needs device 'cpu' (the C++ kernels) or 'cuda' (the Triton "
                              f"ones) and dtype='bfloat16'; got device={self.device!r}, dtype={self.dtype!r}")
+
+    def _check_tensor_parallel(self) -> None:
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.expert_parallel:
+            raise ValueError("expert_parallel=True: expert parallelism is not built yet")
+        if self.tensor_parallel_size == 1:
+            return
+        unsupported = {"device='cuda' (NCCL ranks are not built yet)": self.device == "cuda",
+                       f"max_lora_rank={self.max_lora_rank}": self.max_lora_rank > 0}
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not run with {what} yet")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -28,7 +28,7 @@ from fp8engine.structured import GrammarCompiler
 from fp8engine.weights import lora, tensor_handles, updater
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup
-from fp8engine.weights.loader import expected_names, load_checkpoint, load_dummy, read, read_kv_scales, resolve
+from fp8engine.weights.loader import expected_names, read_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,10 @@ class LLMEngine:
                                                                  self._calibration_tokens())
         # FP8 KV kept across a scale change is re-quantized to the new scale (not a closure over self: no cycle)
         self.kv_scales.rescale = functools.partial(_rescale_live_kv, self.runner, self.scheduler)
+        if self.runner.tp is not None:  # every rank measures its heads, and all take the largest amax
+            self.kv_scales.reduce_amax = self.runner.tp.all_reduce_max
+            self.runner.live_blocks = self.scheduler.live_blocks
+            self.runner.sync_kv_scales()
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.speculator = None if config.speculative is None else Speculator(
@@ -95,6 +99,11 @@ class LLMEngine:
         logger.info("fp8engine: %s on %s, %d KV blocks of %d tokens (%s), kernels: %s", self.model_dir,
                     config.device, self.runner.num_blocks, config.block_size, self.runner.kv_dtype,
                     ", ".join(f"{k}={v}" for k, v in self.runner.kernel_names.items()))
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (they also stop when this process ends); the engine cannot step
+        after."""
+        self.runner.shutdown()
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -326,7 +335,7 @@ class LLMEngine:
         staged = updater.stage(self.runner.model, weights, self.kv_scales, self.runner.kernels.block_scales)
         scales = self.kv_scales.check_external(kv_scales)
         num_quantized, num_aborted, num_recomputed = self._apply_update(
-            lambda: updater.commit(staged, self.runner.kernels.quantize_into),
+            functools.partial(self.runner.commit_weights, staged),
             staged.kv_scales | scales, weight_version, flush_cache, in_flight, kv_on_update, start)
         self.weights_missing -= updater.covered_names(staged)
         return WeightUpdateReport(len(staged.items), staged.num_bytes, self.last_weight_update_seconds, num_quantized,
@@ -396,6 +405,7 @@ class LLMEngine:
         num_recomputed = len(self.scheduler.recompute_in_flight()) if recompute else 0
         committed = commit()
         self.kv_scales.on_weights_changed(kv_scales)
+        self.runner.sync_kv_scales()
         if flush_cache or recompute:
             self.scheduler.reset_prefix_cache()
         if self.speculator is not None and self.config.speculative_forget_on_update:
@@ -493,15 +503,11 @@ class LLMEngine:
         trainer. The weights must be awake."""
         check_update_options(in_flight, "keep")
         self._check_weights_awake("reload_weights")
-        runner, start = self.runner, time.perf_counter()
-        if self.config.load_format == "dummy":
-            load = functools.partial(load_dummy, runner.model, runner.kernels.quantize_into, self.config.seed)
-        else:
-            load = functools.partial(load_checkpoint, runner.model, self.model_dir, runner.kernels.quantize_into,
-                                     runner.kernels.block_scales)
-        _, num_aborted, _ = self._apply_update(load, {}, weight_version, True, in_flight, "keep", start)
+        start = time.perf_counter()
+        _, num_aborted, _ = self._apply_update(self.runner.reload_weights, {}, weight_version, True, in_flight, "keep",
+                                               start)
         self.weights_missing = set()
-        names = expected_names(runner.model)
+        names = expected_names(self.runner.model)
         return WeightUpdateReport(len(names), 0, self.last_weight_update_seconds, 0, self.weight_version, num_aborted)
 
     def _check_weights_awake(self, what: str) -> None:
@@ -540,8 +546,9 @@ class LLMEngine:
         return self.runner.model.named_parameters()
 
     def get_weights_by_name(self, hf_name: str) -> torch.Tensor:
-        """Weight `hf_name` dequantized to the model dtype, in the Hugging Face shape."""
-        return read(resolve(self.runner.model, hf_name), self.runner.dtype)
+        """Weight `hf_name` dequantized to the model dtype, in the Hugging Face shape (gathered from every
+        tensor-parallel rank)."""
+        return self.runner.read_weight(hf_name)
 
     # ------------------------------------------------------------------ weight-update group
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
@@ -554,6 +561,10 @@ class LLMEngine:
         if self.weights_update_group is not None:
             raise ValueError(f"weight-update group {self.weights_update_group.group_name!r} is already "
                              f"open; call destroy_weights_update_group() first")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(f"init_weights_update_group: not yet with tensor_parallel_size="
+                             f"{self.config.tensor_parallel_size} (each rank joining at rank_offset + its rank is not "
+                             f"built); use update_weights or update_weights_from_tensor, which reach every rank")
         self.weights_update_group = WeightsUpdateGroup(master_address, master_port, rank_offset, world_size,
                                                        group_name, backend, timeout_s, self.config.device)
 

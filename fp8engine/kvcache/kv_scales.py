@@ -53,6 +53,8 @@ class KVScaleManager:
         # batch_invariant: runs the fixed calibration forward (set by the engine); None measures the live batch
         self.fixed_calibration: Callable[[], None] | None = None
         self.rescale: Callable[[int, tuple[float, float], tuple[float, float]], None] | None = None
+        # tensor parallelism: the amax of every rank's heads (each rank sees its own), so all hold the T = 1 scales
+        self.reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._index = {id(layer): i for i, layer in enumerate(layers)}
         # a checkpoint names a scale by its decoder layer (model.layers.{i}.self_attn); in a hybrid model the
         # attention layers are only some of them
@@ -93,6 +95,8 @@ class KVScaleManager:
         """Runs inside the forward pass; seconds_total counts only this extra work."""
         start = time.perf_counter()
         amax = torch.stack([k.abs().amax(), v.abs().amax(), q.abs().amax()]).float()
+        if self.reduce_amax is not None:
+            amax = self.reduce_amax(amax)
         k_s, v_s, q_s = (self._scale(float(a)) for a in amax.tolist())
         self.seconds_total += time.perf_counter() - start
         self._set(self._index[id(layer)], k_s, v_s)  # before the layer writes or reads its cache

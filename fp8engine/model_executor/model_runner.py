@@ -1,5 +1,6 @@
 """Model runner: builds the model and its paged KV cache, turns a schedule into a flat batch and runs it."""
 
+import contextlib
 import logging
 import math
 import time
@@ -9,7 +10,7 @@ import torch
 from transformers import AutoConfig
 
 from fp8engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
-from fp8engine.model_executor import cuda_graphs, fused_decoder, host_memory, kernel_set
+from fp8engine.model_executor import cuda_graphs, fused_decoder, host_memory, kernel_set, tensor_parallel
 from fp8engine.model_executor.kernels import cpu_ops
 from fp8engine.model_executor.kernels.attention_ref import quantize_fp8
 from fp8engine.model_executor.layers.attention import AttentionMetadata
@@ -21,7 +22,8 @@ from fp8engine.model_executor.models.qwen3_5 import text_config
 from fp8engine.model_executor.models.llama import LinearFactory
 from fp8engine.request import ScheduledSeq, Sequence
 from fp8engine.weights import layout
-from fp8engine.weights.loader import load_checkpoint, load_dummy
+from fp8engine.weights import updater
+from fp8engine.weights.loader import load_checkpoint, load_dummy, read, resolve
 from fp8engine.weights.quant import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
@@ -55,11 +57,32 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str):
-        self.config = config
+    """tp: a tensor-parallel worker's place in its group (tp_worker.py); rank 0 is built without one and, with
+    tensor_parallel_size > 1, starts the workers itself (tp_leader) and sends them every call that needs them."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, tp: tensor_parallel.TPGroup | None = None):
+        self.config, self.model_dir = config, model_dir
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.hf_config = text_config(AutoConfig.from_pretrained(model_dir))
+        model_config = self.hf_config
+        if config.tensor_parallel_size > 1:
+            tensor_parallel.check_shardable(self.hf_config, config.tensor_parallel_size, config.quantization == "fp8")
+            model_config = tensor_parallel.local_config(self.hf_config, config.tensor_parallel_size)
+        self.tp_leader = tensor_parallel.Leader(config, model_dir) if config.tensor_parallel_size > 1 and tp is None \
+            else None
+        self.tp = self.tp_leader.group if self.tp_leader is not None else tp
+        # rank 0: the scheduler's live blocks (the engine sets it), which a KV-scale change re-quantizes on every rank
+        self.live_blocks = list
+        try:
+            self._build(model_config)
+        except BaseException:
+            if self.tp_leader is not None:
+                self.tp_leader.close()
+            raise
+
+    def _build(self, model_config) -> None:
+        config, model_dir = self.config, self.model_dir
         self.vocab_size = self.hf_config.vocab_size  # read every step: a config attribute is a slow lookup
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
         self.kernels = kernel_set.select(config)
@@ -71,7 +94,9 @@ class ModelRunner:
         # hybrid models: the batch-invariant engine runs GDN prefill in the recurrent form (docs/hybrid-models.md)
         extra = {"recurrent": config.batch_invariant} if getattr(cls, "hybrid", False) else {}
         with torch.device(self.device):
-            self.model = cls(self.hf_config, make_linear, self.max_model_len, **extra)
+            self.model = cls(model_config, make_linear, self.max_model_len, **extra)
+            if self.tp is not None:
+                tensor_parallel.shard_model(self.model, self.hf_config, self.tp)
         # before loading: the loader's targets are views of the tensors' final homes
         self.weight_buffers = _weight_buffers(self.model)  # LoRA's A and B: weights, though buffers
         self.home = None if self.device.type != "cpu" else host_memory.rehome(
@@ -112,7 +137,9 @@ class ModelRunner:
         self.routed_experts = self._allocate_routed_experts()
         self.states = self._allocate_states()
         self._attach_cache(self.kv_cache, self.routed_experts)
-        self.model.fused = fused_decoder.build(self.model, self.kernels, config.fp8_scale_fmt)
+        # the C++ decoder plan has no all-reduce between its layers: tensor-parallel ranks run the Python layers
+        self.model.fused = None if self.tp is not None else fused_decoder.build(self.model, self.kernels,
+                                                                                 config.fp8_scale_fmt)
         self.lora_layers = {name.removesuffix(".lora"): m for name, m in self.model.named_modules()
                             if isinstance(m, LoRA)}
         if self.device.type == "cuda":  # a prefill chunk's kernels compiled now, not in the first request
@@ -141,8 +168,12 @@ class ModelRunner:
         live ("huge-pages" or "mapping": host_memory.rehome moved them)."""
         graphs = "decode" if self.graphs is not None else f"off: {self.graphs_off}"
         home = "allocator" if self.home is None else "huge-pages" if self.home.mapping.huge else "mapping"
-        return self.kernels.names | {"decoder": "python" if self.model.fused is None else "cpp-plan",
-                                     "cuda_graphs": graphs, "host_memory": home}
+        names = self.kernels.names | {"decoder": "python" if self.model.fused is None else "cpp-plan",
+                                      "cuda_graphs": graphs, "host_memory": home}
+        if self.tp is not None:
+            order = "fixed-order" if self.tp.fixed_order else "gloo"
+            names["tensor_parallel"] = f"{self.tp.size} ranks, {order} all-reduce"
+        return names
 
     @property
     def lora_active(self) -> bool:
@@ -195,6 +226,9 @@ class ModelRunner:
         slots = self.total_state_slots()
         states = slots * self.state_bytes_per_slot()
         num = (budget - states) // self.kv_bytes_per_block()
+        if self.tp is not None:  # the budget is each rank's; every rank holds the blocks the smallest one has
+            with self._following():
+                num = self.tp.min_int(num)
         if num < 1:
             held = f" after {slots} state slots ({states} bytes)" if states else ""
             raise ValueError(f"kv_cache_memory_bytes={budget} leaves less than one KV block "
@@ -265,6 +299,8 @@ class ModelRunner:
         return self.routed_experts[slots].to(device="cpu", dtype=torch.int32)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies and self.tp_leader is not None:
+            self.tp_leader.send("copy_blocks", copies)
         if copies:
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
@@ -272,6 +308,69 @@ class ModelRunner:
             if self.routed_experts is not None:
                 routed = self.routed_experts.view(self.num_blocks, self.block_size, *self.routed_experts.shape[1:])
                 routed[dst] = routed[src]
+
+    # ------------------------------------------------------------------ tensor parallelism (rank 0's side)
+    def _following(self):
+        """Around what rank 0 runs while its workers run the same (tensor_parallel.Leader.guard): a failure there is a
+        RuntimeError naming the rank that died."""
+        return self.tp_leader.guard() if self.tp_leader is not None else contextlib.nullcontext()
+
+    def _calibration(self) -> list[int] | None:
+        """What a worker needs to measure KV scales in the forward it is sent: rank 0's live blocks while its attention
+        layers observe (kv_scales.KVScaleManager.calibrating), else None."""
+        if not any(layer.observer is not None for layer in self.attn_layers):
+            return None
+        return list(self.live_blocks())
+
+    def commit_weights(self, staged: updater.Staged) -> int:
+        """A validated update written on every rank or on none: the workers receive its tensors (broadcast), stage
+        their shards and answer before any rank writes; returns how many tensors rank 0 quantized."""
+        if self.tp_leader is not None:
+            items = [(target.name, tensor.detach().contiguous()) for target, tensor, _ in staged.items]
+            self.tp_leader.send("stage", [(name, t.dtype, tuple(t.shape)) for name, t in items])
+            with self._following():
+                for _, tensor in items:
+                    self.tp.broadcast(tensor.cpu())
+                refused = [(rank, err) for rank, err in enumerate(self.tp_leader.replies(), 1) if err is not None]
+            if refused:
+                self.tp_leader.send("abort")
+                rank, err = refused[0]
+                raise ValueError(f"tensor-parallel rank {rank} refused the update, nothing was written: {err}")
+            self.tp_leader.call("commit")
+        return updater.commit(staged, self.kernels.quantize_into)
+
+    def reload_weights(self) -> None:
+        """Every weight read again from the model directory (seeded random ones with load_format dummy), on every
+        rank."""
+        if self.tp_leader is not None:
+            self.tp_leader.call("reload")
+        if self.config.load_format == "dummy":
+            load_dummy(self.model, self.kernels.quantize_into, self.config.seed)
+        else:
+            load_checkpoint(self.model, self.model_dir, self.kernels.quantize_into, self.kernels.block_scales)
+
+    def read_weight(self, hf_name: str) -> torch.Tensor:
+        """Weight hf_name in the model dtype and the HF shape (FP8 dequantized), gathered from every rank's slice."""
+        target = resolve(self.model, hf_name)
+        mine = read(target, self.dtype)
+        if self.tp_leader is None or target.tp is None:
+            return mine
+        out = torch.empty(target.shape, dtype=self.dtype)
+        for tp, part in [(target.tp, mine)] + self.tp_leader.call("read", hf_name):
+            out[(tp.rows or slice(None),) + ((tp.cols,) if tp.cols is not None else ())] = part
+        return out
+
+    def sync_kv_scales(self) -> None:
+        """The workers take rank 0's KV scales (set outside a forward: from a checkpoint, an update's external
+        scales), their live KV re-quantized where a scale changed."""
+        if self.tp_leader is not None:
+            scales = [(float(a.k_scale), float(a.v_scale), float(a.q_scale)) for a in self.attn_layers]
+            self.tp_leader.send("kv_scales_set", scales, list(self.live_blocks()))
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (nothing to do at one rank); the runner cannot step after."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()
 
     # ------------------------------------------------------------------ sleep
     def weight_tensors(self) -> list[torch.Tensor]:
@@ -281,8 +380,13 @@ class ModelRunner:
         return list({_storage_id(t): t for t in tensors}.values())
 
     def resident_bytes(self, tag: str) -> int:
-        """Bytes the tag holds while awake: what sleep releases (on CPU the weights' whole pages of their mapping,
-        the weights that could not move aside)."""
+        """Bytes the tag holds while awake, over every tensor-parallel rank: what sleep releases (on CPU the weights'
+        whole pages of their mapping, the weights that could not move aside)."""
+        if self.tp_leader is not None:
+            return self._resident_bytes(tag) + sum(self.tp_leader.call("resident_bytes", tag))
+        return self._resident_bytes(tag)
+
+    def _resident_bytes(self, tag: str) -> int:
         if tag == "kv_cache":
             return sum(t.untyped_storage().nbytes() for t in self._kv_tensors())
         if self.home is not None:
@@ -295,6 +399,8 @@ class ModelRunner:
         pages read as zeros until restored); on CUDA the storages shrink to nothing and the decode graphs, which
         hold their addresses, are dropped (captured again by restore)."""
         nbytes = self.resident_bytes(tag)
+        if self.tp_leader is not None:
+            self.tp_leader.call("release", tag, keep, spill_dir)
         if self.device.type == "cpu":
             if tag == "kv_cache":
                 for home in self.kv_homes:
@@ -318,6 +424,8 @@ class ModelRunner:
         """Takes a released tag's memory back: the bytes kept as they were, the rest zeros (as the kernel gives a
         released page back on CPU). What was kept stays kept until it is read back: a wake that fails can be tried
         again."""
+        if self.tp_leader is not None:
+            self.tp_leader.call("restore", tag)
         kept = self.kept.get(tag)
         if self.device.type == "cpu":
             if kept is not None:
@@ -397,6 +505,8 @@ class ModelRunner:
     def forward_detached(self, token_ids: list[int]) -> torch.Tensor:
         """One forward of token_ids as a lone sequence against a private KV cache (its final hidden states), for
         calibration and the start-up profile: the engine's cache and the scheduler's blocks are untouched."""
+        if self.tp_leader is not None:
+            self.tp_leader.send("forward_detached", token_ids, self._calibration())
         n, bs, first = len(token_ids), self.block_size, self.attn_layers[0]
         num_blocks = -(-n // bs)
         scratch = torch.zeros(2, num_blocks, bs, first.num_kv_heads, first.head_dim, dtype=self.kv_dtype,
@@ -409,8 +519,9 @@ class ModelRunner:
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None])
         try:
             self._attach_cache(scratch, None)  # one scratch cache shared by every layer, one after the other
-            return self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
-                              torch.arange(n, dtype=torch.int64, device=dev), meta)
+            with self._following():
+                return self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
+                                  torch.arange(n, dtype=torch.int64, device=dev), meta)
         finally:
             self._attach_cache(self.kv_cache, self.routed_experts)
 
@@ -420,8 +531,12 @@ class ModelRunner:
             logits = self._graphs_guarded(self.graphs.run, scheduled)
             if logits is not None:
                 return StepOutput(logits, {})
-        input_ids, positions, meta, sample_rows, prompt_rows = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, meta)
+        flat, prompt_rows = self._flatten(scheduled)
+        if self.tp_leader is not None:
+            self.tp_leader.send("execute", flat, self._calibration())
+        input_ids, positions, meta, sample_rows = self._tensors(flat)
+        with self._following():
+            hidden = self.model(input_ids, positions, meta)
         logits = None
         if len(sample_rows):  # every row of a decode step samples: its hidden states as they are
             logits = self.model.compute_logits(hidden if len(sample_rows) == len(hidden) else hidden[sample_rows])
@@ -429,7 +544,13 @@ class ModelRunner:
                          for seq_id, rows in prompt_rows.items()} if prompt_rows else {}  # rows: slices of the step
         return StepOutput(logits, prompt_logits)
 
-    def _prepare(self, scheduled: list[ScheduledSeq]):
+    def forward_flat(self, flat: tuple) -> torch.Tensor:
+        """A tensor-parallel worker's step: the forward of the flat inputs rank 0 sent (its logits are rank 0's)."""
+        input_ids, positions, meta, _ = self._tensors(flat)
+        return self.model(input_ids, positions, meta)
+
+    def _flatten(self, scheduled: list[ScheduledSeq]) -> tuple[tuple, dict[int, slice]]:
+        """The step's inputs as lists (what rank 0 sends tensor-parallel workers), and the prompt rows by sequence."""
         ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
         sample_rows, prompt_rows = [], {}
         bs = self.block_size
@@ -450,15 +571,22 @@ class ModelRunner:
                 sample_rows += range(starts[-1] - 1 - d, starts[-1])
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
         state_slots, snapshots = None, []
         if self.gdn_layers:
-            state_slots = torch.tensor([item.seq.state_slot for item in scheduled], dtype=torch.int64, device=dev)
+            state_slots = [item.seq.state_slot for item in scheduled]
             snapshots = [(i, *snapshot) for i, item in enumerate(scheduled) for snapshot in item.snapshots]
+        return (ids, positions, slots, starts, seq_lens, padded, sample_rows, state_slots, snapshots), prompt_rows
+
+    def _tensors(self, flat: tuple):
+        """(input ids, positions, attention metadata, rows to sample) on the device, from _flatten's lists."""
+        ids, positions, slots, starts, seq_lens, padded, sample_rows, state_slots, snapshots = flat
+        dev = self.device
+        if state_slots is not None:
+            state_slots = torch.tensor(state_slots, dtype=torch.int64, device=dev)
         if dev.type != "cpu":
             staged = self._stage_on_device(ids, positions, slots, starts, seq_lens, padded, sample_rows)
             staged[2].state_slots, staged[2].state_snapshots = state_slots, snapshots
-            return staged + (prompt_rows,)
+            return staged
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
@@ -467,7 +595,7 @@ class ModelRunner:
             state_snapshots=snapshots)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(positions, dtype=torch.int64, device=dev), meta,
-                torch.tensor(sample_rows, dtype=torch.int64, device=dev), prompt_rows)
+                torch.tensor(sample_rows, dtype=torch.int64, device=dev))
 
     def _stage_on_device(self, ids, positions, slots, starts, seq_lens, tables, sample_rows):
         """The step's inputs in one host buffer (pinned where CUDA can pin it: torch's caching host allocator

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from fp8engine.weights import layout
-from fp8engine.weights.quant import FP8_DTYPE, dequantize_weight_blockwise, quantize_weight_into
+from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv, dequantize_weight_blockwise, quantize_weight_into
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -29,6 +29,27 @@ KV_SCALE_NAME = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.self_at
 logger = logging.getLogger(__name__)
 QuantizeInto = Callable[..., None]
 BlockScales = Callable[[torch.Tensor, str | None], tuple[torch.Tensor, bool] | None]  # (scales, all finite)
+
+
+@dataclass(slots=True, frozen=True)
+class TPSlice:
+    """Tensor parallelism: the part of a full HF tensor (shape `full`) that this rank holds, rows then columns (None:
+    all of them)."""
+
+    full: tuple[int, ...]
+    rows: slice | None = None
+    cols: slice | None = None
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            tensor = tensor[self.rows]
+        return tensor if self.cols is None else tensor[:, self.cols]
+
+    def block_rows(self) -> slice:
+        """The rows of the whole 128-row blocks that hold this rank's rows (the full tensor's last block may be
+        short)."""
+        rows = self.rows or slice(0, self.full[0])
+        return slice(rows.start - rows.start % BLOCK, min(self.full[0], cdiv(rows.stop, BLOCK) * BLOCK))
 
 
 @dataclass(slots=True)
@@ -48,10 +69,12 @@ class Target:
     mirror: "Target | None" = None
     matrix: torch.Tensor | None = None
     row0: int = 0
+    tp: TPSlice | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.view.shape)
+        """The shape of the HF tensor (the full one under tensor parallelism, of which `view` holds a slice)."""
+        return tuple(self.view.shape) if self.tp is None else self.tp.full
 
 
 def iter_safetensors(model_dir: str, select: Callable[[str], bool] | None = None
@@ -145,18 +168,40 @@ def _name_owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def _linear_target(name: str, layer, shard: int, attr: str) -> Target:
     weight, scale = layer.shard_views(shard)
+    rows, cols = _tp_ranges(layer, shard)
     if attr == "bias" and layer.bias is not None:
         start, size = layer.shard_offsets[shard], layer.shard_sizes[shard]
-        return Target(name, "dense", layer.bias.data[start:start + size])
+        tp = None if rows is None else TPSlice((rows[2],), slice(rows[0], rows[1]))
+        return Target(name, "dense", layer.bias.data[start:start + size], tp=tp)
+    tp = None if rows is None and cols is None else TPSlice(
+        ((rows or (0, 0, weight.shape[0]))[2], (cols or (0, 0, weight.shape[1]))[2]),
+        None if rows is None else slice(rows[0], rows[1]), None if cols is None else slice(cols[0], cols[1]))
     if attr == "weight":
         if layer.is_fp8:
             return Target(name, "fp8_weight", weight.data, scale.data, layer.scale_fmt, matrix=layer.weight,
-                          row0=layer.shard_offsets[shard])
-        return Target(name, "dense", weight.data, matrix=layer.weight, row0=layer.shard_offsets[shard])
+                          row0=layer.shard_offsets[shard], tp=tp)
+        return Target(name, "dense", weight.data, matrix=layer.weight, row0=layer.shard_offsets[shard], tp=tp)
     if attr == "weight_scale_inv" and layer.is_fp8:
-        return Target(name, "fp8_scale", scale.data)
+        if tp is not None:  # in 128 x 128 blocks: those the rank's rows and columns touch
+            tp = TPSlice((cdiv(tp.full[0], BLOCK), cdiv(tp.full[1], BLOCK)),
+                         None if rows is None else slice(tp.block_rows().start // BLOCK, cdiv(rows[1], BLOCK)),
+                         None if cols is None else slice(cols[0] // BLOCK, cdiv(cols[1], BLOCK)))
+        return Target(name, "fp8_scale", scale.data, tp=tp)
     raise ValueError(f"unknown weight name {name!r}: this linear layer has no {attr!r}"
                      + ("" if layer.is_fp8 else " (the engine runs it unquantized)"))
+
+
+def _tp_ranges(layer, shard: int) -> tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]:
+    """(start, stop, full) of the rows and of the columns of the full weight that a tensor-parallel linear's shard
+    holds (None: all of them, as at one rank)."""
+    rows = cols = None
+    if layer.tp_rows is not None:
+        start, full = layer.tp_rows[shard]
+        rows = (start, start + layer.shard_sizes[shard], full)
+    if layer.tp_cols is not None:
+        start, full = layer.tp_cols
+        cols = (start, start + layer.in_features, full)
+    return rows, cols
 
 
 def check(target: Target, tensor: torch.Tensor, block_scales: BlockScales | None = None):
@@ -185,7 +230,7 @@ def check(target: Target, tensor: torch.Tensor, block_scales: BlockScales | None
     if tensor.dtype not in allowed:
         raise ValueError(f"weight {target.name!r}: dtype {tensor.dtype} not accepted here "
                          f"(expected one of {[str(d) for d in allowed]})")
-    if block_scales is not None and target.kind == "fp8_weight" and tensor.dtype != FP8_DTYPE:
+    if block_scales is not None and target.kind == "fp8_weight" and tensor.dtype != FP8_DTYPE and target.tp is None:
         result = block_scales(tensor, target.scale_fmt)
         if result is not None:
             scales, finite = result
@@ -228,6 +273,8 @@ def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = qu
         for (index, part), part_scales in zip(target.parts, scales or [None] * len(target.parts)):
             write(part, tensor[index], quantize_into, part_scales)
         return True
+    if target.tp is not None:
+        return _write_slice(target, tensor, quantize_into)
     if target.kind == "fp8_weight" and tensor.dtype != FP8_DTYPE:
         extra = {} if scales is None else {"scales": scales}
         with layout.as_rows(target.matrix, target.row0, target.view.shape[0]):
@@ -236,6 +283,24 @@ def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = qu
     with layout.as_rows(target.matrix, target.row0, target.view.shape[0]):
         target.view.copy_(tensor)
     return target.mirror is not None and write(target.mirror, tensor, quantize_into)
+
+
+def _write_slice(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto) -> bool:
+    """A tensor-parallel rank's write: its slice of the full tensor. A float weight bound for FP8 is quantized over
+    the whole 128-row blocks its rows sit in (the unsharded layer's blocks, so the same scales), then cut."""
+    tp, rows = target.tp, target.view.shape[0]
+    if target.kind == "fp8_weight" and tensor.dtype != FP8_DTYPE:
+        blocks = tp.block_rows()
+        part = (tensor[blocks] if tp.cols is None else tensor[blocks, tp.cols]).contiguous()
+        codes = torch.empty(part.shape, dtype=FP8_DTYPE, device=target.view.device)
+        quantize_into(part, codes, target.scale_view, scale_fmt=target.scale_fmt)
+        first = (tp.rows.start if tp.rows is not None else 0) - blocks.start
+        with layout.as_rows(target.matrix, target.row0, rows):
+            target.view.copy_(codes[first:first + rows])
+        return True
+    with layout.as_rows(target.matrix, target.row0, rows):
+        target.view.copy_(tp.take(tensor))
+    return False
 
 
 def load_checkpoint(model: torch.nn.Module, model_dir: str, quantize_into: QuantizeInto = quantize_weight_into,
@@ -342,9 +407,11 @@ def read(target: Target, dtype: torch.dtype) -> torch.Tensor:
         for index, part in target.parts:
             out[index] = read(part, dtype)
         return out
+    rows = target.view.shape[0] if target.view.dim() else 0
     if target.kind == "fp8_weight":
-        codes = target.view if target.matrix is None else layout.rows_of(target.matrix, target.row0, target.shape[0])
-        return dequantize_weight_blockwise(codes, target.scale_view, dtype)
+        codes = target.view if target.matrix is None else layout.rows_of(target.matrix, target.row0, rows)
+        phase = 0 if target.tp is None or target.tp.rows is None else target.tp.rows.start % BLOCK
+        return dequantize_weight_blockwise(codes, target.scale_view, dtype, row_phase=phase)
     if target.matrix is not None:
-        return layout.rows_of(target.matrix, target.row0, target.shape[0]).clone()
+        return layout.rows_of(target.matrix, target.row0, rows).clone()
     return target.view.clone()

@@ -29,20 +29,43 @@ class Linear(nn.Module):
         self.out_features = sum(self.shard_sizes)
         self.kernels = kernels
         self.is_fp8 = fp8
+        # tensor parallelism (model_executor/tensor_parallel.py, shard_for_tp): where this rank's rows and input columns
+        # sit in the full weight, and what adds a row-parallel layer's partial sums over the ranks
+        self.tp_rows: list[tuple[int, int]] | None = None
+        self.tp_cols: tuple[int, int] | None = None
+        self.reduce = None
         self.scale_fmt = scale_fmt
         weight_dtype = FP8_DTYPE if fp8 else dtype
         self.weight = _param(torch.empty(self.out_features, in_features, dtype=weight_dtype))
         self.bias = _param(torch.zeros(self.out_features, dtype=dtype)) if bias else None
+        self.row_phases = [0] * len(self.shard_sizes)
         if fp8:
-            rows = [cdiv(n, BLOCK) for n in self.shard_sizes]
-            self.scale_row_offsets = [sum(rows[:i]) for i in range(len(rows))]
-            self.weight_scale_inv = _param(torch.ones(sum(rows), cdiv(in_features, BLOCK)))
-            self.fused_scales = all(n % BLOCK == 0 for n in self.shard_sizes[:-1])
-            # Otherwise output row n reads scale row scale_rows[n]: one CPU call serves every shard.
-            self.scale_rows = None if self.fused_scales else torch.cat(
-                [torch.arange(size, dtype=torch.int32) // BLOCK + row0
-                 for size, row0 in zip(self.shard_sizes, self.scale_row_offsets)])
+            self._scale_grid()
         self.lora = LoRA(in_features, self.shard_sizes, lora_rank, dtype, kernels) if lora_rank else None
+
+    def _scale_grid(self) -> None:
+        """The stacked scale grid: each shard's 128-row blocks, counted from its row phase (0 unless tensor parallelism
+        starts the shard inside a block of the full weight)."""
+        rows = [cdiv(phase + n, BLOCK) for phase, n in zip(self.row_phases, self.shard_sizes)]
+        self.scale_row_offsets = [sum(rows[:i]) for i in range(len(rows))]
+        self.weight_scale_inv = _param(torch.ones(sum(rows), cdiv(self.in_features, BLOCK)))
+        self.fused_scales = (not any(self.row_phases)) and all(n % BLOCK == 0 for n in self.shard_sizes[:-1])
+        # Otherwise output row n reads scale row scale_rows[n]: one CPU call serves every shard.
+        self.scale_rows = None if self.fused_scales else torch.cat(
+            [(torch.arange(size, dtype=torch.int32) + phase) // BLOCK + row0
+             for size, phase, row0 in zip(self.shard_sizes, self.row_phases, self.scale_row_offsets)])
+
+    def shard_for_tp(self, rows: list[tuple[int, int]] | None = None, cols: tuple[int, int] | None = None,
+                     reduce=None) -> None:
+        """Tensor parallelism: this rank holds rows start .. start + shard size of each fused shard's full weight
+        (rows: (start, full rows) per shard; column-parallel), or input columns start .. start + in_features of the
+        full weight (cols: (start, full columns); row-parallel, its partial sums added over the ranks by `reduce`,
+        its bias after that). A column shard that starts inside a 128-row FP8 block keeps that block's scale for its
+        rows, so its codes and scales are a slice of the unsharded layer's. Before the weights load."""
+        self.tp_rows, self.tp_cols, self.reduce = rows, cols, reduce
+        if rows is not None and self.is_fp8:
+            self.row_phases = [start % BLOCK for start, _ in rows]
+            self._scale_grid()
 
     def shard_views(self, shard: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight rows, scale rows) of one shard: views into the layer's own storage."""
@@ -51,28 +74,31 @@ class Linear(nn.Module):
         if not self.is_fp8:
             return weight, None
         row0 = self.scale_row_offsets[shard]
-        return weight, self.weight_scale_inv[row0:row0 + cdiv(size, BLOCK)]
+        return weight, self.weight_scale_inv[row0:row0 + cdiv(self.row_phases[shard] + size, BLOCK)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._base(x)
+        if self.reduce is not None:  # row-parallel: this rank's partial sums, added over the ranks, then the bias
+            y = self.reduce(self._base(x, None))
+            return y if self.bias is None else y + self.bias
+        y = self._base(x, self.bias)
         return y if self.lora is None or not self.lora.active else self.lora(x, y)
 
-    def _base(self, x: torch.Tensor) -> torch.Tensor:
+    def _base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.is_fp8:
             if self.kernels.dense_nt16 is not None and layout.is_marked(self.weight):
-                return self.kernels.dense_nt16(x, self.weight, self.bias)
-            return self.kernels.dense_linear(x, self.weight, self.bias)
+                return self.kernels.dense_nt16(x, self.weight, bias)
+            return self.kernels.dense_linear(x, self.weight, bias)
         fp8_linear = self.kernels.fp8_linear
         if self.fused_scales:
-            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.scale_fmt)
+            return fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.scale_fmt)
         if self.kernels.fp8_scale_rows:
-            return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.scale_fmt, self.scale_rows)
+            return fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.scale_fmt, self.scale_rows)
         parts = []
         for shard in range(len(self.shard_sizes)):
             weight, scale = self.shard_views(shard)
             parts.append(fp8_linear(x, weight, scale, None, self.scale_fmt))
         out = torch.cat(parts, dim=-1)
-        return out if self.bias is None else out + self.bias
+        return out if bias is None else out + bias
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:

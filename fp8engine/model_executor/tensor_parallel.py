@@ -1,0 +1,288 @@
+"""Tensor parallelism inside a replica (EngineConfig.tensor_parallel_size = T > 1) on torch.distributed.
+
+The engine's process is rank 0: it keeps the one scheduler, output processor and sampler, and starts T - 1 worker
+processes itself (model_executor/tp_worker.py), each running the same ModelRunner on its shard and following rank 0
+call by call: rank 0 sends each step's flat inputs to every worker as one message over a socket pair of their own,
+and the ranks meet inside the forward in the all-reduces of a gloo process group with its own TCP store and name
+("tp"), never the default group (a trainer's FSDP group in the same process stays its own).
+
+Sharding (Megatron's): q/k/v and gate/up are column-parallel (heads, KV heads, intermediate split), o_proj and down_proj
+row-parallel with their partial sums all-reduced, so the KV cache is sharded by KV head (a KV head is replicated on
+T / KV ranks where T exceeds them). The embedding and the norms are replicated: a lookup has no arithmetic to share
+and stays exact. The LM head runs on rank 0 whole: the sampler, prompt logprobs and scoring read its logits there,
+every logit is the same dot product as at T = 1, and no gather of vocabulary slices is needed (its weight is held
+by every rank; a column-parallel head would save that memory). In FP8 a row-parallel layer's ranks must split its
+input at 128-column block boundaries (each 1 x 128 activation group lives on one rank); a column shard may start
+inside a 128-row block and then keeps that block's scale (layers/linear.py), so every rank's codes and scales are
+a slice of the T = 1 engine's.
+
+With batch_invariant the partial sums are gathered and added in rank order (fixed_order_sum): gloo's ring starts each
+segment of a message at another rank and places the segment boundaries by the message size, i.e. by the batch, so
+its sums change with the batch (library_sum).
+"""
+
+import contextlib
+import copy
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from fp8engine.config import EngineConfig
+from fp8engine.model_executor.models.llama import head_dim
+from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, free_port, init_process_group
+from fp8engine.weights.quant import BLOCK
+
+MODEL_TYPES = ("llama", "qwen2", "qwen3")  # dense full-attention models: the ones sharded so far
+READY_TIMEOUT_S = 120.0  # a worker's start (interpreter, torch, fp8engine) before it joins the group
+DEATH_WAIT_S = 5.0  # after a failed collective, how long rank 0 waits for a worker's exit status
+
+
+def group_name(port: int) -> str:
+    """The group's name, unique in a process that runs several tensor-parallel engines (by its store's port)."""
+    return f"tp-{port}"
+
+
+# ------------------------------------------------------------------------------------------------ sharding
+def check_shardable(cfg, size: int, fp8: bool) -> None:
+    """ValueError naming the layer and the constraint when `size` ranks cannot split this model."""
+    if cfg.model_type not in MODEL_TYPES:
+        raise ValueError(f"tensor_parallel_size={size}: model_type {cfg.model_type!r} is not sharded yet (tensor "
+                         f"parallelism covers {list(MODEL_TYPES)})")
+    heads, kv, inter, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, head_dim(cfg)
+    if heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide num_attention_heads={heads}: "
+                         f"model.layers.*.self_attn.qkv_proj and o_proj split whole heads over the ranks")
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv}: model.layers.*.self_attn.qkv_proj "
+                         f"splits whole KV heads over the ranks, or replicates each on T / {kv} ranks; one must "
+                         f"divide the other")
+    if inter % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={inter}: "
+                         f"model.layers.*.mlp.gate_up_proj and down_proj split it over the ranks")
+    for name, k in (("self_attn.o_proj", heads * d), ("mlp.down_proj", inter)):
+        if fp8 and (k // size) % BLOCK:
+            raise ValueError(f"tensor_parallel_size={size} with quantization='fp8': model.layers.*.{name} has {k} "
+                             f"inputs, {k // size} per rank, not whole {BLOCK}-wide FP8 blocks (a row-parallel "
+                             f"layer's ranks split its input at block boundaries, where its 1 x {BLOCK} activation "
+                             f"groups end); choose a size that makes {k} / size a multiple of {BLOCK}, or run BF16")
+
+
+def local_config(cfg, size: int):
+    """A copy of the model config with one rank's share of the heads, KV heads and intermediate size."""
+    local = copy.copy(cfg)
+    local.head_dim = head_dim(cfg)
+    local.num_attention_heads = cfg.num_attention_heads // size
+    local.num_key_value_heads = max(1, cfg.num_key_value_heads // size)
+    local.intermediate_size = cfg.intermediate_size // size
+    return local
+
+
+def shard_model(model, cfg, group: "TPGroup") -> None:
+    """Tells each decoder layer's linears where this rank's rows or columns sit in the full weights (before they
+    load); the row-parallel ones reduce their partial sums over the group."""
+    size, rank = group.size, group.rank
+    heads, kv, inter, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, head_dim(cfg)
+    q0 = rank * (heads // size) * d
+    kv_head = rank * (kv // size) if kv >= size else rank // (size // kv)
+    i0 = rank * (inter // size)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj.shard_for_tp(rows=[(q0, heads * d), (kv_head * d, kv * d), (kv_head * d, kv * d)])
+        attn.o_proj.shard_for_tp(cols=(q0, heads * d), reduce=group.all_reduce)
+        mlp.gate_up_proj.shard_for_tp(rows=[(i0, inter), (i0, inter)])
+        mlp.down_proj.shard_for_tp(cols=(i0, inter), reduce=group.all_reduce)
+
+
+# ------------------------------------------------------------------------------------------------ collectives
+def fixed_order_sum(group: dist.ProcessGroup, size: int, y: torch.Tensor) -> torch.Tensor:
+    """Every rank's y, added in rank order in float32 (the same on every rank, whatever y's shape)."""
+    parts = [torch.empty_like(y) for _ in range(size)]
+    dist.all_gather(parts, y.contiguous(), group=group)
+    total = parts[0].float()
+    for part in parts[1:]:
+        total += part
+    return total.to(y.dtype)
+
+
+def library_sum(group: dist.ProcessGroup, y: torch.Tensor) -> torch.Tensor:
+    """Every rank's y added by the backend's all-reduce, in float32 (its order is the backend's choice)."""
+    total = y.float()
+    dist.all_reduce(total, group=group)
+    return total.to(y.dtype)
+
+
+class TPGroup:
+    """This rank's place in the tensor-parallel group and its collectives; seconds: time spent in all_reduce."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, fixed_order: bool):
+        self.group, self.rank, self.size, self.fixed_order = group, rank, size, fixed_order
+        self.seconds = 0.0
+        self.num_reduces = 0
+
+    def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's partial sums added over the ranks."""
+        start = time.perf_counter()
+        out = fixed_order_sum(self.group, self.size, y) if self.fixed_order else library_sum(self.group, y)
+        self.seconds += time.perf_counter() - start
+        self.num_reduces += 1
+        return out
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
+    def min_int(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t)
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """t from rank 0 into every rank's t (1-byte dtypes as bytes)."""
+        dist.broadcast(t.view(torch.uint8) if t.dtype.itemsize == 1 else t, src=0, group=self.group)
+
+
+# ------------------------------------------------------------------------------------------------ rank 0
+class Leader:
+    """Rank 0's side: starts the workers and owns them, sends them each call, and turns a worker's death (killed, out
+    of memory, an exception) into a RuntimeError naming its rank and exit status, on the call in progress and every
+    later one. Workers exit when rank 0's process does (their socket closes) or when close() stops them."""
+
+    def __init__(self, config: EngineConfig, model_dir: str):
+        self.size = config.tensor_parallel_size
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self.failed: str | None = None
+        self.last_words: dict[int, str] = {}  # by rank: the traceback a dying worker sent
+        self._closer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        port = free_port()
+        threads = torch.get_num_threads()
+        for rank in range(1, self.size):
+            mine, theirs = socket.socketpair()
+            env = dict(os.environ, FP8ENGINE_TP_FD=str(theirs.fileno()))
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "fp8engine.model_executor.tp_worker"],
+                                               pass_fds=(theirs.fileno(),), env=env))
+            theirs.close()
+            self.conns.append(Connection(mine.detach()))
+            post(self.conns[-1], (config, model_dir, rank, port, threads))
+        with self.guard():
+            self.replies(timeout_s=READY_TIMEOUT_S)  # each worker imported what it runs and joins the group now
+            group = init_process_group("127.0.0.1", port, 0, self.size, group_name(port), timeout_s=DEFAULT_TIMEOUT_S)
+        self.group = TPGroup(group, 0, self.size, config.batch_invariant)
+
+    def send(self, op: str, *args) -> None:
+        """Every worker runs `op(*args)` next (tp_worker.Worker); raises the group's failure if there is one."""
+        self.check()
+        with self.guard():
+            for conn in self.conns:
+                post(conn, (op, args))
+
+    def call(self, op: str, *args) -> list:
+        """send, then every worker's reply (rank 1 first)."""
+        self.send(op, *args)
+        with self.guard():
+            return self.replies()
+
+    def replies(self, timeout_s: float | None = None) -> list:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        out = []
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
+            while not conn.poll(0.05):
+                if proc.poll() is not None:
+                    raise ConnectionError(f"rank {rank} exited")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"tensor-parallel rank {rank} did not answer in {timeout_s:.0f} s")
+            kind, value = receive(conn)
+            if kind == "died":
+                self.last_words[rank] = str(value).strip()
+                raise ConnectionError(f"rank {rank} failed")
+            out.append(value)
+        return out
+
+    def check(self) -> None:
+        """RuntimeError if the group failed, or a worker has exited since the last call."""
+        if self.failed is None and any(p.poll() is not None for p in self.procs):
+            self._fail(None)
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
+
+    @contextlib.contextmanager
+    def guard(self):
+        """Around anything rank 0 does while the workers follow: an exception there (a collective a dead worker left,
+        a broken socket, rank 0's own error) ends the group, and the RuntimeError says which rank and why."""
+        try:
+            yield
+        except Exception as exc:
+            if self.failed is not None:
+                raise RuntimeError(self.failed) from exc
+            self._fail(exc)
+
+    def _fail(self, exc: Exception | None) -> None:
+        deadline = time.monotonic() + DEATH_WAIT_S
+        while time.monotonic() < deadline and all(p.poll() is None for p in self.procs):
+            time.sleep(0.02)
+        dead = [f"tensor-parallel rank {rank} exited with status {_status(proc.returncode)}"
+                + (f": {words}" if (words := self._last_words(rank, conn)) else "")
+                for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1) if proc.poll() is not None]
+        self.failed = "; ".join(dead) or (f"tensor-parallel group failed on rank 0 ({type(exc).__name__}: {exc}); "
+                                          f"its workers were stopped")
+        self.close()
+        raise RuntimeError(self.failed) from exc
+
+    def _last_words(self, rank: int, conn: Connection) -> str:
+        """What a dying worker sent (its exception's traceback), if anything."""
+        with contextlib.suppress(Exception):
+            while conn.poll(0):
+                kind, value = receive(conn)
+                if kind == "died":
+                    self.last_words[rank] = str(value).strip()
+        return self.last_words.get(rank, "")
+
+    def close(self) -> None:
+        """Stops the workers (asked first, then killed); the group cannot be used after."""
+        if self.failed is None:
+            self.failed = "the tensor-parallel workers were shut down"
+        self._closer()
+        group, self.group = getattr(self, "group", None), None
+        if group is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(group.group)
+
+
+def post(conn: Connection, message) -> None:
+    """One message over a rank's socket, plain-pickled (multiprocessing's pickler would pass tensors as shared-memory
+    handles, which processes it did not start cannot open)."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(conn: Connection):
+    return pickle.loads(conn.recv_bytes())
+
+
+
+
+def _status(code: int) -> str:
+    return f"{code} ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else str(code)
+
+
+def _stop_workers(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
+    for conn in conns:
+        with contextlib.suppress(Exception):
+            post(conn, ("shutdown", ()))
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for conn in conns:
+        conn.close()

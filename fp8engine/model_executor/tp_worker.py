@@ -1,0 +1,150 @@
+"""A tensor-parallel worker: rank r > 0 of a replica (model_executor/tensor_parallel.py), started by rank 0 as
+`python -m fp8engine.model_executor.tp_worker` with its end of a socket pair in FP8ENGINE_TP_FD.
+
+It builds the same ModelRunner on its shard and then does what rank 0 sends, in order: a step's forward (whose
+all-reduces meet rank 0's), cache copies, sleep and wake, weight updates and reads. An exception it cannot answer
+with is sent to rank 0 as its last words before it exits; it exits too when rank 0's process goes (the socket
+closes, or a collective fails).
+"""
+
+import os
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+
+from fp8engine.kvcache.kv_scales import KVScaleManager
+from fp8engine.model_executor.model_runner import ModelRunner
+from fp8engine.model_executor.tensor_parallel import TPGroup, group_name, post, receive
+from fp8engine.weights import updater
+from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, init_process_group
+from fp8engine.weights.loader import load_checkpoint, load_dummy, read, resolve
+
+
+class Worker:
+    def __init__(self, runner: ModelRunner, conn: Connection):
+        self.runner, self.conn = runner, conn
+        self.live: list[int] = []  # the blocks a KV-scale change re-quantizes (rank 0's scheduler's live blocks)
+        self.kv_scales = KVScaleManager(runner.config, runner.attn_layers, {})
+        self.kv_scales.pending = False  # rank 0 says when a forward calibrates
+        self.kv_scales.reduce_amax = runner.tp.all_reduce_max
+        self.kv_scales.rescale = lambda layer, old, new: runner.rescale_kv(layer, self.live, old, new)
+        self.staged: updater.Staged | None = None
+
+    def loop(self) -> None:
+        while True:
+            op, args = receive(self.conn)
+            if op == "shutdown":
+                return
+            result = getattr(self, op)(*args)
+            if op in REPLIES:
+                post(self.conn, ("ok", result))
+
+    def _calibrating(self, live: list[int] | None):
+        """Rank 0's forward measures KV scales (live: its live blocks) when live is not None: so does this one."""
+        if live is not None:
+            self.live, self.kv_scales.pending = live, True
+        return self.kv_scales.calibrating()
+
+    @torch.inference_mode()
+    def execute(self, flat: tuple, live: list[int] | None) -> None:
+        with self._calibrating(live):
+            self.runner.forward_flat(flat)
+
+    def forward_detached(self, token_ids: list[int], live: list[int] | None) -> None:
+        with self._calibrating(live):
+            self.runner.forward_detached(token_ids)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.runner.copy_blocks(copies)
+
+    def kv_scales_set(self, scales: list[tuple[float, float, float]], live: list[int]) -> None:
+        self.live = live
+        for index, (k, v, q) in enumerate(scales):
+            self.kv_scales._set(index, k, v)
+            self.runner.attn_layers[index].q_scale = q
+
+    def release(self, tag: str, keep: bool, spill_dir: str | None) -> int:
+        return self.runner.release(tag, keep, spill_dir)
+
+    def resident_bytes(self, tag: str) -> int:
+        return self.runner.resident_bytes(tag)
+
+    def restore(self, tag: str) -> None:
+        self.runner.restore(tag)
+
+    def stage(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> str | None:
+        """Receives an update's tensors (rank 0 broadcasts them in order) and validates them against this shard;
+        the error text if they do not pass (nothing is written until commit)."""
+        received = []
+        for name, dtype, shape in specs:
+            tensor = torch.empty(shape, dtype=dtype)
+            self.runner.tp.broadcast(tensor)
+            received.append((name, tensor))
+        try:
+            self.staged = updater.stage(self.runner.model, received, self.kv_scales)
+        except ValueError as exc:
+            self.staged = None
+            return str(exc)
+        return None
+
+    def commit(self) -> int:
+        staged, self.staged = self.staged, None
+        return updater.commit(staged, self.runner.kernels.quantize_into)
+
+    def abort(self) -> None:
+        self.staged = None
+
+    def reload(self) -> None:
+        runner = self.runner
+        if runner.config.load_format == "dummy":
+            load_dummy(runner.model, runner.kernels.quantize_into, runner.config.seed)
+        else:
+            load_checkpoint(runner.model, runner.model_dir, runner.kernels.quantize_into, runner.kernels.block_scales)
+
+    def read(self, hf_name: str):
+        target = resolve(self.runner.model, hf_name)
+        return target.tp, read(target, self.runner.dtype)
+
+
+REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "commit", "reload", "read"})
+
+
+def _watch_parent() -> None:
+    """Exit when the process that started this one is gone (its socket may outlive it in a grandchild)."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="tp-parent-watch").start()
+
+
+def main() -> None:
+    conn = Connection(int(os.environ.pop("FP8ENGINE_TP_FD")))
+    _watch_parent()
+    try:
+        config, model_dir, rank, port, threads = receive(conn)
+        torch.set_num_threads(threads)
+        post(conn, ("ok", None))
+        group = init_process_group("127.0.0.1", port, rank, config.tensor_parallel_size, group_name(port),
+                                   timeout_s=DEFAULT_TIMEOUT_S)
+        runner = ModelRunner(config, model_dir, TPGroup(group, rank, config.tensor_parallel_size,
+                                                         config.batch_invariant))
+        Worker(runner, conn).loop()
+    except (EOFError, ConnectionError):  # rank 0 is gone
+        os._exit(1)
+    except BaseException:
+        try:
+            post(conn, ("died", traceback.format_exc(limit=8)))
+        finally:
+            os._exit(1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
