@@ -1,7 +1,7 @@
 """Decode throughput of a Qwen3.5-2B-shaped hybrid model (issue 63): fp8engine BF16 and FP8 against transformers'
 `generate`, each warmed up on the batch it is timed on, rounds alternating.
 
-The model: `--model qwen3.5-2b-shape` of the bench (fp8engine/bench/hybrid_model.py: the 2B's sizes, random
+The model: `--model qwen3.5-2b-shape` of the bench (fp8engine/bench/model_shapes.py: the 2B's sizes, random
 weights: load_format="dummy" for the engine, transformers' seeded init for HF, the default model's 49,152-token
 vocabulary). vLLM's CPU build 0.32 does not run it: its Transformers backend refuses the linear-attention layers,
 and its own Qwen3_5ForCausalLM imports torchvision (not in its CPU venv) and runs GDN through Triton kernels,
@@ -20,14 +20,14 @@ import torch
 from transformers import Qwen3_5TextConfig
 
 from fp8engine import EngineConfig, LLMEngine, SamplingParams
-from fp8engine.bench import hybrid_model
+from fp8engine.bench import model_shapes
 
 MODES = {"bf16": {}, "fp8-linear": dict(quantization="fp8")}
 
 
 def model_dir() -> str:
     """The shape's config and tokenizer (the engine draws the weights: load_format="dummy")."""
-    return hybrid_model.shape_path("qwen3.5-2b-shape")
+    return model_shapes.shape_path("qwen3.5-2b-shape")
 
 
 def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -90,6 +90,19 @@ def test_float32_greedy_forks_prefix_hits_and_preemption_equal_one_rank(fp32_pai
     assert two.get_stats().num_preemptions_total > before[1]
 
 
+def test_row_parallel_biases_are_added_once(tmp_path, tokenizer):
+    """Llama with o_proj and down_proj biases: added after the all-reduce, by every rank, once."""
+    model = save_tiny("llama-yarn", tmp_path / "biased", tokenizer, **TP2_SHAPE)
+    engines = [make_engine(model, dtype="float32", num_kv_blocks=32, tensor_parallel_size=t) for t in (1, 2)]
+    try:
+        outs = [e.generate(PROMPTS, GREEDY) for e in engines]
+        assert _tokens(outs[0]) == _tokens(outs[1])
+        for a, b in zip(*outs):
+            assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
+    finally:
+        engines[1].shutdown()
+
+
 def test_fp8_weights_kv_scales_and_logprobs_match_one_rank(fp8_pair, fp32_pair):
     one, two = _reloaded(*fp8_pair)
     outs = [e.generate(PROMPTS, GREEDY) for e in (one, two)]  # the first forward calibrates the KV scales

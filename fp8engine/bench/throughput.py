@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import torch
 
-from fp8engine.bench import hybrid_model
+from fp8engine.bench import model_shapes
 from fp8engine.bench.workloads import (  # noqa: F401
     BASELINES,
     MEANING,
@@ -127,7 +127,7 @@ def engine_config(mode: str, workload: Workload, model: str, dtype: str, device:
         options.update(speculative=speculative, num_speculative_tokens=num_speculative_tokens)
     if workload.kv_cache_tokens is not None:
         options["kv_cache_memory_bytes"] = _bf16_kv_bytes(model, workload.kv_cache_tokens)
-    if hybrid_model.is_shape(model):
+    if model_shapes.is_shape(model):
         options["load_format"] = "dummy"
     return EngineConfig(model=model_dir(model), dtype=dtype, device=device, max_num_seqs=workload.max_num_seqs,
                         **options)
@@ -135,10 +135,10 @@ def engine_config(mode: str, workload: Workload, model: str, dtype: str, device:
 
 def model_dir(model: str) -> str:
     """The Hugging Face directory of --model ("default": the prepared default model; a name of
-    bench/hybrid_model.py: that shape's config, its weights drawn at start-up)."""
+    bench/model_shapes.py: that shape's config, its weights drawn at start-up)."""
     from fp8engine.weights.default_model import default_model_path
-    if hybrid_model.is_shape(model):
-        return hybrid_model.shape_path(model)
+    if model_shapes.is_shape(model):
+        return model_shapes.shape_path(model)
     return default_model_path() if model == "default" else model
 
 
@@ -211,7 +211,7 @@ def run_hf(workload: Workload, prompts: list[list[int]], model: str, dtype: str)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = model_dir(model)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    if hybrid_model.is_shape(model):  # the shape's config only: transformers' seeded random init
+    if model_shapes.is_shape(model):  # the shape's config only: transformers' seeded random init
         from transformers import AutoConfig
         torch.manual_seed(0)
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).to(getattr(torch, dtype)).eval()

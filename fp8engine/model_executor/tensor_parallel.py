@@ -23,7 +23,6 @@ its sums change with the batch (library_sum).
 
 import contextlib
 import copy
-import os
 import pickle
 import signal
 import socket
@@ -36,6 +35,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from fp8engine import envs
 from fp8engine.config import EngineConfig
 from fp8engine.model_executor.models.llama import head_dim
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, free_port, init_process_group
@@ -120,6 +120,12 @@ def library_sum(group: dist.ProcessGroup, y: torch.Tensor) -> torch.Tensor:
     return total.to(y.dtype)
 
 
+def fixed_order(config: EngineConfig) -> bool:
+    """Whether the ranks add partial sums in rank order (FP8ENGINE_TP_ALL_REDUCE; by default when batch invariant)."""
+    choice = envs.get("FP8ENGINE_TP_ALL_REDUCE")
+    return config.batch_invariant if choice == "auto" else choice == "fixed"
+
+
 class TPGroup:
     """This rank's place in the tensor-parallel group and its collectives; seconds: time spent in all_reduce."""
 
@@ -167,16 +173,16 @@ class Leader:
         threads = torch.get_num_threads()
         for rank in range(1, self.size):
             mine, theirs = socket.socketpair()
-            env = dict(os.environ, FP8ENGINE_TP_FD=str(theirs.fileno()))
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "fp8engine.model_executor.tp_worker"],
-                                               pass_fds=(theirs.fileno(),), env=env))
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fp8engine.model_executor.tp_worker", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),)))
             theirs.close()
             self.conns.append(Connection(mine.detach()))
             post(self.conns[-1], (config, model_dir, rank, port, threads))
         with self.guard():
             self.replies(timeout_s=READY_TIMEOUT_S)  # each worker imported what it runs and joins the group now
             group = init_process_group("127.0.0.1", port, 0, self.size, group_name(port), timeout_s=DEFAULT_TIMEOUT_S)
-        self.group = TPGroup(group, 0, self.size, config.batch_invariant)
+        self.group = TPGroup(group, 0, self.size, fixed_order(config))
 
     def send(self, op: str, *args) -> None:
         """Every worker runs `op(*args)` next (tp_worker.Worker); raises the group's failure if there is one."""

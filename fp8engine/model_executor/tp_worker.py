@@ -1,5 +1,5 @@
 """A tensor-parallel worker: rank r > 0 of a replica (model_executor/tensor_parallel.py), started by rank 0 as
-`python -m fp8engine.model_executor.tp_worker` with its end of a socket pair in FP8ENGINE_TP_FD.
+`python -m fp8engine.model_executor.tp_worker FD`, FD its end of a socket pair.
 
 It builds the same ModelRunner on its shard and then does what rank 0 sends, in order: a step's forward (whose
 all-reduces meet rank 0's), cache copies, sleep and wake, weight updates and reads. An exception it cannot answer
@@ -8,6 +8,7 @@ closes, or a collective fails).
 """
 
 import os
+import sys
 import threading
 import time
 import traceback
@@ -17,7 +18,7 @@ import torch
 
 from fp8engine.kvcache.kv_scales import KVScaleManager
 from fp8engine.model_executor.model_runner import ModelRunner
-from fp8engine.model_executor.tensor_parallel import TPGroup, group_name, post, receive
+from fp8engine.model_executor.tensor_parallel import TPGroup, fixed_order, group_name, post, receive
 from fp8engine.weights import updater
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, init_process_group
 from fp8engine.weights.loader import load_checkpoint, load_dummy, read, resolve
@@ -125,7 +126,7 @@ def _watch_parent() -> None:
 
 
 def main() -> None:
-    conn = Connection(int(os.environ.pop("FP8ENGINE_TP_FD")))
+    conn = Connection(int(sys.argv[1]))
     _watch_parent()
     try:
         config, model_dir, rank, port, threads = receive(conn)
@@ -133,8 +134,7 @@ def main() -> None:
         post(conn, ("ok", None))
         group = init_process_group("127.0.0.1", port, rank, config.tensor_parallel_size, group_name(port),
                                    timeout_s=DEFAULT_TIMEOUT_S)
-        runner = ModelRunner(config, model_dir, TPGroup(group, rank, config.tensor_parallel_size,
-                                                         config.batch_invariant))
+        runner = ModelRunner(config, model_dir, TPGroup(group, rank, config.tensor_parallel_size, fixed_order(config)))
         Worker(runner, conn).loop()
     except (EOFError, ConnectionError):  # rank 0 is gone
         os._exit(1)

@@ -78,12 +78,13 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduce is not None:  # row-parallel: this rank's partial sums, added over the ranks, then the bias
-            y = self.reduce(self._base(x, None))
+            y = self.reduce(self._base(x, with_bias=False))
             return y if self.bias is None else y + self.bias
-        y = self._base(x, self.bias)
+        y = self._base(x)
         return y if self.lora is None or not self.lora.active else self.lora(x, y)
 
-    def _base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _base(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        bias = self.bias if with_bias else None
         if not self.is_fp8:
             if self.kernels.dense_nt16 is not None and layout.is_marked(self.weight):
                 return self.kernels.dense_nt16(x, self.weight, bias)

@@ -1,0 +1,113 @@
+"""Tensor parallelism on CPU (issue 65): T = 2, one thread a rank, against T = 1 with two threads in one process (the
+same cores), on the bench's `--model qwen3-0.6b-shape` (Qwen3-0.6B's sizes, seeded random weights: load_format dummy).
+
+Per configuration, rounds alternating (each engine warmed up on every batch it is timed on): decode tok/s at each
+batch (random prompts of --input-len tokens, --output-len greedy tokens), the rl-short workload (32 chat prompts x 4
+samples x 128 tokens, temperature 1), the share of rank 0's time inside the row-parallel all-reduces, and one
+update_weights of every weight (BF16, the model's shapes). Two T = 2 rows: partial sums added by gloo's all-reduce
+(library) and gathered and added in rank order (fixed: what batch_invariant uses), the same kernels otherwise, so
+their ratio is the fixed-order reduction's cost.
+
+    python benchmarks/tensor_parallel.py [--quantization fp8] [--batches 1,32] [--rounds 2] [--json F]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from fp8engine import EngineConfig, LLMEngine, SamplingParams
+from fp8engine.bench import model_shapes
+from fp8engine.bench.throughput import machine_info, machine_words, prompt_ids, sampling_params
+from fp8engine.bench.workloads import WORKLOADS
+from fp8engine.weights.loader import expected_names, resolve
+
+SHAPE = "qwen3-0.6b-shape"
+CONFIGS = {  # name: (tensor_parallel_size, threads of each rank, FP8ENGINE_TP_ALL_REDUCE)
+    "T=1": (1, 2, "auto"),
+    "T=2 library": (2, 1, "library"),
+    "T=2 fixed": (2, 1, "fixed"),
+}
+
+
+def build(name: str, quantization: str | None) -> LLMEngine:
+    size, threads, reduce = CONFIGS[name]
+    torch.set_num_threads(threads)  # the workers take rank 0's count
+    os.environ["FP8ENGINE_TP_ALL_REDUCE"] = reduce
+    return LLMEngine(EngineConfig(model=model_shapes.shape_path(SHAPE), load_format="dummy", quantization=quantization,
+                                  tensor_parallel_size=size, kv_cache_memory_bytes=1 << 30, max_num_seqs=128))
+
+
+def timed(engine: LLMEngine, name: str, prompts, params: SamplingParams) -> dict:
+    """One generate's output tok/s and the share of rank 0's time spent in the all-reduces."""
+    torch.set_num_threads(CONFIGS[name][1])
+    tp = engine.runner.tp
+    reduce_before = tp.seconds if tp is not None else 0.0
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    reduce = (tp.seconds - reduce_before) if tp is not None else 0.0
+    return {"tok_s": tokens / seconds, "collective_share": reduce / seconds}
+
+
+def update_seconds(engine: LLMEngine, name: str) -> float:
+    torch.set_num_threads(CONFIGS[name][1])
+    model = engine.runner.model
+    gen = torch.Generator().manual_seed(1)
+    state = {n: torch.randn(resolve(model, n).shape, generator=gen).to(torch.bfloat16) * 0.02
+             for n in expected_names(model)}
+    start = time.perf_counter()
+    engine.update_weights(state)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quantization", default="fp8", choices=["fp8", "none"])
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    quantization = None if args.quantization == "none" else args.quantization
+    batches = [int(b) for b in args.batches.split(",")]
+    tokenizer = AutoTokenizer.from_pretrained(model_shapes.shape_path(SHAPE))
+    gen = torch.Generator().manual_seed(0)
+    decode = {b: torch.randint(100, 40_000, (b, args.input_len), generator=gen).tolist() for b in batches}
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    rl = WORKLOADS["rl-short"]
+    rl_prompts = prompt_ids(rl, tokenizer)
+    jobs = {f"decode b{b}": (decode[b], greedy) for b in batches} | {"rl-short": (rl_prompts, sampling_params(rl))}
+    engines = {name: build(name, quantization) for name in CONFIGS}
+    for name, engine in engines.items():  # warm-up on every timed shape
+        for prompts, params in jobs.values():
+            timed(engine, name, prompts, params)
+    results = {name: {job: [] for job in jobs} for name in CONFIGS}
+    for _ in range(args.rounds):
+        for job, (prompts, params) in jobs.items():
+            for name, engine in engines.items():
+                results[name][job].append(timed(engine, name, prompts, params))
+    updates = {name: update_seconds(engine, name) for name, engine in engines.items()}
+    report = {"machine": machine_info(), "model": SHAPE, "quantization": args.quantization, "rows": {}}
+    print(f"{SHAPE}, {args.quantization}, on {machine_words(report['machine'])}, {args.rounds} rounds (median)")
+    print(f"{'':14}" + "".join(f"{job:>22}" for job in jobs) + f"{'update_weights s':>18}")
+    for name in CONFIGS:
+        row = {job: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for job, runs in results[name].items()}
+        report["rows"][name] = row | {"update_weights_seconds": updates[name]}
+        cells = "".join(f"{row[job]['tok_s']:>10.1f} tok/s {row[job]['collective_share']:>4.0%} ar" for job in jobs)
+        print(f"{name:14}{cells}{updates[name]:>18.2f}")
+    for engine in engines.values():
+        engine.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
