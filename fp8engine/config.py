@@ -140,11 +140,9 @@ class EngineConfig:
             raise ValueError("expert_parallel=True: expert parallelism is not built yet")
         if self.tensor_parallel_size == 1:
             return
-        unsupported = {"device='cuda' (NCCL ranks are not built yet)": self.device == "cuda",
-                       f"max_lora_rank={self.max_lora_rank}": self.max_lora_rank > 0}
-        for what, present in unsupported.items():
-            if present:
-                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not run with {what} yet")
+        if self.device == "cuda":
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not run with device='cuda' yet "
+                             f"(NCCL ranks are not built)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

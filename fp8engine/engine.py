@@ -380,7 +380,7 @@ class LLMEngine:
         start = time.perf_counter()
         staged = self._stage_lora(adapter, scaling)
         _, num_aborted, num_recomputed = self._apply_update(
-            lambda: lora.commit_adapter(self.runner.lora_layers, staged), {}, weight_version, flush_cache,
+            functools.partial(self.runner.commit_lora, staged), {}, weight_version, flush_cache,
             in_flight, kv_on_update, start)
         return WeightUpdateReport(staged.num_tensors, staged.num_bytes, self.last_weight_update_seconds, 0,
                                   self.weight_version, num_aborted, num_recomputed)
@@ -464,7 +464,7 @@ class LLMEngine:
                 num_recomputed = len(self.scheduler.recompute_in_flight())
                 self.scheduler.reset_prefix_cache()
             if tag == "weights" and level == 2:  # the adapter goes with them, as an update_lora of none
-                lora.commit_adapter(self.runner.lora_layers, lora.StagedAdapter())
+                self.runner.commit_lora(lora.StagedAdapter())
             released += self.runner.release(tag, keep=level == 1 and tag == "weights", spill_dir=spill_dir)
             self.sleeping[tag] = level
         seconds = time.perf_counter() - start
@@ -561,12 +561,10 @@ class LLMEngine:
         if self.weights_update_group is not None:
             raise ValueError(f"weight-update group {self.weights_update_group.group_name!r} is already "
                              f"open; call destroy_weights_update_group() first")
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError(f"init_weights_update_group: not yet with tensor_parallel_size="
-                             f"{self.config.tensor_parallel_size} (each rank joining at rank_offset + its rank is not "
-                             f"built); use update_weights or update_weights_from_tensor, which reach every rank")
-        self.weights_update_group = WeightsUpdateGroup(master_address, master_port, rank_offset, world_size,
-                                                       group_name, backend, timeout_s, self.config.device)
+        args = (master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s, self.config.device)
+        self.runner.join_update_group(*args)  # tensor-parallel workers join at rank_offset + their rank meanwhile
+        self.weights_update_group = WeightsUpdateGroup(*args)
+        self.runner.joined()
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         weight_version: int | None = None, *, flush_cache: bool = True,
@@ -577,15 +575,20 @@ class LLMEngine:
         passed) closes the group and leaves the engine on its old weights."""
         check_update_options(in_flight, kv_on_update)
         prequantizer = self.prequantizer()
-        received = self.receive_weights(names, dtypes, shapes, prequantizer)
-        report = self.update_weights(received, weight_version=weight_version, flush_cache=flush_cache,
-                                     in_flight=in_flight, kv_on_update=kv_on_update)
+        self.runner.receive_on_workers(names, dtypes, shapes)  # tensor-parallel workers receive beside rank 0
+        try:
+            received = self.receive_weights(names, dtypes, shapes, prequantizer)
+            report = self.update_weights(received, weight_version=weight_version, flush_cache=flush_cache,
+                                         in_flight=in_flight, kv_on_update=kv_on_update)
+        except BaseException:
+            self.runner.abort_worker_update()
+            raise
         return self.received_report(report, names, prequantizer)
 
     def prequantizer(self) -> updater.Prequantizer | None:
         """What receive_weights hands each tensor to as it arrives: on an FP8 engine, FP8-bound weights are
         quantized then (updater.Prequantizer), so the received model is not held in BF16 until the commit."""
-        if self.config.quantization != "fp8":
+        if self.config.quantization != "fp8" or self.runner.tp is not None:  # a rank quantizes its slices at commit
             return None
         kernels = self.runner.kernels
         return updater.Prequantizer(self.runner.model, kernels.quantize_into, kernels.block_scales)
@@ -620,7 +623,9 @@ class LLMEngine:
         """Leave the weight-update group (nothing happens when there is none)."""
         group, self.weights_update_group = self.weights_update_group, None
         if group is not None:
+            self.runner.abort_worker_update()  # a received update the workers hold is dropped first
             group.destroy()
+            self.runner.leave_update_group()
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:

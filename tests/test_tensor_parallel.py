@@ -16,12 +16,13 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from safetensors.torch import save_file
 
 from checkpoints import perturbed_state, write_checkpoint
 from conftest import make_engine
 from fp8engine import SamplingParams
 from fp8engine.model_executor.tensor_parallel import fixed_order_sum, library_sum
-from fp8engine.weights.dist_update import free_port, init_process_group
+from fp8engine.weights.dist_update import free_port, init_process_group, tensor_specs
 from tiny_models import save_tiny
 
 TP2_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
@@ -103,6 +104,41 @@ def test_row_parallel_biases_are_added_once(tmp_path, tokenizer):
         engines[1].shutdown()
 
 
+def _adapter(rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """A PEFT-named adapter on every q/k/v/o and gate/up/down projection of the TP2_SHAPE model."""
+    hidden, inter, kv = TP2_SHAPE["hidden_size"], TP2_SHAPE["intermediate_size"], 128
+    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden, kv), "self_attn.v_proj": (hidden, kv),
+              "self_attn.o_proj": (hidden, hidden), "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
+              "mlp.down_proj": (inter, hidden)}
+    g, out = torch.Generator().manual_seed(seed), {}
+    for layer in (0, 1):
+        for module, (k, n) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            out[f"{prefix}.lora_A.weight"] = torch.randn(rank, k, generator=g) * 0.08
+            out[f"{prefix}.lora_B.weight"] = torch.randn(n, rank, generator=g) * 0.08
+    return out
+
+
+def test_lora_on_column_and_row_parallel_layers(tp2_dir):
+    """A's columns split on o_proj and down_proj (the adapter's part of the partial sums), B's rows on q/k/v and
+    gate/up; float32 T = 2 equals T = 1, and a second, smaller adapter replaces the first on every rank."""
+    engines = [make_engine(tp2_dir, dtype="float32", num_kv_blocks=32, max_lora_rank=8, tensor_parallel_size=t)
+               for t in (1, 2)]
+    try:
+        base = [o.outputs[0].logprobs for o in engines[1].generate(PROMPTS, GREEDY)]
+        for rank, seed in ((8, 1), (4, 2)):
+            outs = []
+            for e in engines:
+                e.update_lora(_adapter(rank, seed), scaling=2.0)
+                outs.append(e.generate(PROMPTS, GREEDY))
+            assert _tokens(outs[0]) == _tokens(outs[1])
+            for a, b, plain in zip(*outs, base):
+                assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
+                assert b.outputs[0].logprobs != plain  # the adapter changed something
+    finally:
+        engines[1].shutdown()
+
+
 def test_fp8_weights_kv_scales_and_logprobs_match_one_rank(fp8_pair, fp32_pair):
     one, two = _reloaded(*fp8_pair)
     outs = [e.generate(PROMPTS, GREEDY) for e in (one, two)]  # the first forward calibrates the KV scales
@@ -146,6 +182,29 @@ def test_fp8_update_equals_a_fresh_engine_and_a_bad_shard_changes_nothing(fp8_pa
         assert two.get_stats().kv_scales == fresh.get_stats().kv_scales
     finally:
         fresh.shutdown()
+
+
+def test_every_rank_joins_the_trainers_group_and_receives_its_broadcast(fp8_pair, tp2_dir, tmp_path):
+    """A trainer's weight-update group of 3: the trainer (rank 0), the engine's rank 0 at rank_offset 1 and its
+    worker at 1 + 1; the update equals the same tensors given to update_weights."""
+    (two,) = _reloaded(fp8_pair[1])
+    state = perturbed_state(tp2_dir, seed=5)
+    path = tmp_path / "update.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    port = free_port()
+    trainer = subprocess.Popen([sys.executable, "-m", "tests.broadcast_trainer", str(port), "3", str(path)],
+                               stdin=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        two.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=3)
+        report = two.update_weights_from_distributed(*tensor_specs(sorted(state.items())), weight_version=11)
+        assert (report.weight_version, report.num_tensors) == (11, len(state))
+        names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+        received = [two.get_weights_by_name(n) for n in names]
+        two.destroy_weights_update_group()
+    finally:
+        trainer.communicate(timeout=30)
+    two.update_weights(state)
+    assert all(torch.equal(r, two.get_weights_by_name(n)) for r, n in zip(received, names))
 
 
 def test_sleep_and_wake_on_every_rank(fp8_pair):
@@ -268,7 +327,7 @@ def test_a_shape_the_ranks_cannot_split_names_the_layer(options, message):
 
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer, got 0"),
-    (dict(tensor_parallel_size=2, max_lora_rank=8), "does not run with max_lora_rank=8 yet"),
+    (dict(tensor_parallel_size=2, device="cpu", batch_invariant=True, dtype="float32"), "batch_invariant=True needs"),
     (dict(expert_parallel=True), "expert parallelism is not built yet"),
 ])
 def test_options_it_cannot_honour_are_refused(options, message):

@@ -22,7 +22,7 @@ from fp8engine.model_executor.models.qwen3_5 import text_config
 from fp8engine.model_executor.models.llama import LinearFactory
 from fp8engine.request import ScheduledSeq, Sequence
 from fp8engine.weights import layout
-from fp8engine.weights import updater
+from fp8engine.weights import lora, updater
 from fp8engine.weights.loader import load_checkpoint, load_dummy, read, resolve
 from fp8engine.weights.quant import FP8_DTYPE
 
@@ -74,6 +74,7 @@ class ModelRunner:
         self.tp = self.tp_leader.group if self.tp_leader is not None else tp
         # rank 0: the scheduler's live blocks (the engine sets it), which a KV-scale change re-quantizes on every rank
         self.live_blocks = list
+        self.workers_staged = False  # the workers received an update from a trainer's group and wait to commit it
         try:
             self._build(model_config)
         except BaseException:
@@ -326,11 +327,14 @@ class ModelRunner:
         """A validated update written on every rank or on none: the workers receive its tensors (broadcast), stage
         their shards and answer before any rank writes; returns how many tensors rank 0 quantized."""
         if self.tp_leader is not None:
-            items = [(target.name, tensor.detach().contiguous()) for target, tensor, _ in staged.items]
-            self.tp_leader.send("stage", [(name, t.dtype, tuple(t.shape)) for name, t in items])
+            if not self.workers_staged:
+                items = [(target.name, tensor.detach().contiguous()) for target, tensor, _ in staged.items]
+                self.tp_leader.send("stage", [(name, t.dtype, tuple(t.shape)) for name, t in items])
+                with self._following():
+                    for _, tensor in items:
+                        self.tp.broadcast(tensor.cpu())
+            self.workers_staged = False
             with self._following():
-                for _, tensor in items:
-                    self.tp.broadcast(tensor.cpu())
                 refused = [(rank, err) for rank, err in enumerate(self.tp_leader.replies(), 1) if err is not None]
             if refused:
                 self.tp_leader.send("abort")
@@ -338,6 +342,44 @@ class ModelRunner:
                 raise ValueError(f"tensor-parallel rank {rank} refused the update, nothing was written: {err}")
             self.tp_leader.call("commit")
         return updater.commit(staged, self.kernels.quantize_into)
+
+    def join_update_group(self, *args) -> None:
+        """Every worker joins a trainer's weight-update group at rank_offset + its rank (args: WeightsUpdateGroup's,
+        rank_offset among them), while rank 0 joins it (at rank_offset) after this returns; `joined()` then waits for
+        their answers."""
+        if self.tp_leader is not None:
+            self.tp_leader.send("join_update_group", *args)
+
+    def joined(self) -> None:
+        """RuntimeError naming a worker that could not join the weight-update group."""
+        if self.tp_leader is not None:
+            for rank, err in enumerate(self.tp_leader.replies(), 1):
+                if err is not None:
+                    raise RuntimeError(f"tensor-parallel rank {rank} could not join the weight-update group: {err}")
+
+    def receive_on_workers(self, names, dtypes, shapes) -> None:
+        """The workers receive an update the trainer broadcasts (as rank 0 does beside them) and stage their shards;
+        commit_weights then commits it on every rank or abort_worker_update drops it."""
+        if self.tp_leader is not None:
+            self.tp_leader.send("receive_update", names, dtypes, shapes)
+            self.workers_staged = True
+
+    def abort_worker_update(self) -> None:
+        if self.tp_leader is not None and self.workers_staged:
+            self.workers_staged = False
+            with self._following():
+                self.tp_leader.replies()
+            self.tp_leader.send("abort")
+
+    def leave_update_group(self) -> None:
+        if self.tp_leader is not None:
+            self.tp_leader.call("leave_update_group")
+
+    def commit_lora(self, staged: lora.StagedAdapter) -> None:
+        """A validated adapter (full A and B) written on every rank, each its slices."""
+        if self.tp_leader is not None:
+            self.tp_leader.call("commit_lora", staged)
+        lora.commit_adapter(self.lora_layers, staged)
 
     def reload_weights(self) -> None:
         """Every weight read again from the model directory (seeded random ones with load_format dummy), on every

@@ -7,6 +7,7 @@ with is sent to rank 0 as its last words before it exits; it exits too when rank
 closes, or a collective fails).
 """
 
+import contextlib
 import os
 import sys
 import threading
@@ -19,8 +20,8 @@ import torch
 from fp8engine.kvcache.kv_scales import KVScaleManager
 from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.model_executor.tensor_parallel import TPGroup, fixed_order, group_name, post, receive
-from fp8engine.weights import updater
-from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, init_process_group
+from fp8engine.weights import lora, updater
+from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup, init_process_group
 from fp8engine.weights.loader import load_checkpoint, load_dummy, read, resolve
 
 
@@ -33,6 +34,7 @@ class Worker:
         self.kv_scales.reduce_amax = runner.tp.all_reduce_max
         self.kv_scales.rescale = lambda layer, old, new: runner.rescale_kv(layer, self.live, old, new)
         self.staged: updater.Staged | None = None
+        self.update_group: WeightsUpdateGroup | None = None
 
     def loop(self) -> None:
         while True:
@@ -84,6 +86,9 @@ class Worker:
             tensor = torch.empty(shape, dtype=dtype)
             self.runner.tp.broadcast(tensor)
             received.append((name, tensor))
+        return self._stage(received)
+
+    def _stage(self, received: list) -> str | None:
         try:
             self.staged = updater.stage(self.runner.model, received, self.kv_scales)
         except ValueError as exc:
@@ -91,9 +96,38 @@ class Worker:
             return str(exc)
         return None
 
+    def join_update_group(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
+                          backend: str, timeout_s: float, device: str) -> str | None:
+        try:
+            self.update_group = WeightsUpdateGroup(address, port, rank_offset + self.runner.tp.rank, world_size,
+                                                   group_name, backend, timeout_s, device)
+        except (RuntimeError, ValueError) as exc:
+            return str(exc)
+        return None
+
+    def receive_update(self, names, dtypes, shapes) -> str | None:
+        """This rank's copy of what the trainer broadcasts to the group, staged against its shard: the error text
+        if it fails (a transfer that fails closes the group)."""
+        try:
+            received = self.update_group.receive(names, dtypes, shapes)
+        except (RuntimeError, ValueError, AttributeError) as exc:
+            self.staged = None
+            self.leave_update_group()
+            return f"receive failed: {exc}"
+        return self._stage(received)
+
+    def leave_update_group(self) -> None:
+        group, self.update_group = self.update_group, None
+        if group is not None:
+            with contextlib.suppress(RuntimeError):
+                group.destroy()
+
     def commit(self) -> int:
         staged, self.staged = self.staged, None
         return updater.commit(staged, self.runner.kernels.quantize_into)
+
+    def commit_lora(self, staged) -> None:
+        lora.commit_adapter(self.runner.lora_layers, staged)
 
     def abort(self) -> None:
         self.staged = None
@@ -110,7 +144,8 @@ class Worker:
         return target.tp, read(target, self.runner.dtype)
 
 
-REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "commit", "reload", "read"})
+REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "join_update_group", "receive_update",
+                     "leave_update_group", "commit_lora", "commit", "reload", "read"})
 
 
 def _watch_parent() -> None:

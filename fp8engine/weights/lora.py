@@ -68,6 +68,7 @@ def commit_adapter(loras: Mapping[str, torch.nn.Module], staged: StagedAdapter) 
             rank = 0
             if shard in shards:
                 a, b, scale = shards[shard]
+                a, b = lora.local(shard, a, b)
                 rank = a.shape[0]
                 a_rows[:rank].copy_(a)
                 b_cols[:, :rank].copy_(b.float() * scale if scale != 1.0 else b)
@@ -95,7 +96,7 @@ def _check_pair(module: str, pair: dict[str, tuple[str, torch.Tensor]], lora, sh
         if half not in pair:
             raise ValueError(f"LoRA module {module!r}: lora_{half}.weight is missing (both halves come together)")
     (a_name, a), (b_name, b) = pair["A"], pair["B"]
-    in_features, out_features = lora.lora_a.shape[1], lora.shard_sizes[shard]
+    out_features, in_features = lora.full_shape(shard)
     if a.dim() != 2 or a.shape[1] != in_features:
         raise ValueError(f"LoRA tensor {a_name!r}: shape {tuple(a.shape)}, expected (rank, {in_features})")
     rank = a.shape[0]

@@ -63,6 +63,8 @@ class Linear(nn.Module):
         its bias after that). A column shard that starts inside a 128-row FP8 block keeps that block's scale for its
         rows, so its codes and scales are a slice of the unsharded layer's. Before the weights load."""
         self.tp_rows, self.tp_cols, self.reduce = rows, cols, reduce
+        if self.lora is not None:  # update_lora takes the full A and B and writes this rank's slices
+            self.lora.tp_rows, self.lora.tp_cols = rows, cols
         if rows is not None and self.is_fp8:
             self.row_phases = [start % BLOCK for start, _ in rows]
             self._scale_grid()
@@ -78,7 +80,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.reduce is not None:  # row-parallel: this rank's partial sums, added over the ranks, then the bias
-            y = self.reduce(self._base(x, with_bias=False))
+            y = self._base(x, with_bias=False)
+            if self.lora is not None and self.lora.active:  # (x_r A_r^T) B^T: this rank's part of the adapter's sum
+                y = self.lora(x, y)
+            y = self.reduce(y)
             return y if self.bias is None else y + self.bias
         y = self._base(x)
         return y if self.lora is None or not self.lora.active else self.lora(x, y)

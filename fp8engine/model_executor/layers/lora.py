@@ -28,6 +28,9 @@ class LoRA(nn.Module):
         self.register_buffer("lora_b", torch.zeros(width, sum(self.shard_sizes), dtype=dtype), persistent=False)
         self.lora_add = kernels.lora_add
         self.ranks = [0] * len(self.shard_sizes)  # the rank each shard's adapter has (0: none); the rest is zeros
+        # tensor parallelism (Linear.shard_for_tp): where this rank's output rows and input columns sit in the full layer
+        self.tp_rows: list[tuple[int, int]] | None = None
+        self.tp_cols: tuple[int, int] | None = None
         # per shard (j0, j1, o0, o1): rows j0:j1 of A and B (its rank's) feed output columns o0:o1; the kernel skips
         # the rest (zeros: other shards' blocks, ranks under max_rank)
         shards = enumerate(zip(self.shard_offsets, self.shard_sizes))
@@ -42,6 +45,22 @@ class LoRA(nn.Module):
     def active(self) -> bool:
         """Some shard holds an adapter (otherwise the layer skips both products)."""
         return any(self.ranks)
+
+    def full_shape(self, shard: int) -> tuple[int, int]:
+        """(output rows of the shard, input columns) of the full layer: an adapter's B and A have these."""
+        rows = self.shard_sizes[shard] if self.tp_rows is None else self.tp_rows[shard][1]
+        return rows, self.lora_a.shape[1] if self.tp_cols is None else self.tp_cols[1]
+
+    def local(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slices of a full adapter's A [r, K] and B [N_s, r] (all of them at one rank): a column-parallel
+        layer's B rows, a row-parallel layer's A columns."""
+        if self.tp_rows is not None:
+            start = self.tp_rows[shard][0]
+            b = b[start:start + self.shard_sizes[shard]]
+        if self.tp_cols is not None:
+            start = self.tp_cols[0]
+            a = a[:, start:start + self.lora_a.shape[1]]
+        return a, b
 
     def shard_views(self, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(A rows [R, K], B block [N_s, R]) of one shard: views into the buffers (B's transposed)."""
