@@ -92,8 +92,9 @@ class EngineConfig:
     tensor_parallel_size: int = _option(1, "ranks one replica's model is split over (torch.distributed, gloo on CPU): "
                                            "> 1 starts that many - 1 worker processes beside the engine's, each "
                                            "holding a shard of the weights and of the KV cache (docs/scale-out.md)")
-    expert_parallel: bool = _option(False, "MoE with tensor_parallel_size > 1: whole experts per rank instead of split "
-                                           "experts (not built yet)")
+    expert_parallel: bool = _option(False, "MoE with tensor_parallel_size > 1: whole experts per rank (num_experts / "
+                                           "T each), the router on every rank; needed for MoE models (split experts "
+                                           "are not built)")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
     load_format: str = _option("auto", "auto (the model directory's safetensors) or dummy (seeded random weights "
                                        "from its config.json alone: for benchmarks of a model's shape)", LOAD_FORMATS)
@@ -136,8 +137,6 @@ class EngineConfig:
 
     def _check_tensor_parallel(self) -> None:
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.expert_parallel:
-            raise ValueError("expert_parallel=True: expert parallelism is not built yet")
         if self.tensor_parallel_size == 1:
             return
         if self.device == "cuda":

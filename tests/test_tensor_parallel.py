@@ -139,6 +139,33 @@ def test_lora_on_column_and_row_parallel_layers(tp2_dir):
         engines[1].shutdown()
 
 
+def test_moe_experts_whole_on_each_rank(tmp_path, tokenizer):
+    """Qwen3-MoE with expert parallelism: 8 of 16 experts a rank, the router on both, the partial sums (each rank's
+    experts' weighted outputs) all-reduced. float32: T = 1's tokens, logprobs and routed experts; not bitwise (each
+    rank sums its experts, then the ranks are added: another order than one rank's). FP8: an expert held by rank 1
+    reads back as T = 1's, bit for bit."""
+    model = save_tiny("qwen3_moe", tmp_path / "moe", tokenizer, **TP2_SHAPE, head_dim=64)
+    with pytest.raises(ValueError, match="expert_parallel=True"):
+        make_engine(model, tensor_parallel_size=2)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, logprobs_mode="raw", return_routed_experts=True)
+    outs = []
+    for t in (1, 2):
+        engine = make_engine(model, dtype="float32", num_kv_blocks=32, tensor_parallel_size=t, expert_parallel=True)
+        outs.append(engine.generate(PROMPTS, params))
+        engine.shutdown()
+    assert _tokens(outs[0]) == _tokens(outs[1])
+    for a, b in zip(*outs):
+        assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
+        assert torch.equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+    fp8 = [make_engine(model, quantization="fp8", num_kv_blocks=32, tensor_parallel_size=t, expert_parallel=True)
+           for t in (1, 2)]
+    try:
+        for name in ("model.layers.1.mlp.experts.15.down_proj.weight", "model.layers.2.mlp.experts.3.gate_proj.weight"):
+            assert torch.equal(fp8[1].get_weights_by_name(name), fp8[0].get_weights_by_name(name))
+    finally:
+        fp8[1].shutdown()
+
+
 def test_fp8_weights_kv_scales_and_logprobs_match_one_rank(fp8_pair, fp32_pair):
     one, two = _reloaded(*fp8_pair)
     outs = [e.generate(PROMPTS, GREEDY) for e in (one, two)]  # the first forward calibrates the KV scales
@@ -328,7 +355,6 @@ def test_a_shape_the_ranks_cannot_split_names_the_layer(options, message):
 @pytest.mark.parametrize("options, message", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer, got 0"),
     (dict(tensor_parallel_size=2, device="cpu", batch_invariant=True, dtype="float32"), "batch_invariant=True needs"),
-    (dict(expert_parallel=True), "expert parallelism is not built yet"),
 ])
 def test_options_it_cannot_honour_are_refused(options, message):
     from fp8engine import EngineConfig

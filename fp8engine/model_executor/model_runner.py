@@ -67,7 +67,8 @@ class ModelRunner:
         self.hf_config = text_config(AutoConfig.from_pretrained(model_dir))
         model_config = self.hf_config
         if config.tensor_parallel_size > 1:
-            tensor_parallel.check_shardable(self.hf_config, config.tensor_parallel_size, config.quantization == "fp8")
+            tensor_parallel.check_shardable(self.hf_config, config.tensor_parallel_size, config.quantization == "fp8",
+                                            config.expert_parallel)
             model_config = tensor_parallel.local_config(self.hf_config, config.tensor_parallel_size)
         self.tp_leader = tensor_parallel.Leader(config, model_dir) if config.tensor_parallel_size > 1 and tp is None \
             else None
@@ -394,6 +395,8 @@ class ModelRunner:
     def read_weight(self, hf_name: str) -> torch.Tensor:
         """Weight hf_name in the model dtype and the HF shape (FP8 dequantized), gathered from every rank's slice."""
         target = resolve(self.model, hf_name)
+        if self.tp_leader is not None and target.kind == "elsewhere":  # an expert another rank holds
+            return next(part for _, part in self.tp_leader.call("read", hf_name) if part is not None)
         mine = read(target, self.dtype)
         if self.tp_leader is None or target.tp is None:
             return mine

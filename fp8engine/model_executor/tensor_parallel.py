@@ -41,7 +41,7 @@ from fp8engine.model_executor.models.llama import head_dim
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, free_port, init_process_group
 from fp8engine.weights.quant import BLOCK
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")  # dense full-attention models: the ones sharded so far
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # full-attention models: the ones sharded so far
 READY_TIMEOUT_S = 120.0  # a worker's start (interpreter, torch, fp8engine) before it joins the group
 DEATH_WAIT_S = 5.0  # after a failed collective, how long rank 0 waits for a worker's exit status
 
@@ -52,8 +52,15 @@ def group_name(port: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ sharding
-def check_shardable(cfg, size: int, fp8: bool) -> None:
+def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool) -> None:
     """ValueError naming the layer and the constraint when `size` ranks cannot split this model."""
+    experts = getattr(cfg, "num_experts", 0) or 0
+    if experts and not expert_parallel:
+        raise ValueError(f"tensor_parallel_size={size}: a MoE model's experts go whole to the ranks "
+                         f"(expert_parallel=True); splitting each expert is not built")
+    if experts % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide num_experts={experts}: "
+                         f"model.layers.*.mlp.experts go whole to the ranks")
     if cfg.model_type not in MODEL_TYPES:
         raise ValueError(f"tensor_parallel_size={size}: model_type {cfg.model_type!r} is not sharded yet (tensor "
                          f"parallelism covers {list(MODEL_TYPES)})")
@@ -98,6 +105,11 @@ def shard_model(model, cfg, group: "TPGroup") -> None:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj.shard_for_tp(rows=[(q0, heads * d), (kv_head * d, kv * d), (kv_head * d, kv * d)])
         attn.o_proj.shard_for_tp(cols=(q0, heads * d), reduce=group.all_reduce)
+        if hasattr(mlp, "experts"):  # expert parallelism: whole experts, the router on every rank
+            per_rank = cfg.num_experts // size
+            mlp.experts.keep_experts(rank * per_rank, per_rank)
+            mlp.reduce = group.all_reduce
+            continue
         mlp.gate_up_proj.shard_for_tp(rows=[(i0, inter), (i0, inter)])
         mlp.down_proj.shard_for_tp(cols=(i0, inter), reduce=group.all_reduce)
 

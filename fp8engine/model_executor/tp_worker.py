@@ -141,7 +141,7 @@ class Worker:
 
     def read(self, hf_name: str):
         target = resolve(self.runner.model, hf_name)
-        return target.tp, read(target, self.runner.dtype)
+        return target.tp, None if target.kind == "elsewhere" else read(target, self.runner.dtype)
 
 
 REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "join_update_group", "receive_update",

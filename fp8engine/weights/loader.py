@@ -52,9 +52,13 @@ class TPSlice:
         return slice(rows.start - rows.start % BLOCK, min(self.full[0], cdiv(rows.stop, BLOCK) * BLOCK))
 
 
+SKIPPED_KINDS = ("ignored", "elsewhere")  # what this model does not run, what another tensor-parallel rank holds
+
+
 @dataclass(slots=True)
 class Target:
-    """Where one HF tensor lands. kind: 'dense', 'fp8_weight', 'fp8_scale', or 'split': parts holds
+    """Where one HF tensor lands. kind: 'dense', 'fp8_weight', 'fp8_scale', 'ignored' (a text engine skips it),
+    'elsewhere' (another expert-parallel rank holds it, and validates and writes it), or 'split': parts holds
     (index into the incoming tensor, the target of that piece) and view the whole storage. mirror: a second
     target that every write also fills from the same tensor (a tied embedding's FP8 LM head). matrix, row0: for an
     FP8 weight or a whole 2-D parameter, the [N, K] matrix a linear reads that holds `view`, and the view's first
@@ -212,7 +216,7 @@ def check(target: Target, tensor: torch.Tensor, block_scales: BlockScales | None
     a split target); otherwise returns None."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"weight {target.name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if target.kind == "ignored":
+    if target.kind in SKIPPED_KINDS:
         return None
     if tuple(tensor.shape) != target.shape:
         raise ValueError(f"weight {target.name!r}: shape {tuple(tensor.shape)} does not match the "
@@ -266,7 +270,7 @@ def write(target: Target, tensor: torch.Tensor, quantize_into: QuantizeInto = qu
           scales: torch.Tensor | None = None) -> bool:
     """Write into the target's storage in place; True when the tensor was quantized. scales: what
     `check` returned (block scales computed while validating), passed on to the quantizer."""
-    if target.kind == "ignored":
+    if target.kind in SKIPPED_KINDS:
         return False
     tensor = tensor.to(target.view.device)
     if target.kind == "split":
@@ -313,6 +317,8 @@ def load_checkpoint(model: torch.nn.Module, model_dir: str, quantize_into: Quant
         target = resolve(model, name)
         if target.kind == "ignored":
             ignored.add(next(p for p in model.ignored_prefixes if name.startswith(p)))
+            continue
+        if target.kind == "elsewhere":
             continue
         write(target, tensor, quantize_into, check(target, tensor, block_scales))
         seen.update(covered(target))
@@ -366,7 +372,7 @@ def check_quantization_config(model: torch.nn.Module, model_dir: str) -> None:
 
 def covered(target: Target) -> list[str]:
     """The names (as expected_names gives them) of the weights that a write of target fills."""
-    if target.kind == "ignored":
+    if target.kind in SKIPPED_KINDS:
         return []
     if target.kind == "split":
         return [part.name for _, part in target.parts]
@@ -402,11 +408,13 @@ def read(target: Target, dtype: torch.dtype) -> torch.Tensor:
     """The target's weight as the model uses it, in the HF shape: FP8 dequantized to `dtype`, else a copy."""
     if target.kind == "ignored":
         raise ValueError(f"weight {target.name!r}: the engine does not hold it (a text engine skips it)")
+    if target.kind == "elsewhere":
+        raise ValueError(f"weight {target.name!r}: another expert-parallel rank holds it")
     if target.kind == "split":
         out = torch.empty(target.shape, dtype=dtype, device=target.view.device)
         for index, part in target.parts:
             out[index] = read(part, dtype)
-        return out
+        return out if target.tp is None or target.tp.rows is None else out[target.tp.rows]  # an expert-parallel rank's
     rows = target.view.shape[0] if target.view.dim() else 0
     if target.kind == "fp8_weight":
         codes = target.view if target.matrix is None else layout.rows_of(target.matrix, target.row0, rows)

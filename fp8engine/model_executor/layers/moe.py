@@ -19,7 +19,7 @@ from torch import nn
 from fp8engine.model_executor.kernel_set import KernelSet
 from fp8engine.model_executor.kernels.moe_ref import grouped_moe
 from fp8engine.model_executor.layers.linear import Linear, _param
-from fp8engine.weights.loader import Target
+from fp8engine.weights.loader import Target, TPSlice
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -30,9 +30,13 @@ class FusedMoE(nn.Module):
                  kernels: KernelSet, fp8: bool = False, scale_fmt: str | None = None):
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.kernels, self.is_fp8, self.scale_fmt = kernels, fp8, scale_fmt
-        weight_dtype = FP8_DTYPE if fp8 else dtype
-        e, h, i = num_experts, hidden_size, intermediate_size
+        self.kernels, self.is_fp8, self.scale_fmt, self.dtype = kernels, fp8, scale_fmt, dtype
+        self.first, self.num_local = 0, num_experts  # expert parallelism: this rank's experts (keep_experts)
+        self._allocate()
+
+    def _allocate(self) -> None:
+        weight_dtype = FP8_DTYPE if self.is_fp8 else self.dtype
+        e, h, i, fp8 = self.num_local, self.hidden_size, self.intermediate_size, self.is_fp8
         self.gate_up_proj = _param(torch.empty(e, 2 * i, h, dtype=weight_dtype))
         self.down_proj = _param(torch.empty(e, h, i, dtype=weight_dtype))
         self.scale_rows = None  # gate_up output row -> its scale row, where I is not a multiple of 128
@@ -43,15 +47,27 @@ class FusedMoE(nn.Module):
                 rows = torch.arange(i, dtype=torch.int32) // BLOCK
                 self.scale_rows = torch.cat([rows, rows + cdiv(i, BLOCK)])
 
+    def keep_experts(self, first: int, count: int) -> None:
+        """Expert parallelism: this rank holds experts first .. first + count (allocated anew, before the weights
+        load); the others' contributions are another rank's, added by the block's all-reduce."""
+        self.first, self.num_local = first, count
+        self._allocate()
+
+    def is_local(self, expert: int) -> bool:
+        return self.first <= expert < self.first + self.num_local
+
     # ------------------------------------------------------------------ weights
     def fp8_matrix(self, expert: int, proj: str) -> tuple[torch.Tensor, int]:
         """(the [N, K] matrix of one expert that the FP8 linear reads, the projection's first row in it)."""
+        expert -= self.first
         if proj == "down_proj":
             return self.down_proj[expert], 0
         return self.gate_up_proj[expert], PROJECTIONS.index(proj) * self.intermediate_size
 
     def shard_views(self, expert: int, proj: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight, scale grid or None) of one expert's HF projection: views into the stacked storage."""
+        """(weight, scale grid or None) of one expert's HF projection (expert: its global index): views into the
+        stacked storage."""
+        expert -= self.first
         if proj == "down_proj":
             return self.down_proj.data[expert], self.down_proj_scale_inv.data[expert] if self.is_fp8 else None
         shard = PROJECTIONS.index(proj)
@@ -62,7 +78,7 @@ class FusedMoE(nn.Module):
 
     def hf_names(self) -> list[str]:
         """The per-expert HF names (relative to this module) a checkpoint must hold."""
-        return [f"{e}.{proj}.weight" for e in range(self.num_experts) for proj in PROJECTIONS]
+        return [f"{e}.{proj}.weight" for e in range(self.first, self.first + self.num_local) for proj in PROJECTIONS]
 
     def hf_target(self, name: str, rest: str) -> Target:
         """Where HF tensor `name` (`rest` relative to this module) lands; ValueError if nowhere."""
@@ -71,6 +87,8 @@ class FusedMoE(nn.Module):
             return self._stacked_target(name, parts[0])
         if (len(parts) == 3 and parts[0].isdigit() and int(parts[0]) < self.num_experts
                 and parts[1] in PROJECTIONS and parts[2] in ("weight", "weight_scale_inv")):
+            if not self.is_local(int(parts[0])):
+                return Target(name, "elsewhere", torch.empty(0))
             weight, scale = self.shard_views(int(parts[0]), parts[1])
             if parts[2] == "weight" and self.is_fp8:
                 matrix, row0 = self.fp8_matrix(int(parts[0]), parts[1])
@@ -85,20 +103,23 @@ class FusedMoE(nn.Module):
     def _stacked_target(self, name: str, attr: str) -> Target:
         """transformers 5's stacked [E, 2I, H] / [E, H, I] tensor: one copy, or per expert and shard into FP8."""
         stacked = getattr(self, attr)
+        full = (self.num_experts, *stacked.shape[1:])
         if not self.is_fp8:
-            return Target(name, "dense", stacked.data)
+            local = slice(self.first, self.first + self.num_local)
+            return Target(name, "dense", stacked.data, tp=None if full == tuple(stacked.shape) else TPSlice(full, local))
         prefix = name.removesuffix(attr)
         projs = ("down_proj",) if attr == "down_proj" else ("gate_proj", "up_proj")
         i = self.intermediate_size
         parts = []
-        for e in range(self.num_experts):
+        for e in range(self.first, self.first + self.num_local):
             for shard, proj in enumerate(projs):
                 weight, scale = self.shard_views(e, proj)
                 index = (e,) if attr == "down_proj" else (e, slice(shard * i, (shard + 1) * i))
                 matrix, row0 = self.fp8_matrix(e, proj)
                 parts.append((index, Target(f"{prefix}{e}.{proj}.weight", "fp8_weight", weight, scale,
                                             self.scale_fmt, matrix=matrix, row0=row0)))
-        return Target(name, "split", stacked.data, parts=parts)
+        local = slice(self.first, self.first + self.num_local)
+        return Target(name, "split", stacked.data, parts=parts, tp=TPSlice(full, local))
 
     # ------------------------------------------------------------------ compute
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -115,6 +136,9 @@ class FusedMoE(nn.Module):
         return self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.scale_rows
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_local(e):  # another expert-parallel rank's
+            return torch.zeros_like(x)
+        e -= self.first
         k = self.kernels
         if not self.is_fp8:
             h = k.dense_linear(x, self.gate_up_proj[e], None)
@@ -145,9 +169,11 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, kernels,
                                 fp8, scale_fmt)
         self.routed: torch.Tensor | None = None
+        self.reduce = None  # expert parallelism: adds the ranks' partial sums (each over its experts)
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
         ids, weights = route(self.gate(x), self.top_k, self.normalize)
         if self.routed is not None:
             self.routed[meta.slot_mapping] = ids.to(self.routed.dtype)
-        return self.experts(x, ids, weights)
+        y = self.experts(x, ids, weights)
+        return y if self.reduce is None else self.reduce(y)
