@@ -561,10 +561,10 @@ class LLMEngine:
         if self.weights_update_group is not None:
             raise ValueError(f"weight-update group {self.weights_update_group.group_name!r} is already "
                              f"open; call destroy_weights_update_group() first")
-        args = (master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s, self.config.device)
-        self.runner.join_update_group(*args)  # tensor-parallel workers join at rank_offset + their rank meanwhile
-        self.weights_update_group = WeightsUpdateGroup(*args)
-        self.runner.joined()
+        # tensor-parallel workers join at rank_offset + their rank meanwhile
+        self.weights_update_group = self.runner.join_update_group(
+            WeightsUpdateGroup, master_address, master_port, rank_offset, world_size, group_name, backend, timeout_s,
+            self.config.device)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         weight_version: int | None = None, *, flush_cache: bool = True,
@@ -575,14 +575,9 @@ class LLMEngine:
         passed) closes the group and leaves the engine on its old weights."""
         check_update_options(in_flight, kv_on_update)
         prequantizer = self.prequantizer()
-        self.runner.receive_on_workers(names, dtypes, shapes)  # tensor-parallel workers receive beside rank 0
-        try:
-            received = self.receive_weights(names, dtypes, shapes, prequantizer)
-            report = self.update_weights(received, weight_version=weight_version, flush_cache=flush_cache,
-                                         in_flight=in_flight, kv_on_update=kv_on_update)
-        except BaseException:
-            self.runner.abort_worker_update()
-            raise
+        received = self.receive_weights(names, dtypes, shapes, prequantizer)
+        report = self.update_weights(received, weight_version=weight_version, flush_cache=flush_cache,
+                                     in_flight=in_flight, kv_on_update=kv_on_update)
         return self.received_report(report, names, prequantizer)
 
     def prequantizer(self) -> updater.Prequantizer | None:
@@ -611,8 +606,9 @@ class LLMEngine:
         group = self.weights_update_group
         if group is None:
             raise ValueError("no weight-update group: call init_weights_update_group() first")
-        try:
-            return group.receive(names, dtypes, shapes, prequantizer)
+        try:  # tensor-parallel workers receive their own copy beside rank 0 and stage it
+            return self.runner.receive_with_workers(functools.partial(group.receive, names, dtypes, shapes,
+                                                                      prequantizer), names, dtypes, shapes)
         except RuntimeError as exc:
             with contextlib.suppress(RuntimeError):
                 self.destroy_weights_update_group()
@@ -623,7 +619,6 @@ class LLMEngine:
         """Leave the weight-update group (nothing happens when there is none)."""
         group, self.weights_update_group = self.weights_update_group, None
         if group is not None:
-            self.runner.abort_worker_update()  # a received update the workers hold is dropped first
             group.destroy()
             self.runner.leave_update_group()
 

@@ -360,3 +360,33 @@ def test_options_it_cannot_honour_are_refused(options, message):
     from fp8engine import EngineConfig
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
+
+
+def test_a_cluster_replica_of_two_ranks_rolls_out_and_syncs_every_rank(tp2_dir):
+    """RolloutCluster: one replica of 2 ranks on 2 Ray CPUs (1 thread a rank), synced over the weight-update group
+    (world size 3: this process, the replica's rank 0 at 1, its worker at 2); float32 rollouts equal a local
+    T = 1 engine's before and after the sync."""
+    ray = pytest.importorskip("ray")
+    from fp8engine.rl import RolloutCluster
+    config = dict(model=tp2_dir, dtype="float32", num_kv_blocks=32)
+    local = make_engine(**config)
+    state = perturbed_state(tp2_dir, seed=9)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        from fp8engine import EngineConfig
+        cluster = RolloutCluster(EngineConfig(**config, tensor_parallel_size=2), num_replicas=1,
+                                 num_cpus_per_replica=2, sync_method="distributed")
+        try:
+            for step in range(2):
+                batch = cluster.rollout(PROMPTS, n=1, sampling_params=GREEDY)
+                expected = _tokens(local.generate(PROMPTS, GREEDY))
+                assert [row[mask.bool()].tolist() for row, mask in zip(batch.response_ids, batch.response_mask)] \
+                    == [t[0] for t in expected]
+                if step == 0:
+                    cluster.sync_weights(state, weight_version=1)
+                    local.update_weights(state)
+            assert cluster.get_stats().weight_version == 1
+        finally:
+            cluster.shutdown()
+    finally:
+        ray.shutdown()

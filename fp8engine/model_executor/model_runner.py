@@ -1,6 +1,7 @@
 """Model runner: builds the model and its paged KV cache, turns a schedule into a flat batch and runs it."""
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -47,6 +48,18 @@ class PromptLogits:
             yield i - start, self.model.compute_logits(self.hidden[i:min(stop, i + self.rows)]).float()
 
 
+def _exclusive(method):
+    """A runner method that talks to the tensor-parallel workers holds them for its whole length (engine methods
+    may come from several threads: a server's stats, a trainer's update)."""
+    @functools.wraps(method)
+    def held(self, *args, **kwargs):
+        if self.tp_leader is None:
+            return method(self, *args, **kwargs)
+        with self.tp_leader.lock:
+            return method(self, *args, **kwargs)
+    return held
+
+
 @dataclass(slots=True)
 class StepOutput:
     """Logits of the rows to sample (one per sampling sequence and one per draft token, in schedule order) and
@@ -75,7 +88,7 @@ class ModelRunner:
         self.tp = self.tp_leader.group if self.tp_leader is not None else tp
         # rank 0: the scheduler's live blocks (the engine sets it), which a KV-scale change re-quantizes on every rank
         self.live_blocks = list
-        self.workers_staged = False  # the workers received an update from a trainer's group and wait to commit it
+        self.worker_received: list[torch.Tensor] | None = None  # a received update's tensors, staged on the workers
         try:
             self._build(model_config)
         except BaseException:
@@ -146,6 +159,9 @@ class ModelRunner:
                             if isinstance(m, LoRA)}
         if self.device.type == "cuda":  # a prefill chunk's kernels compiled now, not in the first request
             self.forward_detached([0] * min(config.max_num_batched_tokens, 2 * self.block_size - 1))
+        # what each tag holds on the workers while awake (fixed from here on: get_stats reads it, with no round trip)
+        self.worker_bytes = {} if self.tp_leader is None else {
+            tag: sum(self.tp_leader.call("resident_bytes", tag)) for tag in ("weights", "kv_cache")}
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         self.graphs_off = cuda_graphs.unavailable_reason(config, self)
         if self.graphs_off is None:  # every decode bucket's kernels too: its graph captured on padding rows
@@ -300,6 +316,7 @@ class ModelRunner:
                              device=self.device)
         return self.routed_experts[slots].to(device="cpu", dtype=torch.int32)
 
+    @_exclusive
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies and self.tp_leader is not None:
             self.tp_leader.send("copy_blocks", copies)
@@ -324,64 +341,81 @@ class ModelRunner:
             return None
         return list(self.live_blocks())
 
+    @_exclusive
     def commit_weights(self, staged: updater.Staged) -> int:
-        """A validated update written on every rank or on none: the workers receive its tensors (broadcast), stage
-        their shards and answer before any rank writes; returns how many tensors rank 0 quantized."""
+        """A validated update written on every rank or on none: the workers stage their shards of its tensors (those
+        they received from the trainer beside rank 0: receive_with_workers, or else rank 0's, broadcast now) and
+        answer before any rank writes; returns how many tensors rank 0 quantized."""
         if self.tp_leader is not None:
-            if not self.workers_staged:
-                items = [(target.name, tensor.detach().contiguous()) for target, tensor, _ in staged.items]
-                self.tp_leader.send("stage", [(name, t.dtype, tuple(t.shape)) for name, t in items])
-                with self._following():
-                    for _, tensor in items:
-                        self.tp.broadcast(tensor.cpu())
-            self.workers_staged = False
-            with self._following():
-                refused = [(rank, err) for rank, err in enumerate(self.tp_leader.replies(), 1) if err is not None]
-            if refused:
-                self.tp_leader.send("abort")
-                rank, err = refused[0]
-                raise ValueError(f"tensor-parallel rank {rank} refused the update, nothing was written: {err}")
+            received, self.worker_received = self.worker_received, None
+            if received is None or len(received) != len(staged.items) or any(
+                    r is not tensor for r, (_, tensor, _) in zip(received, staged.items)):
+                if received is not None:  # what they received is not what commits: dropped
+                    self.tp_leader.send("abort")
+                self._stage_on_workers(staged)
             self.tp_leader.call("commit")
         return updater.commit(staged, self.kernels.quantize_into)
 
-    def join_update_group(self, *args) -> None:
-        """Every worker joins a trainer's weight-update group at rank_offset + its rank (args: WeightsUpdateGroup's,
-        rank_offset among them), while rank 0 joins it (at rank_offset) after this returns; `joined()` then waits for
-        their answers."""
-        if self.tp_leader is not None:
-            self.tp_leader.send("join_update_group", *args)
+    def _stage_on_workers(self, staged: updater.Staged) -> None:
+        items = [(target.name, tensor.detach().contiguous()) for target, tensor, _ in staged.items]
+        self.tp_leader.send("stage", [(name, t.dtype, tuple(t.shape)) for name, t in items])
+        with self._following():
+            for _, tensor in items:
+                self.tp.broadcast(tensor.cpu())
+            self._check_staged(self.tp_leader.replies())
 
-    def joined(self) -> None:
-        """RuntimeError naming a worker that could not join the weight-update group."""
-        if self.tp_leader is not None:
-            for rank, err in enumerate(self.tp_leader.replies(), 1):
-                if err is not None:
-                    raise RuntimeError(f"tensor-parallel rank {rank} could not join the weight-update group: {err}")
-
-    def receive_on_workers(self, names, dtypes, shapes) -> None:
-        """The workers receive an update the trainer broadcasts (as rank 0 does beside them) and stage their shards;
-        commit_weights then commits it on every rank or abort_worker_update drops it."""
-        if self.tp_leader is not None:
-            self.tp_leader.send("receive_update", names, dtypes, shapes)
-            self.workers_staged = True
-
-    def abort_worker_update(self) -> None:
-        if self.tp_leader is not None and self.workers_staged:
-            self.workers_staged = False
-            with self._following():
-                self.tp_leader.replies()
+    def _check_staged(self, errors: list[str | None]) -> None:
+        refused = [(rank, err) for rank, err in enumerate(errors, 1) if err is not None]
+        if refused:
             self.tp_leader.send("abort")
+            rank, err = refused[0]
+            raise ValueError(f"tensor-parallel rank {rank} refused the update, nothing was written: {err}")
 
+    @_exclusive
+    def join_update_group(self, join, *args):
+        """join(*args) (rank 0 joining a trainer's weight-update group: WeightsUpdateGroup's arguments, rank_offset
+        among them) while every worker joins it at rank_offset + its rank; returns what join returned, or raises
+        RuntimeError naming a worker that could not join."""
+        if self.tp_leader is None:
+            return join(*args)
+        self.tp_leader.send("join_update_group", *args)
+        group = join(*args)
+        for rank, err in enumerate(self.tp_leader.replies(), 1):
+            if err is not None:
+                group.destroy()
+                raise RuntimeError(f"tensor-parallel rank {rank} could not join the weight-update group: {err}")
+        return group
+
+    @_exclusive
+    def receive_with_workers(self, receive, names, dtypes, shapes) -> list[tuple[str, torch.Tensor]]:
+        """receive() (rank 0's copy of an update a trainer broadcasts) while every worker receives its own and stages
+        its shards; commit_weights of exactly these tensors then commits them on every rank, of any others drops
+        theirs. A worker that could not receive or stage fails it with the worker's reason."""
+        if self.tp_leader is None:
+            return receive()
+        self.tp_leader.send("receive_update", names, dtypes, shapes)
+        try:
+            received = receive()
+        finally:
+            with self._following():
+                errors = self.tp_leader.replies()
+        self._check_staged(errors)
+        self.worker_received = [tensor for _, tensor in received]
+        return received
+
+    @_exclusive
     def leave_update_group(self) -> None:
         if self.tp_leader is not None:
             self.tp_leader.call("leave_update_group")
 
+    @_exclusive
     def commit_lora(self, staged: lora.StagedAdapter) -> None:
         """A validated adapter (full A and B) written on every rank, each its slices."""
         if self.tp_leader is not None:
             self.tp_leader.call("commit_lora", staged)
         lora.commit_adapter(self.lora_layers, staged)
 
+    @_exclusive
     def reload_weights(self) -> None:
         """Every weight read again from the model directory (seeded random ones with load_format dummy), on every
         rank."""
@@ -392,6 +426,7 @@ class ModelRunner:
         else:
             load_checkpoint(self.model, self.model_dir, self.kernels.quantize_into, self.kernels.block_scales)
 
+    @_exclusive
     def read_weight(self, hf_name: str) -> torch.Tensor:
         """Weight hf_name in the model dtype and the HF shape (FP8 dequantized), gathered from every rank's slice."""
         target = resolve(self.model, hf_name)
@@ -405,6 +440,7 @@ class ModelRunner:
             out[(tp.rows or slice(None),) + ((tp.cols,) if tp.cols is not None else ())] = part
         return out
 
+    @_exclusive
     def sync_kv_scales(self) -> None:
         """The workers take rank 0's KV scales (set outside a forward: from a checkpoint, an update's external
         scales), their live KV re-quantized where a scale changed."""
@@ -427,9 +463,7 @@ class ModelRunner:
     def resident_bytes(self, tag: str) -> int:
         """Bytes the tag holds while awake, over every tensor-parallel rank: what sleep releases (on CPU the weights'
         whole pages of their mapping, the weights that could not move aside)."""
-        if self.tp_leader is not None:
-            return self._resident_bytes(tag) + sum(self.tp_leader.call("resident_bytes", tag))
-        return self._resident_bytes(tag)
+        return self._resident_bytes(tag) + self.worker_bytes.get(tag, 0)
 
     def _resident_bytes(self, tag: str) -> int:
         if tag == "kv_cache":
@@ -438,6 +472,7 @@ class ModelRunner:
             return self.home.weight_bytes
         return sum(t.untyped_storage().nbytes() for t in self.weight_tensors())
 
+    @_exclusive
     def release(self, tag: str, keep: bool, spill_dir: str | None = None) -> int:
         """Hands a tag's memory back ("weights" or "kv_cache"), keeping the weights' bytes first when keep (on CPU in
         a Spill under spill_dir, on CUDA in host memory); returns the bytes released. On CPU the addresses stay (the
@@ -465,6 +500,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return nbytes + sum(size for size, (_, derived) in zip(self.released_sizes[tag], tensors) if derived)
 
+    @_exclusive
     def restore(self, tag: str) -> None:
         """Takes a released tag's memory back: the bytes kept as they were, the rest zeros (as the kernel gives a
         released page back on CPU). What was kept stays kept until it is read back: a wake that fails can be tried
@@ -546,6 +582,7 @@ class ModelRunner:
         logger.info("profile forward of %d tokens: %.2f GiB of activations at the peak", n, activations / 2**30)
         return activations
 
+    @_exclusive
     @torch.inference_mode()
     def forward_detached(self, token_ids: list[int]) -> torch.Tensor:
         """One forward of token_ids as a lone sequence against a private KV cache (its final hidden states), for
@@ -570,6 +607,7 @@ class ModelRunner:
         finally:
             self._attach_cache(self.kv_cache, self.routed_experts)
 
+    @_exclusive
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:
         if self.graphs is not None and self.graphs.takes(scheduled):

@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from multiprocessing.connection import Connection
@@ -180,6 +181,7 @@ class Leader:
         self.conns: list[Connection] = []
         self.failed: str | None = None
         self.last_words: dict[int, str] = {}  # by rank: the traceback a dying worker sent
+        self.lock = threading.RLock()  # one caller at a time talks to the workers (model_runner's _exclusive)
         self._closer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
         port = free_port()
         threads = torch.get_num_threads()

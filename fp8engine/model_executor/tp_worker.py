@@ -108,10 +108,10 @@ class Worker:
     def receive_update(self, names, dtypes, shapes) -> str | None:
         """This rank's copy of what the trainer broadcasts to the group, staged against its shard: the error text
         if it fails (a transfer that fails closes the group)."""
+        self.staged = None
         try:
             received = self.update_group.receive(names, dtypes, shapes)
         except (RuntimeError, ValueError, AttributeError) as exc:
-            self.staged = None
             self.leave_update_group()
             return f"receive failed: {exc}"
         return self._stage(received)

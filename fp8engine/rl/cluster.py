@@ -135,8 +135,8 @@ class Replica:
     """
 
     def __init__(self, config: EngineConfig, num_threads: int | None = None):
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
+        if num_threads is not None:  # shared by the replica's tensor-parallel ranks (they take rank 0's count)
+            torch.set_num_threads(max(1, num_threads // config.tensor_parallel_size))
         self.rollouts = RolloutEngine(config)
         self.engine = self.rollouts.engine
         self.staged: list[tuple[str, torch.Tensor]] = []
@@ -266,7 +266,8 @@ class RolloutCluster:
 
     address: None starts a local Ray (or uses the one this process already joined); "auto" or
         "host:port" joins a running cluster (`ray start --head` on one node, `--address` on the rest).
-    num_cpus_per_replica: CPU threads (and Ray CPUs) of one replica on the CPU; default: the Ray
+    num_cpus_per_replica: CPU threads (and Ray CPUs) of one replica on the CPU, shared by its tensor-parallel ranks
+        (config.tensor_parallel_size, each rank a process of its own beside the replica's actor); default: the Ray
         cluster's CPUs / num_replicas, at least 1. On CUDA each replica takes one GPU.
     sync_method: "object_store" (each bucket put into Ray's object store once; the replicas on a
         node read it in place; the last sync's buckets stay there for add_replica) or
@@ -577,12 +578,13 @@ class RolloutCluster:
             return self._group
         ray = _ray()
         address = self.master_address or ray.util.get_node_ip_address()
-        port, world_size = dist_update.free_port(), len(members) + 1
+        ranks = self.config.tensor_parallel_size  # each replica's ranks join at its rank_offset + their rank
+        port, world_size = dist_update.free_port(), len(members) * ranks + 1
         name = f"fp8engine-cluster-{id(self):x}-{next(self._group_ids)}"
         backend = "nccl" if self.config.device == "cuda" else "gloo"
-        calls = [(m, m.actor.init_weights_update_group.remote(address, port, rank, world_size, name, backend,
+        calls = [(m, m.actor.init_weights_update_group.remote(address, port, 1 + i * ranks, world_size, name, backend,
                                                               self.timeout_s))
-                 for rank, m in enumerate(members, start=1)]
+                 for i, m in enumerate(members)]
         self._group = dist_update.init_process_group(address, port, 0, world_size, name, backend, self.timeout_s)
         for member, result in self._wait(calls):
             if isinstance(result, BaseException):
