@@ -3,10 +3,11 @@ same cores), on the bench's `--model qwen3-0.6b-shape` (Qwen3-0.6B's sizes, seed
 
 Per configuration, rounds alternating (each engine warmed up on every batch it is timed on): decode tok/s at each
 batch (random prompts of --input-len tokens, --output-len greedy tokens), the rl-short workload (32 chat prompts x 4
-samples x 128 tokens, temperature 1), the share of rank 0's time inside the row-parallel all-reduces, and one
+samples x 128 tokens, temperature 1; --rl-prompts / --rl-tokens shrink it), the share of rank 0's time inside the row-parallel all-reduces, and one
 update_weights of every weight (BF16, the model's shapes). Two T = 2 rows: partial sums added by gloo's all-reduce
 (library) and gathered and added in rank order (fixed: what batch_invariant uses), the same kernels otherwise, so
-their ratio is the fixed-order reduction's cost.
+their ratio is the fixed-order reduction's cost; and T = 1 on the Python decoder layers that the ranks run (T = 1
+runs them as one C++ call), which separates the all-reduces' cost from the Python layers'.
 
     python benchmarks/tensor_parallel.py [--quantization fp8] [--batches 1,32] [--rounds 2] [--json F]
 """
@@ -23,21 +24,22 @@ from transformers import AutoTokenizer
 from fp8engine import EngineConfig, LLMEngine, SamplingParams
 from fp8engine.bench import model_shapes
 from fp8engine.bench.throughput import machine_info, machine_words, prompt_ids, sampling_params
-from fp8engine.bench.workloads import WORKLOADS
+from fp8engine.bench.workloads import shaped
 from fp8engine.weights.loader import expected_names, resolve
 
 SHAPE = "qwen3-0.6b-shape"
-CONFIGS = {  # name: (tensor_parallel_size, threads of each rank, FP8ENGINE_TP_ALL_REDUCE)
-    "T=1": (1, 2, "auto"),
-    "T=2 library": (2, 1, "library"),
-    "T=2 fixed": (2, 1, "fixed"),
+CONFIGS = {  # name: (tensor_parallel_size, threads of each rank, FP8ENGINE_TP_ALL_REDUCE, FP8ENGINE_FUSED_DECODER)
+    "T=1": (1, 2, "auto", "1"),
+    "T=1 python": (1, 2, "auto", "0"),  # the Python decoder layers tensor-parallel ranks run (no C++ plan)
+    "T=2 library": (2, 1, "library", "1"),
+    "T=2 fixed": (2, 1, "fixed", "1"),
 }
 
 
 def build(name: str, quantization: str | None) -> LLMEngine:
-    size, threads, reduce = CONFIGS[name]
+    size, threads, reduce, plan = CONFIGS[name]
     torch.set_num_threads(threads)  # the workers take rank 0's count
-    os.environ["FP8ENGINE_TP_ALL_REDUCE"] = reduce
+    os.environ["FP8ENGINE_TP_ALL_REDUCE"], os.environ["FP8ENGINE_FUSED_DECODER"] = reduce, plan
     return LLMEngine(EngineConfig(model=model_shapes.shape_path(SHAPE), load_format="dummy", quantization=quantization,
                                   tensor_parallel_size=size, kv_cache_memory_bytes=1 << 30, max_num_seqs=128))
 
@@ -73,6 +75,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rl-prompts", type=int, default=32, help="rl-short's prompts (32: the workload's own)")
+    parser.add_argument("--rl-tokens", type=int, default=128, help="rl-short's tokens a sample (128: its own)")
     parser.add_argument("--json")
     args = parser.parse_args()
     quantization = None if args.quantization == "none" else args.quantization
@@ -81,7 +85,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     decode = {b: torch.randint(100, 40_000, (b, args.input_len), generator=gen).tolist() for b in batches}
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    rl = WORKLOADS["rl-short"]
+    rl = shaped("rl-short", num_prompts=args.rl_prompts, output_len=args.rl_tokens)
     rl_prompts = prompt_ids(rl, tokenizer)
     jobs = {f"decode b{b}": (decode[b], greedy) for b in batches} | {"rl-short": (rl_prompts, sampling_params(rl))}
     engines = {name: build(name, quantization) for name in CONFIGS}

@@ -274,6 +274,8 @@ def _sums(rank: int, port: int, size: int, out) -> None:
              for fn in (lambda t: library_sum(group, t), lambda t: fixed_order_sum(group, size, t))]
     if rank == 0:
         out.put(diffs)
+    torch.distributed.barrier(group=group)  # no rank leaves while another still talks to it
+    torch.distributed.destroy_process_group(group)
 
 
 def test_library_all_reduce_depends_on_the_batch_and_the_fixed_order_does_not():
@@ -390,3 +392,35 @@ def test_a_cluster_replica_of_two_ranks_rolls_out_and_syncs_every_rank(tp2_dir):
             cluster.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_the_server_runs_a_replica_of_two_ranks(fp32_pair, tp2_dir):
+    """`fp8engine serve --tensor-parallel-size 2`: its completions are the T = 1 engine's (float32), its metrics come
+    from rank 0 (no round trip to the workers), and stopping it stops its worker."""
+    import httpx
+    from fp8engine.bench.serve_load import server_process
+    flags = ["--model", tp2_dir, "--dtype", "float32", "--num-kv-blocks", "32", "--tensor-parallel-size", "2"]
+    expected = _tokens(fp32_pair[0].generate(PROMPTS[:2], GREEDY))
+    with server_process(flags) as (url, server):
+        workers = [p for p in _children(server.pid) if "tp_worker" in _cmdline(p)]
+        assert len(workers) == 1
+        for prompt, tokens in zip(PROMPTS[:2], expected):
+            body = httpx.post(f"{url}/v1/completions", json={"model": "default", "prompt": prompt, "max_tokens": 10,
+                                                              "temperature": 0.0, "return_token_ids": True},
+                              timeout=120).json()
+            assert body["choices"][0]["token_ids"] == tokens[0]
+        assert "fp8engine_num_preemptions_total" in httpx.get(f"{url}/metrics", timeout=60).text
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(workers[0]):
+        time.sleep(0.1)
+    assert not _alive(workers[0])
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
