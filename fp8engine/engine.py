@@ -28,7 +28,7 @@ from fp8engine.structured import GrammarCompiler
 from fp8engine.weights import lora, tensor_handles, updater
 from fp8engine.weights.default_model import default_model_path
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup
-from fp8engine.weights.loader import expected_names, read_kv_scales
+from fp8engine.weights.loader import read_kv_scales
 
 logger = logging.getLogger(__name__)
 
@@ -485,7 +485,7 @@ class LLMEngine:
             self.runner.restore(tag)
             restored += self.runner.resident_bytes(tag)
             if tag == "weights" and self.sleeping[tag] == 2:
-                self.weights_missing = set(expected_names(self.runner.model))
+                self.weights_missing = set(self.runner.weight_names)
             del self.sleeping[tag]
         if todo and not self.sleeping:
             self.runner.recapture_graphs()
@@ -507,7 +507,7 @@ class LLMEngine:
         _, num_aborted, _ = self._apply_update(self.runner.reload_weights, {}, weight_version, True, in_flight, "keep",
                                                start)
         self.weights_missing = set()
-        names = expected_names(self.runner.model)
+        names = self.runner.weight_names
         return WeightUpdateReport(len(names), 0, self.last_weight_update_seconds, 0, self.weight_version, num_aborted)
 
     def _check_weights_awake(self, what: str) -> None:

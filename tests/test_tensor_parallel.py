@@ -162,6 +162,14 @@ def test_moe_experts_whole_on_each_rank(tmp_path, tokenizer):
     try:
         for name in ("model.layers.1.mlp.experts.15.down_proj.weight", "model.layers.2.mlp.experts.3.gate_proj.weight"):
             assert torch.equal(fp8[1].get_weights_by_name(name), fp8[0].get_weights_by_name(name))
+        # rank 0 does not hold expert 15, so rank 1 refuses its NaN: the update fails, the group goes on
+        name = "model.layers.1.mlp.experts.15.down_proj.weight"
+        bad = torch.full(fp8[0].get_weights_by_name(name).shape, float("nan"), dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=f"rank 1 refused the update, nothing was written: weight '{name}'.*NaN"):
+            fp8[1].update_weights({name: bad, "model.norm.weight": torch.ones(TP2_SHAPE["hidden_size"])})
+        assert torch.equal(fp8[1].get_weights_by_name(name), fp8[0].get_weights_by_name(name))
+        assert len(fp8[1].runner.weight_names) == len(fp8[0].runner.weight_names)  # every rank's experts
+        assert fp8[1].generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
     finally:
         fp8[1].shutdown()
 
@@ -232,6 +240,11 @@ def test_every_rank_joins_the_trainers_group_and_receives_its_broadcast(fp8_pair
         trainer.communicate(timeout=30)
     two.update_weights(state)
     assert all(torch.equal(r, two.get_weights_by_name(n)) for r, n in zip(received, names))
+    # a join that fails on rank 0 (and on its worker) leaves every answer read: the next calls get their own
+    with pytest.raises(ValueError, match="backend must be one of"):
+        two.init_weights_update_group("127.0.0.1", free_port(), rank_offset=1, world_size=3, backend="bogus")
+    assert torch.equal(two.get_weights_by_name(names[0]), received[0])
+    assert two.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
 
 
 def test_sleep_and_wake_on_every_rank(fp8_pair):

@@ -13,18 +13,16 @@ from fp8engine.envs import cache_root
 from fp8engine.weights.default_model import default_model_path
 
 SHAPES = {  # name -> (transformers config class, its sizes)
-    "qwen3.5-2b-shape": ("Qwen3_5TextConfig", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
-                             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-                             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                             max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                             rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0,
-                                                  partial_rotary_factor=0.25),
-                                             architectures=["Qwen3_5ForCausalLM"])),
-    "qwen3-0.6b-shape": ("Qwen3Config", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                             num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                                             max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                                             rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0),
-                                             architectures=["Qwen3ForCausalLM"])),
+    "qwen3.5-2b-shape": ("Qwen3_5TextConfig", dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=True,
+        rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
+        architectures=["Qwen3_5ForCausalLM"])),
+    "qwen3-0.6b-shape": ("Qwen3Config", dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0), architectures=["Qwen3ForCausalLM"])),
 }
 
 

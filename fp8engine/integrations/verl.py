@@ -267,8 +267,7 @@ class FP8EngineServer:
 
     async def expected_weight_names(self) -> list[str]:
         """Every weight name an update must cover (a tied LM head is not among them: it is the embedding)."""
-        from fp8engine.weights.loader import expected_names
-        return await self.engine.call(lambda engine: expected_names(engine.runner.model))
+        return await self.engine.call(lambda engine: list(engine.runner.weight_names))
 
     async def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(await self.engine.stats())

@@ -24,12 +24,13 @@ from fp8engine.model_executor.models.llama import LinearFactory
 from fp8engine.request import ScheduledSeq, Sequence
 from fp8engine.weights import layout
 from fp8engine.weights import lora, updater
-from fp8engine.weights.loader import load_checkpoint, load_dummy, read, resolve
+from fp8engine.weights.loader import expected_names, load_checkpoint, load_dummy, read, resolve
 from fp8engine.weights.quant import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
 
+SHUTDOWN_WAIT_S = 10.0
 PROMPT_LOGITS_BYTES = 256 << 20  # float32 logits computed at once for prompt logprobs and scoring
 
 
@@ -162,6 +163,11 @@ class ModelRunner:
         # what each tag holds on the workers while awake (fixed from here on: get_stats reads it, with no round trip)
         self.worker_bytes = {} if self.tp_leader is None else {
             tag: sum(self.tp_leader.call("resident_bytes", tag)) for tag in ("weights", "kv_cache")}
+        # the HF names of every weight the replica holds (with expert parallelism each rank holds some experts)
+        self.weight_names = expected_names(self.model)
+        if self.tp_leader is not None:
+            mine = set(self.weight_names)
+            self.weight_names += [n for names in self.tp_leader.call("weight_names") for n in names if n not in mine]
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         self.graphs_off = cuda_graphs.unavailable_reason(config, self)
         if self.graphs_off is None:  # every decode bucket's kernels too: its graph captured on padding rows
@@ -362,14 +368,20 @@ class ModelRunner:
         with self._following():
             for _, tensor in items:
                 self.tp.broadcast(tensor.cpu())
-            self._check_staged(self.tp_leader.replies())
+            errors = self.tp_leader.replies()
+        self._check_staged(errors)  # a refusal is the update's failure, not the group's
 
-    def _check_staged(self, errors: list[str | None]) -> None:
-        refused = [(rank, err) for rank, err in enumerate(errors, 1) if err is not None]
-        if refused:
+    def _check_staged(self, errors: list[tuple[str, str] | None]) -> None:
+        """errors: each worker's (what failed: "transfer" or "stage", why) or None. A transfer that failed is a
+        RuntimeError (the engine closes its weight-update group, as for its own), a refused tensor a ValueError;
+        either way every worker drops what it staged."""
+        failed = [(rank, err) for rank, err in enumerate(errors, 1) if err is not None]
+        if failed:
             self.tp_leader.send("abort")
-            rank, err = refused[0]
-            raise ValueError(f"tensor-parallel rank {rank} refused the update, nothing was written: {err}")
+            rank, (what, why) = failed[0]
+            if what == "transfer":
+                raise RuntimeError(f"tensor-parallel rank {rank} could not receive the update: {why}")
+            raise ValueError(f"tensor-parallel rank {rank} refused the update, nothing was written: {why}")
 
     @_exclusive
     def join_update_group(self, join, *args):
@@ -379,11 +391,19 @@ class ModelRunner:
         if self.tp_leader is None:
             return join(*args)
         self.tp_leader.send("join_update_group", *args)
-        group = join(*args)
-        for rank, err in enumerate(self.tp_leader.replies(), 1):
-            if err is not None:
-                group.destroy()
-                raise RuntimeError(f"tensor-parallel rank {rank} could not join the weight-update group: {err}")
+        group = None
+        try:
+            group = join(*args)
+        finally:  # every worker's answer is read, whatever rank 0's join did
+            with self._following():
+                errors = [(rank, err) for rank, err in enumerate(self.tp_leader.replies(), 1) if err is not None]
+            if errors or group is None:  # the workers that joined leave again
+                self.tp_leader.call("leave_update_group")
+                if group is not None:
+                    group.destroy()
+        if errors:
+            rank, err = errors[0]
+            raise RuntimeError(f"tensor-parallel rank {rank} could not join the weight-update group: {err}")
         return group
 
     @_exclusive
@@ -393,6 +413,7 @@ class ModelRunner:
         theirs. A worker that could not receive or stage fails it with the worker's reason."""
         if self.tp_leader is None:
             return receive()
+        self.worker_received = None
         self.tp_leader.send("receive_update", names, dtypes, shapes)
         try:
             received = receive()
@@ -449,9 +470,15 @@ class ModelRunner:
             self.tp_leader.send("kv_scales_set", scales, list(self.live_blocks()))
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel workers (nothing to do at one rank); the runner cannot step after."""
+        """Stops the tensor-parallel workers (nothing to do at one rank); the runner cannot step after. Waits up to
+        SHUTDOWN_WAIT_S for a call in progress on another thread."""
         if self.tp_leader is not None:
-            self.tp_leader.close()
+            held = self.tp_leader.lock.acquire(timeout=SHUTDOWN_WAIT_S)
+            try:
+                self.tp_leader.close()
+            finally:
+                if held:
+                    self.tp_leader.lock.release()
 
     # ------------------------------------------------------------------ sleep
     def weight_tensors(self) -> list[torch.Tensor]:
@@ -479,8 +506,6 @@ class ModelRunner:
         pages read as zeros until restored); on CUDA the storages shrink to nothing and the decode graphs, which
         hold their addresses, are dropped (captured again by restore)."""
         nbytes = self.resident_bytes(tag)
-        if self.tp_leader is not None:
-            self.tp_leader.call("release", tag, keep, spill_dir)
         if self.device.type == "cpu":
             if tag == "kv_cache":
                 for home in self.kv_homes:
@@ -490,6 +515,8 @@ class ModelRunner:
                 if keep:
                     self.kept[tag] = host_memory.Spill(region, spill_dir)
                 self.home.mapping.release(self.home.weight_bytes)
+            if self.tp_leader is not None:  # after rank 0's own (its spill may fail: then no rank released)
+                self.tp_leader.call("release", tag, keep, spill_dir)
             return nbytes
         self.graphs = None
         tensors = self._tag_tensors(tag)
@@ -589,6 +616,10 @@ class ModelRunner:
         calibration and the start-up profile: the engine's cache and the scheduler's blocks are untouched."""
         if self.tp_leader is not None:
             self.tp_leader.send("forward_detached", token_ids, self._calibration())
+        with self._following():
+            return self._forward_detached(token_ids)
+
+    def _forward_detached(self, token_ids: list[int]) -> torch.Tensor:
         n, bs, first = len(token_ids), self.block_size, self.attn_layers[0]
         num_blocks = -(-n // bs)
         scratch = torch.zeros(2, num_blocks, bs, first.num_kv_heads, first.head_dim, dtype=self.kv_dtype,
@@ -601,9 +632,8 @@ class ModelRunner:
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None])
         try:
             self._attach_cache(scratch, None)  # one scratch cache shared by every layer, one after the other
-            with self._following():
-                return self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
-                                  torch.arange(n, dtype=torch.int64, device=dev), meta)
+            return self.model(torch.tensor(token_ids, dtype=torch.int64, device=dev),
+                              torch.arange(n, dtype=torch.int64, device=dev), meta)
         finally:
             self._attach_cache(self.kv_cache, self.routed_experts)
 
@@ -617,8 +647,8 @@ class ModelRunner:
         flat, prompt_rows = self._flatten(scheduled)
         if self.tp_leader is not None:
             self.tp_leader.send("execute", flat, self._calibration())
-        input_ids, positions, meta, sample_rows = self._tensors(flat)
         with self._following():
+            input_ids, positions, meta, sample_rows = self._tensors(flat)
             hidden = self.model(input_ids, positions, meta)
         logits = None
         if len(sample_rows):  # every row of a decode step samples: its hidden states as they are

@@ -240,9 +240,13 @@ class Leader:
         a broken socket, rank 0's own error) ends the group, and the RuntimeError says which rank and why."""
         try:
             yield
-        except Exception as exc:
+        except BaseException as exc:
             if self.failed is not None:
                 raise RuntimeError(self.failed) from exc
+            if not isinstance(exc, Exception):  # an interrupt: the ranks are out of step, the group ends
+                self.failed = f"tensor-parallel group stopped by {type(exc).__name__} on rank 0"
+                self.close()
+                raise
             self._fail(exc)
 
     def _fail(self, exc: Exception | None) -> None:

@@ -22,7 +22,7 @@ from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.model_executor.tensor_parallel import TPGroup, fixed_order, group_name, post, receive
 from fp8engine.weights import lora, updater
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup, init_process_group
-from fp8engine.weights.loader import load_checkpoint, load_dummy, read, resolve
+from fp8engine.weights.loader import expected_names, load_checkpoint, load_dummy, read, resolve
 
 
 class Worker:
@@ -78,7 +78,7 @@ class Worker:
     def restore(self, tag: str) -> None:
         self.runner.restore(tag)
 
-    def stage(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> str | None:
+    def stage(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[str, str] | None:
         """Receives an update's tensors (rank 0 broadcasts them in order) and validates them against this shard;
         the error text if they do not pass (nothing is written until commit)."""
         received = []
@@ -88,12 +88,12 @@ class Worker:
             received.append((name, tensor))
         return self._stage(received)
 
-    def _stage(self, received: list) -> str | None:
+    def _stage(self, received: list) -> tuple[str, str] | None:
         try:
             self.staged = updater.stage(self.runner.model, received, self.kv_scales)
         except ValueError as exc:
             self.staged = None
-            return str(exc)
+            return "stage", str(exc)
         return None
 
     def join_update_group(self, address: str, port: int, rank_offset: int, world_size: int, group_name: str,
@@ -105,15 +105,19 @@ class Worker:
             return str(exc)
         return None
 
-    def receive_update(self, names, dtypes, shapes) -> str | None:
-        """This rank's copy of what the trainer broadcasts to the group, staged against its shard: the error text
-        if it fails (a transfer that fails closes the group)."""
+    def receive_update(self, names, dtypes, shapes) -> tuple[str, str] | None:
+        """This rank's copy of what the trainer broadcasts to the group, staged against its shard; (what failed,
+        why) if it did not pass: a transfer that fails closes the group, as rank 0's does."""
         self.staged = None
+        if self.update_group is None:
+            return "transfer", "this rank is in no weight-update group"
         try:
             received = self.update_group.receive(names, dtypes, shapes)
-        except (RuntimeError, ValueError, AttributeError) as exc:
+        except RuntimeError as exc:
             self.leave_update_group()
-            return f"receive failed: {exc}"
+            return "transfer", str(exc)
+        except ValueError as exc:
+            return "stage", str(exc)
         return self._stage(received)
 
     def leave_update_group(self) -> None:
@@ -139,13 +143,16 @@ class Worker:
         else:
             load_checkpoint(runner.model, runner.model_dir, runner.kernels.quantize_into, runner.kernels.block_scales)
 
+    def weight_names(self) -> list[str]:
+        return expected_names(self.runner.model)
+
     def read(self, hf_name: str):
         target = resolve(self.runner.model, hf_name)
         return target.tp, None if target.kind == "elsewhere" else read(target, self.runner.dtype)
 
 
 REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "join_update_group", "receive_update",
-                     "leave_update_group", "commit_lora", "commit", "reload", "read"})
+                     "leave_update_group", "commit_lora", "weight_names", "commit", "reload", "read"})
 
 
 def _watch_parent() -> None:

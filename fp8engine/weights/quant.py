@@ -74,7 +74,8 @@ def quantize_weight_into(w: torch.Tensor, out_q: torch.Tensor, out_scale: torch.
 
 
 def dequantize_weight_blockwise(w_q: torch.Tensor, scale_inv: torch.Tensor,
-                                dtype: torch.dtype = torch.float32, block: int = BLOCK, row_phase: int = 0) -> torch.Tensor:
+                                dtype: torch.dtype = torch.float32, block: int = BLOCK,
+                                row_phase: int = 0) -> torch.Tensor:
     """W_q * its block scales; row_phase: W_q's first row sits that many rows into its first block (a tensor-parallel
     rank's slice of a weight, layers/linear.py)."""
     n, k = w_q.shape

@@ -28,7 +28,7 @@ class LoRA(nn.Module):
         self.register_buffer("lora_b", torch.zeros(width, sum(self.shard_sizes), dtype=dtype), persistent=False)
         self.lora_add = kernels.lora_add
         self.ranks = [0] * len(self.shard_sizes)  # the rank each shard's adapter has (0: none); the rest is zeros
-        # tensor parallelism (Linear.shard_for_tp): where this rank's output rows and input columns sit in the full layer
+        # tensor parallelism (Linear.shard_for_tp): where this rank's output rows and input columns sit in the layer
         self.tp_rows: list[tuple[int, int]] | None = None
         self.tp_cols: tuple[int, int] | None = None
         # per shard (j0, j1, o0, o1): rows j0:j1 of A and B (its rank's) feed output columns o0:o1; the kernel skips

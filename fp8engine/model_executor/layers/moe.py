@@ -106,7 +106,8 @@ class FusedMoE(nn.Module):
         full = (self.num_experts, *stacked.shape[1:])
         if not self.is_fp8:
             local = slice(self.first, self.first + self.num_local)
-            return Target(name, "dense", stacked.data, tp=None if full == tuple(stacked.shape) else TPSlice(full, local))
+            tp = None if full == tuple(stacked.shape) else TPSlice(full, local)
+            return Target(name, "dense", stacked.data, tp=tp)
         prefix = name.removesuffix(attr)
         projs = ("down_proj",) if attr == "down_proj" else ("gate_proj", "up_proj")
         i = self.intermediate_size
