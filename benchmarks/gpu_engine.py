@@ -144,7 +144,7 @@ def check_batch_invariance(model: str, device: str, vocab: int, kv_blocks: int, 
     return _check(f"batch_invariance_{quantization or 'bf16'}", same, batch=batch)
 
 
-def _adapter(shape: dict, rank: int, seed: int) -> dict[str, torch.Tensor]:
+def random_adapter(shape: dict, rank: int, seed: int) -> dict[str, torch.Tensor]:
     """A PEFT-named rank-`rank` adapter of random A and B on every projection of layers 0 and 1."""
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
     hidden, inter = shape["hidden_size"], shape["intermediate_size"]
@@ -164,7 +164,7 @@ def _adapter(shape: dict, rank: int, seed: int) -> dict[str, torch.Tensor]:
 def check_lora(model: str, device: str, cpu_device, shape: dict, kv_blocks: int, batch: int, tokens: int) -> dict:
     """An unmerged rank-8 adapter: float32 logprobs against the CPU engine with the same adapter; on an FP8
     batch-invariant engine the base's bytes unchanged by the update and a request alone vs in a batch bitwise."""
-    vocab, lora, scaling = shape["vocab_size"], _adapter(shape, 8, 12), 2.0
+    vocab, lora, scaling = shape["vocab_size"], random_adapter(shape, 8, 12), 2.0
     prompts, responses = _prompts(4, 24, vocab, 13), _prompts(4, 12, vocab, 14)
     raw = SamplingParams(temperature=1.0, logprobs_mode="raw")
     options = dict(model=model, dtype="float32", num_kv_blocks=kv_blocks, max_lora_rank=8)

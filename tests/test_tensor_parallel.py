@@ -18,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
+from benchmarks.gpu_engine import random_adapter
 from checkpoints import perturbed_state, write_checkpoint
 from conftest import make_engine
 from fp8engine import SamplingParams
@@ -104,21 +105,6 @@ def test_row_parallel_biases_are_added_once(tmp_path, tokenizer):
         engines[1].shutdown()
 
 
-def _adapter(rank: int, seed: int) -> dict[str, torch.Tensor]:
-    """A PEFT-named adapter on every q/k/v/o and gate/up/down projection of the TP2_SHAPE model."""
-    hidden, inter, kv = TP2_SHAPE["hidden_size"], TP2_SHAPE["intermediate_size"], 128
-    shapes = {"self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (hidden, kv), "self_attn.v_proj": (hidden, kv),
-              "self_attn.o_proj": (hidden, hidden), "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
-              "mlp.down_proj": (inter, hidden)}
-    g, out = torch.Generator().manual_seed(seed), {}
-    for layer in (0, 1):
-        for module, (k, n) in shapes.items():
-            prefix = f"base_model.model.model.layers.{layer}.{module}"
-            out[f"{prefix}.lora_A.weight"] = torch.randn(rank, k, generator=g) * 0.08
-            out[f"{prefix}.lora_B.weight"] = torch.randn(n, rank, generator=g) * 0.08
-    return out
-
-
 def test_lora_on_column_and_row_parallel_layers(tp2_dir):
     """A's columns split on o_proj and down_proj (the adapter's part of the partial sums), B's rows on q/k/v and
     gate/up; float32 T = 2 equals T = 1, and a second, smaller adapter replaces the first on every rank."""
@@ -129,7 +115,7 @@ def test_lora_on_column_and_row_parallel_layers(tp2_dir):
         for rank, seed in ((8, 1), (4, 2)):
             outs = []
             for e in engines:
-                e.update_lora(_adapter(rank, seed), scaling=2.0)
+                e.update_lora(random_adapter(dict(TP2_SHAPE, head_dim=64), rank, seed), scaling=2.0)
                 outs.append(e.generate(PROMPTS, GREEDY))
             assert _tokens(outs[0]) == _tokens(outs[1])
             for a, b, plain in zip(*outs, base):
