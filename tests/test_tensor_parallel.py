@@ -22,7 +22,7 @@ from benchmarks.gpu_engine import random_adapter
 from checkpoints import perturbed_state, write_checkpoint
 from conftest import make_engine
 from fp8engine import SamplingParams
-from fp8engine.model_executor.tensor_parallel import fixed_order_sum, library_sum
+from fp8engine.model_executor.tensor_parallel import fixed_order_sum, library_sum, oversubscribed
 from fp8engine.weights.dist_update import free_port, init_process_group, tensor_specs
 from tiny_models import save_tiny
 
@@ -351,6 +351,14 @@ def _alive(pid: int) -> bool:
 def test_a_shape_the_ranks_cannot_split_names_the_layer(options, message):
     with pytest.raises(ValueError, match=message):
         make_engine(**options)
+
+
+def test_ranks_that_would_share_cores_are_told_how_many_threads_to_take():
+    assert oversubscribed(1, 2, cores=2) is None
+    assert oversubscribed(2, 2, cores=2) == ("tensor_parallel_size=2: 2 ranks x 2 threads on 2 cores; ranks that share "
+                                             "cores stall each other in every all-reduce: torch.set_num_threads(1) "
+                                             "before the engine starts gives each rank its own (the workers take "
+                                             "rank 0's count)")
 
 
 @pytest.mark.parametrize("options, message", [

@@ -23,6 +23,8 @@ its sums change with the batch (library_sum).
 
 import contextlib
 import copy
+import logging
+import os
 import pickle
 import signal
 import socket
@@ -45,6 +47,7 @@ from fp8engine.weights.quant import BLOCK
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # full-attention models: the ones sharded so far
 READY_TIMEOUT_S = 120.0  # a worker's start (interpreter, torch, fp8engine) before it joins the group
 DEATH_WAIT_S = 5.0  # after a failed collective, how long rank 0 waits for a worker's exit status
+logger = logging.getLogger(__name__)
 
 
 def group_name(port: int) -> str:
@@ -184,7 +187,9 @@ class Leader:
         self.lock = threading.RLock()  # one caller at a time talks to the workers (model_runner's _exclusive)
         self._closer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
         port = free_port()
-        threads = torch.get_num_threads()
+        threads = torch.get_num_threads()  # every rank's
+        if (warning := oversubscribed(threads, self.size)) is not None:
+            logger.warning("%s", warning)
         for rank in range(1, self.size):
             mine, theirs = socket.socketpair()
             self.procs.append(subprocess.Popen(
@@ -279,6 +284,16 @@ class Leader:
         if group is not None:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(group.group)
+
+
+def oversubscribed(threads: int, size: int, cores: int | None = None) -> str | None:
+    """What to tell a replica whose size ranks of `threads` threads each want more cores than this process may use."""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    if threads * size <= cores:
+        return None
+    return (f"tensor_parallel_size={size}: {size} ranks x {threads} threads on {cores} cores; ranks that share cores "
+            f"stall each other in every all-reduce: torch.set_num_threads({max(1, cores // size)}) before the engine "
+            f"starts gives each rank its own (the workers take rank 0's count)")
 
 
 def post(conn: Connection, message) -> None:
