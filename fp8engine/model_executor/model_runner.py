@@ -363,11 +363,17 @@ class ModelRunner:
         return updater.commit(staged, self.kernels.quantize_into)
 
     def _stage_on_workers(self, staged: updater.Staged) -> None:
-        items = [(target.name, tensor.detach().contiguous()) for target, tensor, _ in staged.items]
-        self.tp_leader.send("stage", [(name, t.dtype, tuple(t.shape)) for name, t in items])
+        """Each worker is sent the parts of the update's tensors it writes (its rows and columns; at T ranks about
+        1 / T of a sharded weight), then stages them."""
+        tensors = [tensor.detach() for _, tensor, _ in staged.items]
+        specs = [(target.name, t.dtype, tuple(t.shape)) for (target, _, _), t in zip(staged.items, tensors)]
         with self._following():
-            for _, tensor in items:
-                self.tp.broadcast(tensor.cpu())
+            plans = self.tp_leader.call("plan_update", specs)
+            self.tp_leader.send("stage")
+            for rank, plan in enumerate(plans, 1):
+                for tensor, region in zip(tensors, plan):
+                    if region is not None:
+                        self.tp.send(tensor_parallel.cut(tensor, region).contiguous().cpu(), rank)
             errors = self.tp_leader.replies()
         self._check_staged(errors)  # a refusal is the update's failure, not the group's
 

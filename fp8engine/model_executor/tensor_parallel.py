@@ -23,6 +23,7 @@ its sums change with the batch (library_sum).
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import pickle
@@ -42,7 +43,8 @@ from fp8engine import envs
 from fp8engine.config import EngineConfig
 from fp8engine.model_executor.models.llama import head_dim
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, free_port, init_process_group
-from fp8engine.weights.quant import BLOCK
+from fp8engine.weights.loader import SKIPPED_KINDS, Target, TPSlice
+from fp8engine.weights.quant import BLOCK, FP8_DTYPE
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # full-attention models: the ones sharded so far
 READY_TIMEOUT_S = 120.0  # a worker's start (interpreter, torch, fp8engine) before it joins the group
@@ -169,7 +171,51 @@ class TPGroup:
 
     def broadcast(self, t: torch.Tensor) -> None:
         """t from rank 0 into every rank's t (1-byte dtypes as bytes)."""
-        dist.broadcast(t.view(torch.uint8) if t.dtype.itemsize == 1 else t, src=0, group=self.group)
+        dist.broadcast(_wire(t), src=0, group=self.group)
+
+    def send(self, t: torch.Tensor, rank: int) -> None:
+        dist.send(_wire(t), dst=rank, group=self.group)
+
+    def recv(self, t: torch.Tensor) -> None:
+        """t from rank 0 (what its send to this rank holds)."""
+        dist.recv(_wire(t), src=0, group=self.group)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+# ------------------------------------------------------------------------------------------------ update slices
+Region = tuple[slice | None, slice | None] | str | None  # (rows, columns) of a full tensor; "all"; None: nothing
+
+
+def update_region(target: Target, dtype: torch.dtype) -> Region:
+    """The part of an update's full tensor (of `dtype`) that a rank's write of `target` reads: its rows and columns
+    (a float weight bound for FP8: the whole 128-row blocks they sit in, which it quantizes), the whole tensor for a
+    target that is not a slice (or is an expert-parallel stacked one), None for another rank's."""
+    if target.kind in SKIPPED_KINDS:
+        return None
+    if target.tp is None or target.kind == "split":
+        return "all"
+    rows = target.tp.block_rows() if target.kind == "fp8_weight" and dtype != FP8_DTYPE else target.tp.rows
+    return rows, target.tp.cols
+
+
+def cut(tensor: torch.Tensor, region: Region) -> torch.Tensor:
+    """A region of a full tensor (a view)."""
+    if region == "all":
+        return tensor
+    rows, cols = region
+    tensor = tensor if rows is None else tensor[rows]
+    return tensor if cols is None else tensor[:, cols]
+
+
+def region_target(target: Target, region: Region, shape: tuple[int, ...]) -> Target:
+    """The target as the writer of a region (of `shape`) sees it: its TPSlice counted from the region's first row."""
+    rows = region[0]
+    inner = None if rows is None or target.tp.rows is None else slice(target.tp.rows.start - rows.start,
+                                                                      target.tp.rows.stop - rows.start)
+    return dataclasses.replace(target, tp=TPSlice(tuple(shape), inner))
 
 
 # ------------------------------------------------------------------------------------------------ rank 0

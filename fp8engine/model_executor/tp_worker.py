@@ -19,6 +19,7 @@ import torch
 
 from fp8engine.kvcache.kv_scales import KVScaleManager
 from fp8engine.model_executor.model_runner import ModelRunner
+from fp8engine.model_executor import tensor_parallel
 from fp8engine.model_executor.tensor_parallel import TPGroup, fixed_order, group_name, post, receive
 from fp8engine.weights import lora, updater
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup, init_process_group
@@ -34,6 +35,7 @@ class Worker:
         self.kv_scales.reduce_amax = runner.tp.all_reduce_max
         self.kv_scales.rescale = lambda layer, old, new: runner.rescale_kv(layer, self.live, old, new)
         self.staged: updater.Staged | None = None
+        self.plan: list = []  # an update's (target, dtype, shape, region) per tensor, between plan_update and stage
         self.update_group: WeightsUpdateGroup | None = None
 
     def loop(self) -> None:
@@ -78,15 +80,34 @@ class Worker:
     def restore(self, tag: str) -> None:
         self.runner.restore(tag)
 
-    def stage(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[str, str] | None:
-        """Receives an update's tensors (rank 0 broadcasts them in order) and validates them against this shard;
-        the error text if they do not pass (nothing is written until commit)."""
-        received = []
-        for name, dtype, shape in specs:
-            tensor = torch.empty(shape, dtype=dtype)
-            self.runner.tp.broadcast(tensor)
-            received.append((name, tensor))
-        return self._stage(received)
+    def plan_update(self, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> list:
+        """For each (name, dtype, shape) of an update rank 0 validated: the part of it this rank writes
+        (tensor_parallel.update_region), which rank 0 then sends (stage)."""
+        targets = [resolve(self.runner.model, name) for name, _, _ in specs]
+        self.plan = [(target, dtype, shape, tensor_parallel.update_region(target, dtype))
+                     for target, (_, dtype, shape) in zip(targets, specs)]
+        return [region for *_, region in self.plan]
+
+    def stage(self) -> tuple[str, str] | None:
+        """Receives the parts plan_update named, in order; whole tensors are validated as at one rank (an expert only
+        this rank holds), parts were validated whole by rank 0. (what failed, why) if they do not pass; nothing is
+        written until commit."""
+        whole, parts = [], []
+        for target, dtype, shape, region in self.plan:
+            if region is None:
+                continue
+            part_shape = tensor_parallel.cut(torch.empty(shape, device="meta"), region).shape
+            tensor = torch.empty(part_shape, dtype=dtype)
+            self.runner.tp.recv(tensor)
+            if region == "all":
+                whole.append((target.name, tensor))
+            else:
+                parts.append((tensor_parallel.region_target(target, region, part_shape), tensor, None))
+        self.plan = []
+        error = self._stage(whole)
+        if error is None:
+            self.staged.items += parts
+        return error
 
     def _stage(self, received: list) -> tuple[str, str] | None:
         try:
@@ -151,7 +172,7 @@ class Worker:
         return target.tp, None if target.kind == "elsewhere" else read(target, self.runner.dtype)
 
 
-REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "join_update_group", "receive_update",
+REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "plan_update", "join_update_group", "receive_update",
                      "leave_update_group", "commit_lora", "weight_names", "commit", "reload", "read"})
 
 
