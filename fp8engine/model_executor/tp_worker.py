@@ -172,8 +172,8 @@ class Worker:
         return target.tp, None if target.kind == "elsewhere" else read(target, self.runner.dtype)
 
 
-REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "plan_update", "join_update_group", "receive_update",
-                     "leave_update_group", "commit_lora", "weight_names", "commit", "reload", "read"})
+REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "plan_update", "join_update_group",
+                     "receive_update", "leave_update_group", "commit_lora", "weight_names", "commit", "reload", "read"})
 
 
 def _watch_parent() -> None:
