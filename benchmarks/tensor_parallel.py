@@ -10,6 +10,7 @@ their ratio is the fixed-order reduction's cost; and T = 1 on the Python decoder
 runs them as one C++ call), which separates the all-reduces' cost from the Python layers'.
 
     python benchmarks/tensor_parallel.py [--quantization fp8] [--batches 1,32] [--rounds 2] [--json F]
+    python benchmarks/tensor_parallel.py --updates-only   # 3 updates a configuration, one engine resident at a time
 """
 
 import argparse
@@ -78,8 +79,15 @@ def main() -> None:
     parser.add_argument("--rl-prompts", type=int, default=32, help="rl-short's prompts (32: the workload's own)")
     parser.add_argument("--rl-tokens", type=int, default=128, help="rl-short's tokens a sample (128: its own)")
     parser.add_argument("--json")
+    parser.add_argument("--updates-only", action="store_true")
     args = parser.parse_args()
     quantization = None if args.quantization == "none" else args.quantization
+    if args.updates_only:
+        for name in ("T=1", "T=2 fixed"):
+            engine = build(name, quantization)
+            print(f"{name:14} update_weights s: " + " ".join(f"{update_seconds(engine, name):.2f}" for _ in range(3)))
+            engine.shutdown()
+        return
     batches = [int(b) for b in args.batches.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(model_shapes.shape_path(SHAPE))
     gen = torch.Generator().manual_seed(0)
