@@ -150,14 +150,12 @@ class TPGroup:
     def __init__(self, group: dist.ProcessGroup, rank: int, size: int, fixed_order: bool):
         self.group, self.rank, self.size, self.fixed_order = group, rank, size, fixed_order
         self.seconds = 0.0
-        self.num_reduces = 0
 
     def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's partial sums added over the ranks."""
         start = time.perf_counter()
         out = fixed_order_sum(self.group, self.size, y) if self.fixed_order else library_sum(self.group, y)
         self.seconds += time.perf_counter() - start
-        self.num_reduces += 1
         return out
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
@@ -169,10 +167,6 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t)
 
-    def broadcast(self, t: torch.Tensor) -> None:
-        """t from rank 0 into every rank's t (1-byte dtypes as bytes)."""
-        dist.broadcast(_wire(t), src=0, group=self.group)
-
     def send(self, t: torch.Tensor, rank: int) -> None:
         dist.send(_wire(t), dst=rank, group=self.group)
 
@@ -182,6 +176,7 @@ class TPGroup:
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What goes over the wire: 1-byte dtypes (FP8) as bytes."""
     return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
 
 
