@@ -18,8 +18,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from fp8engine.kvcache.kv_scales import KVScaleManager
-from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.model_executor import tensor_parallel
+from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.model_executor.tensor_parallel import TPGroup, fixed_order, group_name, post, receive
 from fp8engine.weights import lora, updater
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup, init_process_group
