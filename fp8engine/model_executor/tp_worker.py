@@ -21,9 +21,9 @@ from fp8engine.kvcache.kv_scales import KVScaleManager
 from fp8engine.model_executor import tensor_parallel
 from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.model_executor.tensor_parallel import TPGroup, fixed_order, group_name, post, receive
-from fp8engine.weights import lora, updater
+from fp8engine.weights import updater
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup, init_process_group
-from fp8engine.weights.loader import expected_names, load_checkpoint, load_dummy, read, resolve
+from fp8engine.weights.loader import read, resolve
 
 
 class Worker:
@@ -149,23 +149,19 @@ class Worker:
 
     def commit(self) -> int:
         staged, self.staged = self.staged, None
-        return updater.commit(staged, self.runner.kernels.quantize_into)
+        return self.runner.commit_weights(staged)
 
     def commit_lora(self, staged) -> None:
-        lora.commit_adapter(self.runner.lora_layers, staged)
+        self.runner.commit_lora(staged)
 
     def abort(self) -> None:
         self.staged = None
 
     def reload(self) -> None:
-        runner = self.runner
-        if runner.config.load_format == "dummy":
-            load_dummy(runner.model, runner.kernels.quantize_into, runner.config.seed)
-        else:
-            load_checkpoint(runner.model, runner.model_dir, runner.kernels.quantize_into, runner.kernels.block_scales)
+        self.runner.reload_weights()
 
     def weight_names(self) -> list[str]:
-        return expected_names(self.runner.model)
+        return self.runner.weight_names
 
     def read(self, hf_name: str):
         target = resolve(self.runner.model, hf_name)

@@ -56,6 +56,11 @@ class FusedMoE(nn.Module):
     def is_local(self, expert: int) -> bool:
         return self.first <= expert < self.first + self.num_local
 
+    @property
+    def local(self) -> slice:
+        """This rank's experts, as a slice of the stacked [num_experts, ...] HF tensors."""
+        return slice(self.first, self.first + self.num_local)
+
     # ------------------------------------------------------------------ weights
     def fp8_matrix(self, expert: int, proj: str) -> tuple[torch.Tensor, int]:
         """(the [N, K] matrix of one expert that the FP8 linear reads, the projection's first row in it)."""
@@ -105,8 +110,7 @@ class FusedMoE(nn.Module):
         stacked = getattr(self, attr)
         full = (self.num_experts, *stacked.shape[1:])
         if not self.is_fp8:
-            local = slice(self.first, self.first + self.num_local)
-            tp = None if full == tuple(stacked.shape) else TPSlice(full, local)
+            tp = None if full == tuple(stacked.shape) else TPSlice(full, self.local)
             return Target(name, "dense", stacked.data, tp=tp)
         prefix = name.removesuffix(attr)
         projs = ("down_proj",) if attr == "down_proj" else ("gate_proj", "up_proj")
@@ -119,8 +123,7 @@ class FusedMoE(nn.Module):
                 matrix, row0 = self.fp8_matrix(e, proj)
                 parts.append((index, Target(f"{prefix}{e}.{proj}.weight", "fp8_weight", weight, scale,
                                             self.scale_fmt, matrix=matrix, row0=row0)))
-        local = slice(self.first, self.first + self.num_local)
-        return Target(name, "split", stacked.data, parts=parts, tp=TPSlice(full, local))
+        return Target(name, "split", stacked.data, parts=parts, tp=TPSlice(full, self.local))
 
     # ------------------------------------------------------------------ compute
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
