@@ -44,16 +44,20 @@ def measure(model: str, batch: int, steps: int, options: dict, params: SamplingP
         engine.step()  # the prefill
         rows = []
         for _ in range(steps):
-            before = (dev.torch_calls, dev.device_ops, sum(dev.launches.values()), dev.host_syncs())
+            before = counters(dev)
             start = time.perf_counter()
             engine.step()
             seconds = time.perf_counter() - start
-            after = (dev.torch_calls, dev.device_ops, sum(dev.launches.values()), dev.host_syncs())
-            rows.append([a - b for a, b in zip(after, before)] + [seconds])
+            rows.append([a - b for a, b in zip(counters(dev), before)] + [seconds])
     med = [statistics.median(col) for col in zip(*rows)]
     assert (engine.runner.graphs is not None) == graphs, engine.get_stats().kernels["cuda_graphs"]
     return {"batch": batch, "graphs": graphs, "torch_calls": med[0], "device_ops": med[1], "triton_launches": med[2],
-            "host_syncs": med[3], "host_ms": med[4] * 1e3}
+            "torch_kernels": med[3], "launches": med[2] + med[3], "host_syncs": med[4], "host_ms": med[-1] * 1e3}
+
+
+def counters(dev: FakeCuda) -> tuple:
+    """(torch calls, device ops, Triton launches, torch kernels, host syncs) so far: a step's are the differences."""
+    return dev.torch_calls, dev.device_ops, sum(dev.launches.values()), dev.torch_kernels, dev.host_syncs()
 
 
 def main() -> None:

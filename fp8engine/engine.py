@@ -297,12 +297,13 @@ class LLMEngine:
         return int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
 
     def _calibration_tokens(self) -> list[int]:
-        """CALIBRATION_TEXT as a user turn (chat-rendered when the model has a template), cut to fit."""
+        """CALIBRATION_TEXT as a user turn (chat-rendered when the model has a template), cut to fit; ids the model's
+        embedding lacks (a tokenizer larger than the vocabulary, as in the tests' tiny models) left out."""
         if self.tokenizer.chat_template:
             ids = self.render_chat([{"role": "user", "content": CALIBRATION_TEXT}])
         else:
             ids = self.tokenizer(CALIBRATION_TEXT, add_special_tokens=True)["input_ids"]
-        return ids[:self.max_model_len]
+        return [i for i in ids if i < self.vocab_size][:self.max_model_len]
 
     def _eos_token_ids(self) -> set[int]:
         ids = set()

@@ -48,6 +48,9 @@ VARIABLES = (
            "invariant, the same bits either way; plain, rows take the gemv at 1-4 rows (another summation order)"),
     EnvVar("FP8ENGINE_FUSED_DECODER", "1", ("0", "1"),
            "0: never run the decoder layers as one C++ call (DecoderPlan); the Python layers run instead"),
+    EnvVar("FP8ENGINE_CUDA_FUSION", "1", ("0", "1"),
+           "0: on CUDA, the decoder layers run unfused (torch ops for RMSNorm, RoPE and SiLU, an activation-quant "
+           "launch before each FP8 GEMM) instead of the fused kernels of kernels/fused_triton.py (an A/B switch)"),
     EnvVar("FP8ENGINE_TP_ALL_REDUCE", "auto", ("auto", "fixed", "library"),
            "tensor parallelism: how row-parallel partial sums are added over the ranks: gathered and added in rank "
            "order (fixed: the same bits at any batch) or by gloo's all-reduce (library); auto = fixed with "

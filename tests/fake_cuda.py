@@ -18,7 +18,16 @@ one of its inputs is. What a GPU would refuse or stall on is checked:
 mode's `peak_bytes` (`memory_allocated()` 0), and `synchronize()`, `empty_cache()` and `reset_peak_memory_stats()`
 return at once while the mode is on.
 `torch_calls` counts every torch call (metadata queries such as `.device` or `.stride()` included) and
-`device_ops` those that return device tensors (a kernel launch on a GPU, or a view); with `stub_kernels=True` the Triton kernels are counted but not run (for counting a big model's step).
+`device_ops` those that return device tensors (a kernel launch on a GPU, a view or an allocation); with
+`stub_kernels=True` the Triton kernels are counted but not run (for counting a big model's step).
+
+What a GPU would launch is counted apart: `torch_kernels` (by op in `torch_kernel_names`) are the torch calls on
+device tensors that are neither a view (every output shares an input's storage and is not the input itself, or it
+is the input returned unchanged by an out-of-place call such as `.contiguous()`) nor an allocation (`empty*`); with
+`launches` (Triton) they are the step's kernels. `bytes_moved` sums what those kernels' tensor arguments hold
+(each distinct tensor once, inputs and outputs; a gather, the rows it reads, not its whole source): a kernel's
+traffic if it reads and writes each argument once. Tensors whose storage is in `paged` (the KV caches, which a
+kernel reads in part through its block table) are left out and counted in `paged_args` instead.
 
 CUDA graphs (model_executor/cuda_graphs.py) cannot be captured on a CPU; without `graphs=` the engine's capture
 fails and its decode steps run eagerly. `graphs="replay"` puts a stand-in capture in its place: the captured
@@ -43,6 +52,10 @@ _SYNCS = {Tensor.item: "item", Tensor.tolist: "tolist", Tensor.__bool__: "bool",
           Tensor.__float__: "float", Tensor.__index__: "index", Tensor.numpy: "numpy", Tensor.cpu: "cpu",
           Tensor.__repr__: "repr", Tensor.__format__: "format", torch.equal: "equal"}
 _COPIES = (Tensor.copy_, Tensor.to, Tensor.cuda, Tensor.cpu, Tensor.type_as)
+# Calls that only allocate (no kernel on a GPU), and gathers (they read the rows they index, not their source).
+_ALLOCS = {torch.empty, torch.empty_like, torch.empty_strided, Tensor.new_empty, Tensor.new_empty_strided}
+_GATHERS = {torch.nn.functional.embedding, torch.embedding, torch.index_select, Tensor.index_select,
+            Tensor.__getitem__}
 # Properties that say where a tensor lives: a device tensor answers as a CUDA one would.
 _DEVICE, _IS_CUDA = torch._C.TensorBase.device, torch._C.TensorBase.is_cuda
 
@@ -53,6 +66,20 @@ def _no_graphs():
 
 class MixedDevices(RuntimeError):
     """An op got device and host tensors together."""
+
+
+def _is_view(func, inputs, out) -> bool:
+    """No kernel: every output tensor shares an input's storage, being a new view of it or (out of place) the input
+    itself; an in-place op (name ending in `_`, `__setitem__`, `__i*__`) that returns its input is a kernel."""
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+    name = getattr(func, "__name__", "")
+    if not outs:
+        return name != "__setitem__"  # a metadata query; __setitem__ writes without returning a tensor
+    in_place = (name.endswith("_") and not name.endswith("__")) or (name.startswith("__i") and name.endswith("__"))
+    storages = {t.untyped_storage()._cdata for t in inputs if t.numel()}
+    ids = {id(t) for t in inputs}
+    return all(t.numel() == 0 or (t.untyped_storage()._cdata in storages and not (in_place and id(t) in ids))
+               for t in outs)
 
 
 def _is_cuda(device) -> bool:
@@ -76,6 +103,11 @@ class FakeCuda(TorchFunctionMode):
         self.device_storages: set[int] = set()
         self.syncs: collections.Counter = collections.Counter()
         self.launches: collections.Counter = collections.Counter()
+        self.torch_kernels = 0
+        self.torch_kernel_names: collections.Counter = collections.Counter()
+        self.bytes_moved = 0
+        self.paged: set[int] = set()  # storages (`_cdata`) that bytes_moved leaves out
+        self.paged_args = 0
         self.mixed_ok = 0  # > 0 inside `allow_mixing()`
         self._saved = {}
 
@@ -153,7 +185,27 @@ class FakeCuda(TorchFunctionMode):
         device = bool(on_device) or to_device
         self._mark(out, device)
         self.device_ops += device and any(isinstance(t, Tensor) for t in tree_flatten(out)[0])
+        if device and func not in _ALLOCS and not _is_view(func, tensors, out):
+            self.torch_kernels += 1
+            self.torch_kernel_names[getattr(func, "__name__", str(func))] += 1
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+            index = [t for t in tensors if t.dtype in (torch.int32, torch.int64, torch.bool)]
+            if func in _GATHERS and outs and index:
+                self._count_bytes(index + outs + outs)  # the index, the rows read and the rows written
+            else:
+                self._count_bytes(tensors + outs)
         return out
+
+    def _count_bytes(self, tensors) -> None:
+        seen = set()
+        for t in tensors:
+            if isinstance(t, Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                nbytes = t.numel() * t.element_size()
+                if t.numel() and t.untyped_storage()._cdata in self.paged:
+                    self.paged_args += nbytes
+                else:
+                    self.bytes_moved += nbytes
 
     def _device_args(self, func, args, kwargs, to_device):
         """`.cuda()` and `.to(cuda)` (device positional or keyword) become `.to(cpu)`, marked as device."""
@@ -199,10 +251,9 @@ class FakeCuda(TorchFunctionMode):
 
         def launch(executor, *args, **kwargs):
             mode.launches[executor.fn.__name__] += 1
-            if mode.stub_kernels:
-                return None
-            with torch.overrides._pop_mode_temporarily():
-                return grid_call(executor, *args, **kwargs)
+            with torch.overrides._pop_mode_temporarily():  # the counting's own tensor queries are not the step's
+                mode._count_bytes([a for a in list(args) + list(kwargs.values()) if isinstance(a, Tensor)])
+                return None if mode.stub_kernels else grid_call(executor, *args, **kwargs)
         self._saved = {(interpreter.GridExecutor, "__call__"): grid_call,
                        (torch.cuda, "is_available"): torch.cuda.is_available,
                        (torch.cuda, "mem_get_info"): torch.cuda.mem_get_info,

@@ -157,6 +157,9 @@ def expected_cvt(compiled, case_name: str) -> list[str]:
         return ["f32->e4m3"] if kv_mode == "fp8" else []
     if compiled.name == GDN:  # float32 in, state and out: no conversion
         return []
+    if "/fused/" in case_name:  # every fused kernel rounds to bf16; the quantizing ones and an FP8 cache to e4m3
+        fp8 = "quant" in case_name or "/fp8/" in case_name
+        return ["f32->bf16"] + (["f32->e4m3"] if fp8 else [])
     out_bf16 = not case_name.startswith("smollm2-135m-fp32") and "/lm_head_fp32/" not in case_name
     name = _base(compiled.name)
     if "/lora/" in case_name:  # x A^T on the linear GEMM in float32, then y + t B rounded to the model dtype

@@ -140,17 +140,19 @@ def native_kernels() -> SimpleNamespace:
             attention = _load_copy("attention_triton")
         with _as_imported("attention_triton", attention):
             dense = _load_copy("dense_triton")
-    return SimpleNamespace(fp8=fp8, attention=attention, dense=dense)
+            with _as_imported("fp8_triton", fp8):
+                fused = _load_copy("fused_triton")
+    return SimpleNamespace(fp8=fp8, attention=attention, dense=dense, fused=fused)
 
 
 def canonical_kernels() -> SimpleNamespace:
     """The modules the engine imports (on CUDA, without the interpreter)."""
-    from fp8engine.model_executor.kernels import attention_triton, dense_triton, fp8_triton
-    return SimpleNamespace(fp8=fp8_triton, attention=attention_triton, dense=dense_triton)
+    from fp8engine.model_executor.kernels import attention_triton, dense_triton, fp8_triton, fused_triton
+    return SimpleNamespace(fp8=fp8_triton, attention=attention_triton, dense=dense_triton, fused=fused_triton)
 
 
 def _modules(mods: SimpleNamespace) -> tuple:
-    return tuple(getattr(mods, name) for name in ("fp8", "attention", "dense") if hasattr(mods, name))
+    return tuple(getattr(mods, name) for name in ("fp8", "attention", "dense", "fused") if hasattr(mods, name))
 
 
 def kernel_names(mods: SimpleNamespace) -> dict[str, object]:
@@ -178,7 +180,7 @@ def triton_only(mods: SimpleNamespace) -> Iterator[None]:
 class Case:
     """One engine call: `run(mods, inputs)` calls the Triton wrappers, `ref(inputs)` the torch reference."""
     name: str
-    kind: str  # act_quant | weight_quant | linear | dense | rms_norm | lora | write_kv | attention | gdn
+    kind: str  # act_quant | weight_quant | linear | dense | rms_norm | lora | write_kv | attention | gdn | fused
     make: Callable[[torch.device], dict]
     run: Callable[[SimpleNamespace, dict], object]
     ref: Callable[[dict], object] | None
@@ -433,7 +435,67 @@ def _attention_case(shape: ModelShape, batch: str, kv_mode: str, batch_invariant
                 functools.partial(attention_inputs, shape, batch, kv_mode), run, ref)
 
 
-KINDS = ("weight_quant", "act_quant", "linear", "write_kv", "attention")
+def _fused_cases(shape: ModelShape, tokens: str, kv_mode: str) -> list[Case]:
+    """The fused decoder-layer kernels (kernels/fused_triton.py) at a step of this model: the norm with the residual
+    add and the FP8 activation quant (and the final norm's BF16 row), the qkv epilogue into a `kv_mode` cache, silu
+    * mul with down_proj's quant. Kind "fused": a tuple of outputs, the reference fused_ref's."""
+    m = LINEAR_TOKENS[tokens]
+    h, heads, kv_heads, d = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
+    name = f"{shape.name}/fused"
+
+    def norm_make(device):
+        return {"x": _randn((m, h), shape.dtype, device), "r": _randn((m, h), shape.dtype, device),
+                "w": _randn((h,), shape.dtype, device)}
+
+    def norm_run(quant):
+        return lambda mods, inputs: mods.fused.norm_quant(inputs["x"], inputs["r"], inputs["w"], 1e-5, quant=quant,
+                                                          normed=not quant)
+
+    def norm_ref(quant):
+        def ref(inputs):  # (x_q, x_scale, s, None) quantized, else (None, None, s, normed), as norm_quant returns
+            from fp8engine.model_executor.kernels.fused_ref import norm_quant_ref
+            x_q, x_scale, summed, normed = norm_quant_ref(inputs["x"], inputs["r"], inputs["w"], 1e-5, quant_out=quant)
+            return x_q, x_scale, summed, None if quant else normed
+        return ref
+
+    def silu_make(device):
+        return {"x": _randn((m, 2 * shape.intermediate), shape.dtype, device, 4.0)}
+
+    def silu_run(mods, inputs):
+        return mods.fused.silu_mul_quant(inputs["x"])
+
+    def silu_ref(inputs):
+        from fp8engine.model_executor.kernels.fused_ref import silu_mul_ref
+        return silu_mul_ref(inputs["x"])
+
+    def qkv_make(device):
+        inputs = attention_inputs(shape, tokens, kv_mode, device)
+        t = inputs["q"].shape[0]
+        inputs |= {"qkv": _randn((t, (heads + 2 * kv_heads) * d), shape.dtype, device),
+                   "cos": _randn((t, d), shape.dtype, device), "sin": _randn((t, d), shape.dtype, device)}
+        return inputs
+
+    def qkv_run(mods, inputs):
+        k_cache, v_cache = inputs["k_cache"].clone(), inputs["v_cache"].clone()
+        q = mods.fused.qkv_epilogue(inputs["qkv"], inputs["cos"], inputs["sin"], None, None, 1e-6, k_cache, v_cache,
+                                    inputs["slot_mapping"], inputs["k_scale"], inputs["v_scale"], heads, kv_heads, d)
+        return q, k_cache, v_cache
+
+    def qkv_ref(inputs):
+        from fp8engine.model_executor.kernels.attention_ref import write_kv_cache_ref
+        from fp8engine.model_executor.kernels.fused_ref import qkv_epilogue_ref
+        q, k, v = qkv_epilogue_ref(inputs["qkv"], inputs["cos"], inputs["sin"], None, None, 1e-6, heads, kv_heads, d)
+        k_cache, v_cache = inputs["k_cache"].clone(), inputs["v_cache"].clone()
+        write_kv_cache_ref(k, v, k_cache, v_cache, inputs["slot_mapping"], inputs["k_scale"], inputs["v_scale"])
+        return q, k_cache, v_cache
+
+    return [Case(f"{name}/norm_quant/{tokens}", "fused", norm_make, norm_run(True), norm_ref(True)),
+            Case(f"{name}/norm/{tokens}", "fused", norm_make, norm_run(False), norm_ref(False)),
+            Case(f"{name}/silu_mul_quant/{tokens}", "fused", silu_make, silu_run, silu_ref),
+            Case(f"{name}/qkv_epilogue/{kv_mode}/{tokens}", "fused", qkv_make, qkv_run, qkv_ref)]
+
+
+KINDS = ("weight_quant", "act_quant", "linear", "write_kv", "attention", "fused")
 
 
 def engine_cases(shape: ModelShape, scale_fmts=(None,), kinds=KINDS, steps=tuple(ATTENTION_BATCHES),
@@ -458,6 +520,13 @@ def engine_cases(shape: ModelShape, scale_fmts=(None,), kinds=KINDS, steps=tuple
                 cases.append(_write_kv_case(shape, step, kv_mode))
             if "attention" in kinds:
                 cases.append(_attention_case(shape, step, kv_mode))
+    if "fused" in kinds and shape.head_dim & (shape.head_dim - 1) == 0:
+        fused = {}  # by name: the norm and silu cases do not depend on the KV mode
+        for kv_mode in kv_modes:
+            for step in steps:
+                if kv_mode != "full-fp8" and step in LINEAR_TOKENS:
+                    fused |= {c.name: c for c in _fused_cases(shape, step, kv_mode)}
+        cases += fused.values()
     return cases
 
 

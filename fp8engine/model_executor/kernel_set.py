@@ -76,6 +76,15 @@ class KernelSet:
     # gdn_recurrent(q, k, v, g, beta, states, slots, query_start_loc) -> o: the gated delta rule's recurrent form on
     # prepared inputs, in place on the state pool (csrc/gated_delta.cpp, dense_triton.py); None: the torch references
     gdn_recurrent: Callable | None = None
+    # The fused decoder-layer kernels on CUDA (kernels/fused_triton.py; None elsewhere or with FP8ENGINE_CUDA_FUSION=0):
+    # norm_quant(x, residual, weight, eps, quant, normed, scale_fmt) -> (x_q, x_scale, x + residual, normed),
+    # qkv_epilogue(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, k_scale, v_scale, Hq, Hkv, D) -> q,
+    # silu_mul_quant(x, quant, scale_fmt) -> (x_q, x_scale) or (h, None); fp8_gemm(x_q, x_scale, w_q, w_scale_inv,
+    # out_dtype, bias) -> y: fp8_linear's GEMM on activations quantized by one of them
+    norm_quant: Callable | None = None
+    qkv_epilogue: Callable | None = None
+    silu_mul_quant: Callable | None = None
+    fp8_gemm: Callable | None = None
 
     @property
     def linear_name(self) -> str:
@@ -214,16 +223,20 @@ def fp8_linear_ref(x, w_q, w_scale_inv, bias=None, scale_fmt=None, scale_rows=No
 # ----------------------------------------------------------------------------------------------- CUDA
 def _cuda(config: EngineConfig) -> KernelSet:
     try:
-        from fp8engine.model_executor.kernels import attention_triton, dense_triton, fp8_triton, moe_triton
+        from fp8engine.model_executor.kernels import (attention_triton, dense_triton, fp8_triton, fused_triton,
+                                                      moe_triton)
     except ImportError as exc:
         raise ValueError(f"device='cuda' needs Triton (pip install 'fp8engine[gpu]'): {exc}") from exc
     device, bi = torch.device(config.device), config.batch_invariant
     names = {}
-    fp8_linear = None
+    fp8_linear = fp8_gemm = None
     if config.quantization == "fp8":
         deepgemm = not bi and _probed("DeepGEMM", fp8_triton.probe_deepgemm, device)
         fp8_linear = functools.partial(fp8_triton.fp8_block_linear_triton, batch_invariant=bi, deepgemm=deepgemm)
+        fp8_gemm = functools.partial(fp8_triton.fp8_gemm_triton, batch_invariant=bi, deepgemm=deepgemm)
         names["fp8_linear"] = "deepgemm+triton" if deepgemm else "triton"
+    fusion = envs.flag("FP8ENGINE_CUDA_FUSION")
+    names["fusion"] = "norm+qkv+act" if fusion else "off"
     if bi:  # one launch configuration for every batch size
         dense, names["dense_linear"] = dense_triton.linear_triton, "triton-bf16"
         rms_norm, names["layer_ops"] = dense_triton.rms_norm_triton, "triton-norm+torch"
@@ -249,7 +262,10 @@ def _cuda(config: EngineConfig) -> KernelSet:
                      dense_triton.lora_add_triton, attention_triton.write_kv_cache_triton,
                      attend, functools.partial(moe_triton.fused_moe_triton, batch_invariant=bi), None, quantize_into,
                      None, 0, ("", ""), False, False, False, False, False, None, names,
-                     gdn_recurrent=dense_triton.gdn_recurrent_triton)
+                     gdn_recurrent=dense_triton.gdn_recurrent_triton,
+                     norm_quant=fused_triton.norm_quant if fusion else None,
+                     qkv_epilogue=fused_triton.qkv_epilogue if fusion else None,
+                     silu_mul_quant=fused_triton.silu_mul_quant if fusion else None, fp8_gemm=fp8_gemm)
 
 
 def _probed(library: str, probe, device: torch.device) -> bool:

@@ -309,10 +309,16 @@ def fp8_block_linear_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: tor
     shape = x.shape
     n = w_q.shape[0]
     x_q, x_scale = per_token_group_quant_fp8(x.reshape(-1, shape[-1]), BLOCK, scale_fmt)
-    if deepgemm and not batch_invariant and _deepgemm_fits(x_q, w_q, x.dtype):
-        out = _deepgemm_matmul(x_q, x_scale, w_q, w_scale_inv)
-        if bias is not None:
-            out += bias
-    else:
-        out = w8a8_block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, x.dtype, bias, batch_invariant)
+    out = fp8_gemm_triton(x_q, x_scale, w_q, w_scale_inv, x.dtype, bias, batch_invariant, deepgemm)
     return out.reshape(*shape[:-1], n)
+
+
+def fp8_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
+                    out_dtype: torch.dtype, bias: torch.Tensor | None = None, batch_invariant: bool = False,
+                    deepgemm: bool = False) -> torch.Tensor:
+    """The GEMM of fp8_block_linear_triton on activations quantized already (x_q [M, K] E4M3, x_scale [M, K / 128]):
+    what a fused kernel before it (kernels/fused_triton.py) hands over."""
+    if deepgemm and not batch_invariant and _deepgemm_fits(x_q, w_q, out_dtype):
+        out = _deepgemm_matmul(x_q, x_scale, w_q, w_scale_inv)
+        return out if bias is None else out.add_(bias)
+    return w8a8_block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, out_dtype, bias, batch_invariant)

@@ -50,6 +50,11 @@ class Attention(nn.Module):
         if self.observer is not None:
             self.observer(self, q, k, v)
         self.kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over the cache as it is (this step's K/V written already: by forward, or by the fused qkv
+        epilogue): q [T, Hq, D] -> [T, Hq * D]."""
         out = self.kernels.paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
                                            meta.seq_lens, self.scale, self.k_scale, self.v_scale,
                                            self.q_scale or None)

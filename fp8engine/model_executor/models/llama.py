@@ -74,6 +74,17 @@ class DecoderAttention(nn.Module):
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v.contiguous(), meta))
 
+    def forward_fused(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """forward after qkv_proj on the fused path: q/k norm, RoPE (the step's cos / sin rows) and the cache write in
+        one kernel (kernels.qkv_epilogue), then attention and o_proj."""
+        attn, norms = self.attn, (None, None, 0.0)
+        if self.q_norm is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q = attn.kernels.qkv_epilogue(qkv, *rope, *norms, attn.k_cache, attn.v_cache, meta.slot_mapping, attn.k_scale,
+                                      attn.v_scale, self.num_heads, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attn.attend(q, meta))
+
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, make_linear: LinearFactory, bias: bool = False):
@@ -100,6 +111,39 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x, meta), residual
 
+    def fusable(self, kernels: KernelSet) -> bool:
+        """Whether forward_fused can run this layer: the kernel set has the fused kernels (CUDA), the MLP is dense, no
+        linear has a LoRA adapter, and a head is a power of two of at most 128 lanes."""
+        attn = self.self_attn
+        if kernels.norm_quant is None or not isinstance(self.mlp, MLP):
+            return False
+        linears = (attn.qkv_proj, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        d = attn.head_dim
+        return all(lin.lora is None for lin in linears) and d <= 128 and d & (d - 1) == 0
+
+    def forward_fused(self, positions, x, residual, meta, rope):
+        """forward in the fused kernels (kernels/fused_triton.py): each norm with the residual add and the next FP8
+        linear's activation quant in one launch, the qkv epilogue, silu * mul with down_proj's quant; the same
+        (x, residual) in and out as forward, which runs instead while the KV scales are calibrated (its observer
+        reads q, k and v)."""
+        attn = self.self_attn
+        if attn.attn.observer is not None:
+            return self.forward(positions, x, residual, meta)
+        kernels = attn.attn.kernels
+        qkv, residual = _norm_linear(kernels, self.input_layernorm, x, residual, attn.qkv_proj)
+        x = attn.forward_fused(qkv, rope, meta)
+        h, residual = _norm_linear(kernels, self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj)
+        down = self.mlp.down_proj
+        a, a_scale = kernels.silu_mul_quant(h, down.is_fp8, down.scale_fmt)
+        return (down.forward_quantized(a, a_scale, x.dtype) if down.is_fp8 else down(a)), residual
+
+
+def _norm_linear(kernels: KernelSet, norm: RMSNorm, x, residual, linear: Linear):
+    """(linear(norm(x + residual)), x + residual) by the fused norm, which also quantizes for an FP8 linear."""
+    x_q, x_scale, residual, normed = kernels.norm_quant(x, residual, norm.weight, norm.eps, linear.is_fp8,
+                                                        not linear.is_fp8, linear.scale_fmt)
+    return (linear.forward_quantized(x_q, x_scale, x.dtype) if linear.is_fp8 else linear(normed)), residual
+
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
@@ -121,6 +165,9 @@ class LlamaForCausalLM(nn.Module):
                          self.make_mlp(cfg, i, make_linear), cfg, dtype, kernels)
             for i in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, kernels)
+        # the layers forward_fused runs (CUDA: kernels/fused_triton.py), and the step's RoPE rows they read
+        self.fused_layers = [layer.fusable(kernels) for layer in self.model.layers]
+        self.rotary = rotary
         tied = self.model.embed_tokens if self.tie_word_embeddings else None
         if make_linear.lm_head_fp8:  # its own E4M3 copy; a tied embedding stays in the model dtype
             self.lm_head = FP8LMHead(cfg.hidden_size, cfg.vocab_size, dtype, kernels, make_linear.scale_fmt)
@@ -147,6 +194,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if fused is not None:
             x, residual = fused(x, positions, meta)
+        elif any(self.fused_layers):
+            return self._forward_fused(positions, x, meta)
         else:
             residual = None
             for layer in self.model.layers:
@@ -154,6 +203,19 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head.fp32:  # float32 from the final norm on: the head's input is not rounded to bf16
             return self.model.norm.forward_float32(x, residual)
         return self.model.norm(x, residual)[0]
+
+    def _forward_fused(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers on the fused path (the RoPE rows gathered once a step) and the final norm, fused too
+        unless the head is float32."""
+        rope = (self.rotary.cos[positions], self.rotary.sin[positions])
+        residual = None
+        for layer, fusable in zip(self.model.layers, self.fused_layers):
+            x, residual = (layer.forward_fused(positions, x, residual, meta, rope) if fusable
+                           else layer(positions, x, residual, meta))
+        norm = self.model.norm
+        if self.lm_head.fp32:
+            return norm.forward_float32(x, residual)
+        return norm.kernels.norm_quant(x, residual, norm.weight, norm.eps, False, True)[3]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
