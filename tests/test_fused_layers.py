@@ -220,3 +220,38 @@ def test_the_fused_engine_generates_the_unfused_engines_tokens(arch, options, ll
     got = torch.tensor([o.outputs[0].logprobs for o in outs])
     want = torch.tensor([o.outputs[0].logprobs for o in ref])
     assert (got - want).abs().max() <= 0.05, (got, want)
+
+
+def test_a_k_split_down_proj_hands_its_partials_to_the_next_fused_norm(tmp_path, tokenizer, monkeypatch):
+    """intermediate 8192: down_proj splits K in 4 at decode sizes (fp8_triton.gemm_config), and the next fused norm
+    (here the final one) adds the float32 partials in order instead of a torch sum and a copy after the GEMM."""
+    from fp8engine.model_executor.kernels import fp8_triton
+    from fp8engine.weights import quant
+    x = _randn(3, 8192, seed=21)
+    w_q, w_s = quant.quantize_weight_blockwise(_randn(64, 8192, seed=22, scale=0.05))
+    x_q, x_s = quant.quantize_activation_groups(x)
+    parts = fp8_triton.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, partials=True)
+    summed = fp8_triton.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16)
+    assert parts.shape == (4, 3, 64) and parts.dtype == torch.float32
+    r, w = _randn(3, 64, seed=23), (1 + _randn(64, seed=24, scale=0.1).float()).to(torch.bfloat16)
+    got = ft.norm_quant(parts, r, w, 1e-6, quant=False, normed=True)
+    from fp8engine.model_executor.models.llama import summed_partials
+    assert _equal(got, fused_ref.norm_quant_ref(summed_partials(parts, torch.bfloat16), r, w, 1e-6,
+                                                quant_out=False)) == [True] * 4
+    assert (summed_partials(parts, torch.bfloat16).float() - summed.float()).abs().max() <= \
+        2 ** -8 * summed.float().abs().max()  # torch's sum of the 4 partials: another order, a rounding apart
+    model = save_tiny("llama-llama3", tmp_path, tokenizer, vocab_size=1024, hidden_size=64, intermediate_size=8192,
+                      num_attention_heads=2, num_key_value_heads=1)
+
+    def decode_ops():
+        with FakeCuda(stub_kernels=True) as dev:
+            engine = make_engine(model, device="cuda", num_kv_blocks=16, quantization="fp8", enforce_eager=True)
+            engine.add_request([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+            engine.step()
+            before = dict(dev.torch_kernel_names)
+            engine.step()
+            return {k: v - before.get(k, 0) for k, v in dev.torch_kernel_names.items() if v != before.get(k, 0)}
+
+    assert "sum" not in decode_ops()
+    monkeypatch.setenv("FP8ENGINE_CUDA_FUSION", "0")
+    assert decode_ops()["sum"] == 2  # one per layer's down_proj

@@ -192,11 +192,13 @@ def quantize_weight_blockwise_triton(w: torch.Tensor, out_q: torch.Tensor | None
 
 def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
                           w_scale_inv: torch.Tensor, out_dtype: torch.dtype,
-                          bias: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
+                          bias: torch.Tensor | None = None, batch_invariant: bool = False,
+                          partials: bool = False) -> torch.Tensor:
     """C[M, N] = sum_b (x_q . w_q^T)_b * x_scale[m, b] * w_scale_inv[n // 128, b], float32 accumulation.
 
     batch_invariant: one compiled kernel and tile shape for every M, so a row's result does not depend on
-    the other rows (the default picks a 16-row tile for decode-sized M, another MMA shape on the GPU)."""
+    the other rows (the default picks a 16-row tile for decode-sized M, another MMA shape on the GPU).
+    partials: see w8a8_matmul_with."""
     m, k = x_q.shape
     n, k_w = w_q.shape
     nkb = cdiv(k, BLOCK)
@@ -204,7 +206,7 @@ def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.T
         raise ValueError(f"shape mismatch: x_q {tuple(x_q.shape)}, x_scale {tuple(x_scale.shape)}, "
                          f"w_q {tuple(w_q.shape)}, w_scale_inv {tuple(w_scale_inv.shape)}")
     return w8a8_matmul_with(gemm_config(m, n, k, batch_invariant), x_q, x_scale, w_q, w_scale_inv, out_dtype, bias,
-                            batch_invariant)
+                            batch_invariant, partials)
 
 
 def gemm_config(m: int, n: int, k: int, batch_invariant: bool) -> "GemmConfig":
@@ -233,8 +235,10 @@ class GemmConfig(NamedTuple):
 
 def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
                      w_scale_inv: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                     batch_invariant: bool = False) -> torch.Tensor:
-    """w8a8_block_fp8_matmul with an explicit launch (benchmarks/gpu_gemm_sweep.py times them)."""
+                     batch_invariant: bool = False, partials: bool = False) -> torch.Tensor:
+    """w8a8_block_fp8_matmul with an explicit launch (benchmarks/gpu_gemm_sweep.py times them). partials: a K split's
+    float32 partial sums [split, M, N] as they are, for a consumer that adds them in order (kernels/fused_triton.py's
+    norm_quant), instead of adding them here (no bias then)."""
     m, k = x_q.shape
     n = w_q.shape[0]
     if BLOCK % config.block_n or (batch_invariant and config.split_k != 1):
@@ -251,6 +255,8 @@ def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tenso
             *x_scale.stride(), *w_scale_inv.stride(),
             HAS_BIAS=bias is not None and split == 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK,
             SPLIT_K=split, num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1 and partials and bias is None:
+        return dest
     if split > 1:
         total = dest.sum(0)  # one reduction kernel, in the same order every call
         if bias is not None:
@@ -315,10 +321,11 @@ def fp8_block_linear_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale_inv: tor
 
 def fp8_gemm_triton(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale_inv: torch.Tensor,
                     out_dtype: torch.dtype, bias: torch.Tensor | None = None, batch_invariant: bool = False,
-                    deepgemm: bool = False) -> torch.Tensor:
+                    deepgemm: bool = False, partials: bool = False) -> torch.Tensor:
     """The GEMM of fp8_block_linear_triton on activations quantized already (x_q [M, K] E4M3, x_scale [M, K / 128]):
-    what a fused kernel before it (kernels/fused_triton.py) hands over."""
+    what a fused kernel before it (kernels/fused_triton.py) hands over. partials: where the launch splits K, its
+    float32 partials [split, M, N] unsummed (w8a8_matmul_with), for a fused norm to add."""
     if deepgemm and not batch_invariant and _deepgemm_fits(x_q, w_q, out_dtype):
         out = _deepgemm_matmul(x_q, x_scale, w_q, w_scale_inv)
         return out if bias is None else out.add_(bias)
-    return w8a8_block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, out_dtype, bias, batch_invariant)
+    return w8a8_block_fp8_matmul(x_q, x_scale, w_q, w_scale_inv, out_dtype, bias, batch_invariant, partials)

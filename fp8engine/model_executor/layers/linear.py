@@ -88,12 +88,15 @@ class Linear(nn.Module):
         y = self._base(x)
         return y if self.lora is None or not self.lora.active else self.lora(x, y)
 
-    def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype,
+                          partials: bool = False) -> torch.Tensor:
         """The FP8 layer on activations quantized already (E4M3 [T, K] and their 1 x 128 scales, from a fused kernel
-        before it: kernels.fp8_gemm); no LoRA, no tensor parallelism (the fused path is built without them)."""
+        before it: kernels.fp8_gemm); no LoRA, no tensor parallelism (the fused path is built without them).
+        partials: a K-split launch may return its float32 partials [split, T, N] for the fused norm after it."""
         gemm = self.kernels.fp8_gemm
         if self.fused_scales:
-            return gemm(x_q, x_scale, self.weight, self.weight_scale_inv, out_dtype, self.bias)
+            return gemm(x_q, x_scale, self.weight, self.weight_scale_inv, out_dtype, self.bias,
+                        partials=partials and self.bias is None)
         out = torch.cat([gemm(x_q, x_scale, *self.shard_views(shard), out_dtype, None)
                          for shard in range(len(self.shard_sizes))], dim=-1)
         return out if self.bias is None else out + self.bias

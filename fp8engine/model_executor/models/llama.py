@@ -121,28 +121,41 @@ class DecoderLayer(nn.Module):
         d = attn.head_dim
         return all(lin.lora is None for lin in linears) and d <= 128 and d & (d - 1) == 0
 
-    def forward_fused(self, positions, x, residual, meta, rope):
+    def forward_fused(self, positions, x, residual, meta, rope, partials: bool = False):
         """forward in the fused kernels (kernels/fused_triton.py): each norm with the residual add and the next FP8
         linear's activation quant in one launch, the qkv epilogue, silu * mul with down_proj's quant; the same
         (x, residual) in and out as forward, which runs instead while the KV scales are calibrated (its observer
-        reads q, k and v)."""
+        reads q, k and v). x may be the float32 K-split partials of the layer before, and with `partials` (the next
+        consumer is a fused norm) this layer's down_proj may return its own."""
         attn = self.self_attn
         if attn.attn.observer is not None:
-            return self.forward(positions, x, residual, meta)
+            return self.forward(positions, summed_partials(x, self.input_layernorm.weight.dtype), residual, meta)
         kernels = attn.attn.kernels
         qkv, residual = _norm_linear(kernels, self.input_layernorm, x, residual, attn.qkv_proj)
         x = attn.forward_fused(qkv, rope, meta)
         h, residual = _norm_linear(kernels, self.post_attention_layernorm, x, residual, self.mlp.gate_up_proj)
         down = self.mlp.down_proj
         a, a_scale = kernels.silu_mul_quant(h, down.is_fp8, down.scale_fmt)
-        return (down.forward_quantized(a, a_scale, x.dtype) if down.is_fp8 else down(a)), residual
+        return (down.forward_quantized(a, a_scale, h.dtype, partials) if down.is_fp8 else down(a)), residual
 
 
 def _norm_linear(kernels: KernelSet, norm: RMSNorm, x, residual, linear: Linear):
     """(linear(norm(x + residual)), x + residual) by the fused norm, which also quantizes for an FP8 linear."""
     x_q, x_scale, residual, normed = kernels.norm_quant(x, residual, norm.weight, norm.eps, linear.is_fp8,
                                                         not linear.is_fp8, linear.scale_fmt)
-    return (linear.forward_quantized(x_q, x_scale, x.dtype) if linear.is_fp8 else linear(normed)), residual
+    out_dtype = norm.weight.dtype
+    return (linear.forward_quantized(x_q, x_scale, out_dtype) if linear.is_fp8 else linear(normed)), residual
+
+
+def summed_partials(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x itself, or float32 K-split partials [S, T, H] added in order and rounded to the model dtype once (as the
+    fused norm adds them) for a layer that does not run fused."""
+    if x.dim() != 3:
+        return x
+    total = x[0]
+    for part in x[1:]:
+        total = total + part
+    return total.to(dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -209,8 +222,10 @@ class LlamaForCausalLM(nn.Module):
         unless the head is float32."""
         rope = (self.rotary.cos[positions], self.rotary.sin[positions])
         residual = None
-        for layer, fusable in zip(self.model.layers, self.fused_layers):
-            x, residual = (layer.forward_fused(positions, x, residual, meta, rope) if fusable
+        # a fused layer may hand K-split partials to the next fused norm: the next layer's, or the final one
+        takes_partials = self.fused_layers[1:] + [not self.lm_head.fp32]
+        for layer, fusable, partials in zip(self.model.layers, self.fused_layers, takes_partials):
+            x, residual = (layer.forward_fused(positions, x, residual, meta, rope, partials) if fusable
                            else layer(positions, x, residual, meta))
         norm = self.model.norm
         if self.lm_head.fp32:
