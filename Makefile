@@ -1,7 +1,7 @@
 PY ?= python3
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-avx512 test-integrations bench-short bench-baselines gpu-check
+.PHONY: setup demo test test-avx512 test-integrations bench-short bench-baselines gpu-check gpu-perf
 
 # Idempotent: CPU PyTorch from the local file first, then the project, then the default model.
 setup:
@@ -57,3 +57,8 @@ bench-baselines:
 # Without CUDA it says so and exits 0.
 gpu-check:
 	$(PY) -m benchmarks.gpu_check --json bench_results/gpu_check.json
+
+# Issue 64's prepared device run (~6 min): the checks that bear on speed, bandwidth ceilings, the 8B-shaped engine
+# fused and unfused, the GEMMs, attention to 8K, a profile, peers; one JSON per section in bench_results/gpu_perf/.
+gpu-perf:
+	$(PY) -m benchmarks.gpu_perf --out bench_results/gpu_perf --budget-s 360

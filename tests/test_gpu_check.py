@@ -48,3 +48,23 @@ def test_a_check_that_raises_fails_alone_and_only_selects(capsys):
         assert gpu_engine._guarded("speed_fp8_batch1", lambda: {"batch": 1})["batch"] == 1
     finally:
         gpu_engine._ONLY[:] = []
+
+
+def test_gpu_perf_writes_a_json_per_section_and_skips_what_the_budget_leaves_out(tmp_path, capsys):
+    """benchmarks/gpu_perf.py (issue 64's prepared device run), dry: its kernel sections on the stand-in device with
+    tiny shapes, each to its own JSON as it finishes; a section that does not fit the budget is skipped, saying so.
+    (Its checks and engine sections are gpu_engine's, dry-run above; they take minutes on the interpreter.)"""
+    from benchmarks import gpu_perf
+    out = tmp_path / "perf"
+    assert gpu_perf.main(["--dry-run", "--out", str(out), "--sections", "bandwidth,gemm,attention,peers"]) == 0
+    gemm = json.loads((out / "gemm.json").read_text())
+    assert [(r["layer"], r["m"]) for r in gemm["rows"]] == [("tiny", 1), ("tiny", 4)]
+    assert all(r["fp8_us"] > 0 and r["bf16_matmul_us"] > 0 and r["config"] for r in gemm["rows"])
+    attention = json.loads((out / "attention.json").read_text())
+    assert {(r["context"], r["batch"], r["cache"]) for r in attention["rows"]} == {
+        (c, b, k) for c in (32, 64) for b in (1, 2) for k in ("bfloat16", "float8_e4m3fn")}
+    assert json.loads((out / "bandwidth.json").read_text())["read_gb_s"] > 0
+    assert "not carried" in json.loads((out / "peers.json").read_text())["peers"]["vllm_triton_w8a8_block_fp8"]
+    assert gpu_perf.main(["--dry-run", "--out", str(out), "--sections", "engine", "--budget-s", "10"]) == 0
+    assert json.loads((out / "engine.json").read_text())["skipped"].startswith("budget: 0 s spent, ~150 s needed")
+    assert "engine skipped" in capsys.readouterr().out
