@@ -59,6 +59,22 @@ def test_matches_reference(heads, cache_dtype, q_dtype, batch):
     assert_matches(at.paged_attention_triton(**args), paged_attention_ref(**args))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+def test_long_decode_contexts_split_over_the_keys_and_combine(cache_dtype, monkeypatch):
+    """A decode step whose programs would leave SMs idle walks each context in runs of SPLIT_KEYS keys (3 here: the
+    block tables hold 704 keys) and combines them in split order: the reference's values; a context of <= 256 keys
+    takes one split and gives the unsplit kernel's bits."""
+    batch = [(700, 1), (300, 1), (40, 1), (256, 1), (257, 1)]
+    args = make_batch(batch, 4, 2, 32, 8, cache_dtype, torch.bfloat16)
+    assert at.decode_splits(len(batch), 2, args["block_tables"].shape[1] * 8) == 3
+    out = at.paged_attention_triton(**args)
+    assert_matches(out, paged_attention_ref(**args))
+    monkeypatch.setattr(at, "SPLIT_TARGET_PROGRAMS", 1)  # every batch fills the device: one program per sequence
+    assert at.decode_splits(len(batch), 2, 704) == 1
+    unsplit = at.paged_attention_triton(**args)
+    assert torch.equal(out[2:4].view(torch.int16), unsplit[2:4].view(torch.int16))
+
+
 def test_head_dim_not_a_power_of_two():
     args = make_batch(BATCHES["mixed"], 6, 2, 40, 16, FP8_DTYPE, torch.bfloat16)
     assert_matches(at.paged_attention_triton(**args), paged_attention_ref(**args))

@@ -83,6 +83,7 @@ ATTENTION_BATCHES = {
     "decode1": [(57, 1)],
     "decode": [(1, 1), (17, 1), (40, 1), (100, 1), (33, 1), (16, 1), (64, 1), (5, 1)],
     "prefill": [(300, 300), (77, 45), (40, 1)],
+    "decode_long": [(3000, 1)],  # one sequence at 3K of context: split over the keys, then combined
 }
 
 # KV-cache modes: the model dtype, E4M3 with scales, E4M3 with full FP8 attention (fp8_q_scale).
@@ -513,7 +514,7 @@ def engine_cases(shape: ModelShape, scale_fmts=(None,), kinds=KINDS, steps=tuple
         cases += [_act_quant_case(shape, k, "prefill", fmt) for fmt in scale_fmts for k in in_features]
     if "linear" in kinds:
         cases += [_linear_case(shape, layer, k, shards, step, scale_fmts[0])
-                  for step in steps for layer, k, shards in layers]
+                  for step in steps if step in LINEAR_TOKENS for layer, k, shards in layers]
     for kv_mode in kv_modes:
         for step in steps:
             if "write_kv" in kinds and kv_mode != "full-fp8":  # full FP8 writes the cache as fp8 does
@@ -593,7 +594,7 @@ def case_sets() -> dict[str, list[Case]]:
     fp32 = dataclasses.replace(MODELS["smollm2-135m"], name="smollm2-135m-fp32", dtype=torch.float32)
     return {
         "smollm2-135m": engine_cases(MODELS["smollm2-135m"], scale_fmts=(None, "ue8m0")),
-        "llama-7b": engine_cases(MODELS["llama-7b"], steps=("decode", "prefill")),
+        "llama-7b": engine_cases(MODELS["llama-7b"], steps=("decode", "prefill", "decode_long")),
         "smollm2-135m-fp32": engine_cases(fp32, kinds=("write_kv", "attention"), steps=("decode", "prefill"),
                                           kv_modes=("model", "fp8")),
         "smollm2-135m-bi": batch_invariant_cases(MODELS["smollm2-135m"]),

@@ -195,10 +195,12 @@ def _load_v(v_cache_ptr, rows, key_ok, dims, dim_ok, MMA_DTYPE: tl.constexpr, IN
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
         num_seqs, qk_scale, out_scale, q_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_cb, stride_cs, stride_ch, stride_bt,
+        stride_cb, stride_cs, stride_ch, stride_bt, part_ptr, stats_ptr, num_tokens,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MMA_DTYPE: tl.constexpr,
-        FULL_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+        FULL_FP8: tl.constexpr, SPLITS: tl.constexpr, PART: tl.constexpr, INTERPRET: tl.constexpr):
+    """SPLITS > 1 (decode, one query per sequence, not full FP8): program (q, kv head, s) walks keys s * PART ..
+    (s + 1) * PART and writes its unnormalised accumulator, max and sum (part / stats) for _combine_kernel."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -227,8 +229,15 @@ def _paged_attention_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, num_keys, BLOCK_N):
-        s, kv_rows, key_ok = _scores(q, q_pos, start, num_keys, seq, kv_head, block_tables_ptr, k_cache_ptr,
+    key_begin = 0
+    key_end = num_keys
+    if SPLITS > 1:
+        key_begin = tl.program_id(2) * PART
+        key_end = tl.minimum(key_begin + PART, num_keys)
+        if key_begin >= num_keys:
+            return
+    for start in range(key_begin, key_end, BLOCK_N):
+        s, kv_rows, key_ok = _scores(q, q_pos, start, key_end, seq, kv_head, block_tables_ptr, k_cache_ptr,
                                      qk_scale, dims, dim_ok, stride_bt, stride_cb, stride_cs, stride_ch,
                                      BLOCK_SIZE, BLOCK_N, MMA_DTYPE, INTERPRET)
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -256,6 +265,12 @@ def _paged_attention_kernel(
             p = _upcast(_e4m3(p * 448.0, INTERPRET), MMA_DTYPE, INTERPRET)
             acc = _mma(p, _load_v(v_cache_ptr, kv_rows, key_ok, dims, dim_ok, MMA_DTYPE, INTERPRET), acc, INTERPRET)
         acc *= out_scale
+    elif SPLITS > 1:  # this split's share, unnormalised, for the combine: [split, token, head, dim], [.., 2]
+        at = (tl.program_id(2) * num_tokens + q_begin + tok) * (GROUP * tl.num_programs(1)) + head  # < 2^31
+        tl.store(part_ptr + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=tile_ok)
+        tl.store(stats_ptr + at * 2, m, mask=row_ok)
+        tl.store(stats_ptr + at * 2 + 1, row_sum, mask=row_ok)
+        return
     else:
         acc *= (out_scale / row_sum)[:, None]
     out = _round(acc, out_ptr.dtype.element_ty, INTERPRET)
@@ -263,11 +278,42 @@ def _paged_attention_kernel(
              + dims[None, :], out, mask=tile_ok)
 
 
-# Batch invariant: never specialised on num_seqs or the block-table width (Triton folds a 1 into the code and
-# specialises multiples of 16), one query tile for decode
-# and prefill alike. A row's keys are walked from key 0 in BLOCK_N steps whatever else is in the tile or
-# the batch; keys past a row's causal limit add exact zeros, so its sums keep one order.
-_paged_attention_kernel_bi = triton.jit(do_not_specialize=["num_seqs", "stride_bt"])(_paged_attention_kernel.fn)
+@triton.jit
+def _combine_kernel(part_ptr, stats_ptr, out_ptr, seq_lens_ptr, out_scale, num_tokens, stride_ot, stride_oh,
+                    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PART: tl.constexpr, INTERPRET: tl.constexpr):
+    """Decode token t's heads from its sequence's splits (ceil(keys / PART) of them), added in split order:
+    out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) * out_scale, M the largest m_s; a sequence without keys
+    (a graph's padding) gets zeros."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = heads < NUM_HEADS
+    ok = head_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    num_keys = tl.load(seq_lens_ptr + t)
+    used = tl.cdiv(num_keys, PART)
+    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(0, used):
+        top = tl.maximum(top, tl.load(stats_ptr + ((s * num_tokens + t) * NUM_HEADS + heads) * 2, mask=head_ok,
+                                      other=float("-inf")))
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(0, used):
+        at = (s * num_tokens + t) * NUM_HEADS + heads
+        weight = tl.exp(tl.load(stats_ptr + at * 2, mask=head_ok, other=0.0) - top)
+        total += tl.load(stats_ptr + at * 2 + 1, mask=head_ok, other=0.0) * weight
+        acc += tl.load(part_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=ok, other=0.0) * weight[:, None]
+    acc *= tl.where(total > 0, out_scale / total, 0.0)[:, None]
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             _round(acc, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
+
+
+# Batch invariant: never specialised on num_seqs, the block-table width or the token count (Triton folds a 1 into
+# the code and specialises multiples of 16), one query tile for decode and prefill alike, never split over the keys.
+# A row's keys are walked from key 0 in BLOCK_N steps whatever else is in the tile or the batch; keys past a row's
+# causal limit add exact zeros, so its sums keep one order.
+_paged_attention_kernel_bi = triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_tokens"])(
+    _paged_attention_kernel.fn)
 BATCH_INVARIANT_BLOCK_M = 64
 
 
@@ -301,15 +347,44 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qk_scale, out_scale = fp8_q_scale * k_scale * scale, v_scale / FP8_MAX
     else:
         qk_scale, out_scale = k_scale * scale, v_scale
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    splits = 1 if batch_invariant or full_fp8 or num_tokens != num_seqs else decode_splits(
+        num_seqs, num_kv_heads, block_tables.shape[1] * k_cache.shape[1])
+    part = stats = out
+    if splits > 1:  # each split's share, then one combine launch
+        part = torch.empty(splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        stats = torch.empty(splits, num_tokens, num_heads, 2, dtype=torch.float32, device=q.device)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, splits)
     kernel = _paged_attention_kernel_bi if batch_invariant else _paged_attention_kernel
     kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, num_seqs, qk_scale, out_scale,
         fp8_q_scale or 1.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
-        block_tables.stride(0), HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
-        BLOCK_Q=block_q, BLOCK_N=32, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        MMA_DTYPE=_mma_dtype(q, k_cache, full_fp8), FULL_FP8=full_fp8, INTERPRET=_INTERPRET, num_warps=4)
+        block_tables.stride(0), part, stats, num_tokens, HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=ATTENTION_BLOCK_N, BLOCK_D=block_d,
+        MMA_DTYPE=_mma_dtype(q, k_cache, full_fp8), FULL_FP8=full_fp8, SPLITS=splits, PART=SPLIT_KEYS,
+        INTERPRET=_INTERPRET, num_warps=4)
+    if splits > 1:
+        _combine_kernel[(num_tokens,)](
+            part, stats, out, seq_lens, out_scale, num_tokens, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=block_d, PART=SPLIT_KEYS,
+            INTERPRET=_INTERPRET, num_warps=4)
     return out
+
+
+ATTENTION_BLOCK_N = 32
+SPLIT_KEYS = 256  # keys a decode split walks: fixed, so a sequence's splits follow from its own length alone
+SPLIT_TARGET_PROGRAMS = 4 * 132  # ~4 programs per SM of an H100 / H200 (132 SMs)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int) -> int:
+    """Splits of a decode step (one query per sequence) over SPLIT_KEYS-key runs of its contexts: as many as the
+    longest context the block tables can hold needs (max_keys: their width in keys), when (sequences x KV heads)
+    programs alone would leave SMs idle; else 1, one program walking all of a sequence's keys. A sequence's result
+    depends on its own length only (a context of <= SPLIT_KEYS keys gives the unsplit kernel's bits), and a CUDA
+    graph bucket, whose block tables have a fixed width, keeps its splits."""
+    if num_seqs * num_kv_heads >= SPLIT_TARGET_PROGRAMS:
+        return 1
+    return max(1, -(-max_keys // SPLIT_KEYS))
 
 
 # ------------------------------------------------------------------------------------------ FlashInfer
