@@ -10,8 +10,8 @@ separate activation-quant launch before each GEMM, each in one launch (issue 64,
 Every kernel rounds where the unfused path rounds (kernels/fused_ref.py is the torch reference, and the tests
 compare bit for bit under the interpreter), with one difference: a row's sum of squares runs in a fixed order of
 this module's own, the row padded with zeros to a power of two and added pairwise, neighbours first (`_sum_pairs`),
-where torch sums in an order of its choosing. One program handles one row (or one head of one
-token) whatever else is in the batch, so every kernel is batch invariant; none takes the number of rows.
+where torch sums in an order of its choosing. A program handles one row (or a few head rows of one token, or 1,024
+columns of one row) whatever else is in the batch, so every kernel is batch invariant; none takes the number of rows.
 
 Under TRITON_INTERPRET=1 the kernels take the interpreter-safe conversions of attention_triton (its docstring).
 """
