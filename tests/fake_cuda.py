@@ -68,10 +68,9 @@ class MixedDevices(RuntimeError):
     """An op got device and host tensors together."""
 
 
-def _is_view(func, inputs, out) -> bool:
+def _is_view(func, inputs, outs) -> bool:
     """No kernel: every output tensor shares an input's storage, being a new view of it or (out of place) the input
     itself; an in-place op (name ending in `_`, `__setitem__`, `__i*__`) that returns its input is a kernel."""
-    outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
     name = getattr(func, "__name__", "")
     if not outs:
         return name != "__setitem__"  # a metadata query; __setitem__ writes without returning a tensor
@@ -184,11 +183,11 @@ class FakeCuda(TorchFunctionMode):
             return out
         device = bool(on_device) or to_device
         self._mark(out, device)
-        self.device_ops += device and any(isinstance(t, Tensor) for t in tree_flatten(out)[0])
-        if device and func not in _ALLOCS and not _is_view(func, tensors, out):
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+        self.device_ops += device and bool(outs)
+        if device and func not in _ALLOCS and not _is_view(func, tensors, outs):
             self.torch_kernels += 1
             self.torch_kernel_names[getattr(func, "__name__", str(func))] += 1
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
             index = [t for t in tensors if t.dtype in (torch.int32, torch.int64, torch.bool)]
             if func in _GATHERS and outs and index:
                 self._count_bytes(index + outs + outs)  # the index, the rows read and the rows written

@@ -245,7 +245,8 @@ def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tenso
         raise ValueError(f"bad FP8 GEMM launch {config}: block_n must divide {BLOCK}; no K split when batch invariant")
     kernel = _w8a8_block_matmul_kernel_bi if batch_invariant else _w8a8_block_matmul_kernel
     split = max(1, min(config.split_k, cdiv(k, BLOCK)))
-    out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+    keep_partials = split > 1 and partials and bias is None
+    out = None if keep_partials else torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     dest = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x_q.device)
     grid = (cdiv(m, config.block_m), cdiv(n, config.block_n), split)
     if m and n:
@@ -255,7 +256,7 @@ def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tenso
             *x_scale.stride(), *w_scale_inv.stride(),
             HAS_BIAS=bias is not None and split == 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK,
             SPLIT_K=split, num_warps=config.num_warps, num_stages=config.num_stages)
-    if split > 1 and partials and bias is None:
+    if keep_partials:
         return dest
     if split > 1:
         total = dest.sum(0)  # one reduction kernel, in the same order every call

@@ -24,15 +24,18 @@ from fp8engine.model_executor.kernels.attention_triton import _INTERPRET, _e4m3,
 from fp8engine.model_executor.kernels.fp8_triton import _E4M3_BY_BITS, _block_scale, _quantize, _ue8m0
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
 
-LANES = 128  # the 1 x 128 activation group
-
-
 @triton.jit
 def _sum_pairs(acc, ROWS: tl.constexpr, N: tl.constexpr, LOG2_N: tl.constexpr):
     """Each row of acc [ROWS, N = 2^LOG2_N] summed pairwise, neighbours first (a fixed order on every device)."""
     for i in tl.static_range(LOG2_N - 1):
         acc = tl.sum(tl.reshape(acc, (ROWS, N >> (i + 1), 2)), axis=2)
     return tl.sum(acc, axis=1)  # the last two
+
+
+@triton.jit
+def _rn(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 x rounded to the model dtype, as float32 again (where torch rounds a model-dtype op's result)."""
+    return _upcast(_round(x, dtype, INTERPRET), tl.float32, INTERPRET)
 
 
 @triton.jit
@@ -45,7 +48,7 @@ def _load_row(x_ptr, row, stride_x, stride_split, cols, ok, SPLIT: tl.constexpr,
     total = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT):
         total += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=ok, other=0.0)
-    return _upcast(_round(total, dtype, INTERPRET), tl.float32, INTERPRET)
+    return _rn(total, dtype, INTERPRET)
 
 
 @triton.jit
@@ -62,14 +65,14 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, normed_ptr, q_ptr, s_ptr,
     s = _load_row(x_ptr, row, stride_x, stride_split, cols, ok, SPLIT, dtype, INTERPRET)
     if HAS_RESIDUAL:  # the add in the model dtype
         r = _upcast(tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0), tl.float32, INTERPRET)
-        s = _upcast(_round(s + r, dtype, INTERPRET), tl.float32, INTERPRET)
+        s = _rn(s + r, dtype, INTERPRET)
     if WRITE_SUM:
         tl.store(sum_ptr + row * stride_sum + cols, _round(s, dtype, INTERPRET), mask=ok)
     total = _sum_pairs(tl.reshape(s * s, (1, BLOCK_H)), 1, BLOCK_H, LOG2_H)
     inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(total, H.to(tl.float32)) + eps))
-    normed = _upcast(_round(s * inv, dtype, INTERPRET), tl.float32, INTERPRET)
+    normed = _rn(s * inv, dtype, INTERPRET)
     w = _upcast(tl.load(w_ptr + cols, mask=ok, other=0.0), tl.float32, INTERPRET)
-    out = _upcast(_round(w * normed, dtype, INTERPRET), tl.float32, INTERPRET)
+    out = _rn(w * normed, dtype, INTERPRET)
     if WRITE_NORMED:
         tl.store(normed_ptr + row * stride_n + cols, _round(out, dtype, INTERPRET), mask=ok)
     if QUANT:  # the 1 x 128 groups of the row
@@ -101,9 +104,9 @@ def norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Ten
     write_sum = residual is not None or split > 0
     summed = torch.empty(rows, h, dtype=dtype, device=device) if write_sum else x
     out = torch.empty(rows, h, dtype=dtype, device=device) if normed else None
-    block = max(LANES, triton.next_power_of_2(h))
+    block = max(BLOCK, triton.next_power_of_2(h))
     x_q = torch.empty(rows, h, dtype=FP8_DTYPE, device=device) if quant else None
-    x_s = torch.empty(rows, cdiv(h, LANES), dtype=torch.float32, device=device) if quant else None
+    x_s = torch.empty(rows, cdiv(h, BLOCK), dtype=torch.float32, device=device) if quant else None
     if rows:
         _norm_quant_kernel[(rows,)](
             x, residual, weight, summed, out, x_q, x_s, h, eps, x.stride(-2), x.stride(0) if split else 0,
@@ -148,18 +151,15 @@ def _qkv_epilogue_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr, k
         wk = _upcast(tl.load(kn_ptr + dims), tl.float32, INTERPRET)[None, :]
         wqp = _upcast(tl.load(qn_ptr + partner), tl.float32, INTERPRET)[None, :]
         wkp = _upcast(tl.load(kn_ptr + partner), tl.float32, INTERPRET)[None, :]
-        xn = _upcast(_round(_upcast(_round(x * inv, dtype, INTERPRET), tl.float32, INTERPRET)
-                            * tl.where(is_q[:, None], wq, wk), dtype, INTERPRET), tl.float32, INTERPRET)
-        xpn = _upcast(_round(_upcast(_round(xp * inv, dtype, INTERPRET), tl.float32, INTERPRET)
-                             * tl.where(is_q[:, None], wqp, wkp), dtype, INTERPRET), tl.float32, INTERPRET)
+        xn = _rn(_rn(x * inv, dtype, INTERPRET) * tl.where(is_q[:, None], wq, wk), dtype, INTERPRET)
+        xpn = _rn(_rn(xp * inv, dtype, INTERPRET) * tl.where(is_q[:, None], wqp, wkp), dtype, INTERPRET)
         x = tl.where(is_v[:, None], x, xn)
         xp = xpn
     xp = tl.where((dims < half)[None, :], -xp, xp)
     c = _upcast(tl.load(cos_ptr + t * stride_cs + dims), tl.float32, INTERPRET)[None, :]
     s = _upcast(tl.load(sin_ptr + t * stride_cs + dims), tl.float32, INTERPRET)[None, :]
-    rotated = _upcast(_round(x * c, dtype, INTERPRET), tl.float32, INTERPRET) \
-        + _upcast(_round(xp * s, dtype, INTERPRET), tl.float32, INTERPRET)
-    y = _upcast(_round(tl.where(is_v[:, None], x, rotated), dtype, INTERPRET), tl.float32, INTERPRET)
+    rotated = _rn(x * c, dtype, INTERPRET) + _rn(xp * s, dtype, INTERPRET)
+    y = _rn(tl.where(is_v[:, None], x, rotated), dtype, INTERPRET)
     full = dims[None, :] < D  # the masks as whole [HEADS, D] tiles
     tl.store(q_out_ptr + t * stride_qt + h[:, None] * D + dims[None, :], _round(y, dtype, INTERPRET),
              mask=is_q[:, None] & full)
@@ -209,8 +209,8 @@ def _silu_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, I, stride_x, stride_o, 
     dtype = x_ptr.dtype.element_ty
     gate = _upcast(tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0), tl.float32, INTERPRET)
     up = _upcast(tl.load(x_ptr + row * stride_x + I + cols, mask=ok, other=0.0), tl.float32, INTERPRET)
-    silu = _upcast(_round(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype, INTERPRET), tl.float32, INTERPRET)
-    h = _upcast(_round(silu * up, dtype, INTERPRET), tl.float32, INTERPRET)
+    silu = _rn(tl.div_rn(gate, 1.0 + tl.exp(-gate)), dtype, INTERPRET)
+    h = _rn(silu * up, dtype, INTERPRET)
     if QUANT:
         groups = tl.reshape(h, (CHUNK // 128, 128))
         scale = _block_scale(tl.max(tl.abs(groups), axis=1), UE8M0)
@@ -228,7 +228,7 @@ def silu_mul_quant(x: torch.Tensor, quant: bool = True, scale_fmt: str | None = 
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, inter = x.shape[0], x.shape[1] // 2
-    chunk = min(1024, max(LANES, triton.next_power_of_2(inter)))
+    chunk = min(1024, max(BLOCK, triton.next_power_of_2(inter)))
     if quant:
         out, q = None, torch.empty(rows, inter, dtype=FP8_DTYPE, device=x.device)
         s = torch.empty(rows, cdiv(inter, BLOCK), dtype=torch.float32, device=x.device)
