@@ -2,12 +2,14 @@ import gc
 import os
 import random
 import shutil
+import sys
 import zlib
 
 import pytest
 import torch
 
 from fp8engine.model_executor.kernels.cpu_ops import cpu_flags  # noqa: F401 (tests import it from here)
+from tests import interpreter
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -32,6 +34,14 @@ def _release_memory_after_each_module():
     from fp8engine.entrypoints.server import trim_heap
     gc.collect()
     trim_heap()
+
+
+@pytest.fixture(autouse=True)
+def _fast_interpreter_helpers():
+    """Once a test module has imported Triton (each sets TRITON_INTERPRET first where it wants the interpreter), its
+    helpers skip the interpreter's redundant re-patching (tests/interpreter.py)."""
+    if "triton" in sys.modules:
+        interpreter.install()
 
 
 @pytest.fixture(autouse=True)
