@@ -71,6 +71,28 @@ def test_each_mode_is_warmed_up_on_the_timed_batch_once_and_reused_every_round(m
     assert "what it means: one sequence decodes" in throughput.format_table(report)
 
 
+def test_interleaved_modes_take_turns_of_n_steps_and_count_only_their_own(monkeypatch):
+    """--interleave: the round's modes run together, N engine steps each in turn, the order reversing every turn and
+    every round; each mode's tokens and seconds are its own run's."""
+    steps = []
+
+    class Counting(throughput.LLMEngine):
+        def step(self, finished_only=False):
+            steps.append("f" if self.config.quantization else "b")
+            return super().step(finished_only)
+
+    monkeypatch.setattr(throughput, "LLMEngine", Counting)
+    spec = throughput.shaped("decode", output_len=6)
+    report = throughput.run(spec, ["bf16", "fp8-linear"], rounds=2, progress=False, interleave=4)
+    warm = "b" * 6 + "f" * 6  # each engine warmed up alone on the timed batch: 6 steps for 6 tokens
+    assert "".join(steps) == warm + "bbbb" + "ffff" + "ff" + "bb" + "ffff" + "bbbb" + "bb" + "ff"
+    assert [r["output_tokens"] for r in report["results"]] == [6, 6] and report["interleave"] == 4
+    assert all(len(r["output_tok_s_rounds"]) == 2 for r in report["results"])
+    assert "the modes taking turns every 4 engine steps" in throughput.format_table(report)
+    with pytest.raises(ValueError, match="interleave must be >= 0"):
+        throughput.run(spec, ["bf16"], interleave=-1, progress=False)
+
+
 def test_vllm_runs_with_tcmalloc_preloaded_where_installed(monkeypatch, tmp_path):
     lib = tmp_path / "libtcmalloc_minimal.so.4"
     lib.write_bytes(b"")
@@ -147,6 +169,8 @@ def test_chat_prompts_report_their_lengths_as_the_engine_renders_them(tokenizer)
     (["--input-len", "8"], "--input-len 8 sets the length of random prompts; chat prompts have their own lengths"),
     (["--replicas", "2,0"], "--replicas must be an integer >= 1, got 0"),
     (["--replicas", "1,2", "--baseline", "hf"], "--replicas compares replica counts of one mode"),
+    (["--interleave", "-1"], "interleave must be >= 0 engine steps, got -1"),
+    (["--interleave", "4", "--replicas", "1,2"], "--interleave times engine modes side by side"),
     (["--workload", "sync", "--n", "2", "--threads", "1"], "--n, --threads: for the throughput workloads"),
     (["--baseline", "hf", "--gguf", "m.gguf"], "--gguf and --llama-bin are for --baseline llama.cpp"),
     (["--baseline", "llama.cpp", "--gguf", "m.gguf"], "--baseline llama.cpp needs --llama-bin DIR"),

@@ -159,34 +159,91 @@ def sampling_params(workload: Workload) -> SamplingParams:
 def run_engine(mode: str, workload: Workload, prompts: list[list[int]], model: str, dtype: str, device: str,
                progress: bool, speculative: str = "off", num_speculative_tokens: int = 4,
                engines: dict | None = None) -> dict:
-    """One timed generate of the workload on the mode's engine: built, and warmed up on the exact batch it is then
-    timed on (every shape its kernels and caches see), on its first run; kept in `engines` for the next rounds.
-    Before each timed run a new weight version, as after an RL sync (KV scales recalibrate, prefix cache flushed)."""
-    engines = {} if engines is None else engines
-    params = sampling_params(workload)
-    name = run_name(mode, speculative)
-    engine = engines.get(name)
-    if engine is None:
-        engine = LLMEngine(engine_config(mode, workload, model, dtype, device, speculative, num_speculative_tokens))
-        engine.generate(prompts, params, use_tqdm=False)  # warm-up on the timed shape
-        engines[name] = engine
-    engine.update_weights({})
-    recal_before = engine.kv_scales.seconds_total
-    before = engine.get_stats()
-    preempt_before = before.num_preemptions_total
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params, use_tqdm=progress)
-    seconds = time.perf_counter() - start
-    stats = engine.get_stats()
-    per_seq = [c.num_preemptions for o in outs for c in o.outputs]
-    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"mode": name, "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
-            "preemptions_total": stats.num_preemptions_total - preempt_before,
-            "preemptions_per_seq_mean": sum(per_seq) / len(per_seq), "preemptions_per_seq_max": max(per_seq),
-            "kv_capacity_tokens": stats.kv_cache_capacity_tokens,
-            "recalibration_share": (engine.kv_scales.seconds_total - recal_before) / seconds,
-            "linear_backend": stats.linear_backend, "attention_backend": stats.attention_backend,
-            "decoder_backend": stats.decoder_backend, **_spec_figures(speculative, before, stats)}
+    """One timed generate of the workload on the mode's engine (see TimedRun), whole."""
+    return TimedRun(mode, workload, prompts, model, dtype, device, speculative, num_speculative_tokens,
+                    engines).run(progress)
+
+
+class TimedRun:
+    """One timed run of the workload on a mode's engine: built, and warmed up on the exact batch it is then timed on
+    (every shape its kernels and caches see), on its first run; kept in `engines` for the next rounds. Before the
+    timed run a new weight version, as after an RL sync (KV scales recalibrate, prefix cache flushed).
+
+    `run` times one generate; `start` + `advance` time it in slices of engine steps, so that several modes' runs can
+    take turns on the machine (run_interleaved). Only the calls into the engine count."""
+
+    def __init__(self, mode: str, workload: Workload, prompts: list[list[int]], model: str, dtype: str, device: str,
+                 speculative: str = "off", num_speculative_tokens: int = 4, engines: dict | None = None):
+        engines = {} if engines is None else engines
+        self.name, self.prompts, self.speculative = run_name(mode, speculative), prompts, speculative
+        self.params = sampling_params(workload)
+        engine = engines.get(self.name)
+        if engine is None:
+            engine = LLMEngine(engine_config(mode, workload, model, dtype, device, speculative,
+                                             num_speculative_tokens))
+            engine.generate(prompts, self.params, use_tqdm=False)  # warm-up on the timed shape
+            engines[self.name] = engine
+        self.engine = engine
+        engine.update_weights({})
+        self.recal_before = engine.kv_scales.seconds_total
+        self.before = engine.get_stats()
+        self.seconds = 0.0
+        self.ids: list[str] = []
+        self.finished: dict = {}
+
+    def run(self, progress: bool) -> dict:
+        start = time.perf_counter()
+        outs = self.engine.generate(self.prompts, self.params, use_tqdm=progress)
+        self.seconds += time.perf_counter() - start
+        return self.result(outs)
+
+    def start(self) -> None:
+        start = time.perf_counter()
+        self.ids = [self.engine.add_request(p, self.params) for p in self.prompts]
+        self.seconds += time.perf_counter() - start
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.ids)
+
+    def advance(self, steps: int) -> None:
+        """Up to `steps` engine steps, fewer when the last request finishes."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            for out in self.engine.step(finished_only=True):
+                if out.finished:
+                    self.finished[out.request_id] = out
+            if self.done:
+                break
+        self.seconds += time.perf_counter() - start
+
+    def result(self, outs: list | None = None) -> dict:
+        outs = [self.finished[i] for i in self.ids] if outs is None else outs
+        engine, seconds = self.engine, self.seconds
+        stats = engine.get_stats()
+        per_seq = [c.num_preemptions for o in outs for c in o.outputs]
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"mode": self.name, "output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+                "preemptions_total": stats.num_preemptions_total - self.before.num_preemptions_total,
+                "preemptions_per_seq_mean": sum(per_seq) / len(per_seq), "preemptions_per_seq_max": max(per_seq),
+                "kv_capacity_tokens": stats.kv_cache_capacity_tokens,
+                "recalibration_share": (engine.kv_scales.seconds_total - self.recal_before) / seconds,
+                "linear_backend": stats.linear_backend, "attention_backend": stats.attention_backend,
+                "decoder_backend": stats.decoder_backend, **_spec_figures(self.speculative, self.before, stats)}
+
+
+def run_interleaved(runs: list[TimedRun], steps: int) -> list[dict]:
+    """The runs' timed generates taking turns: each in turn runs `steps` engine steps, the order reversing every
+    turn, until all are done; a slow spell of the machine then lands on every run alike (one generate after the
+    other leaves it to land on one). Results in the order given."""
+    for r in runs:
+        r.start()
+    pending, turn = list(runs), 0
+    while pending:
+        for r in pending if turn % 2 == 0 else pending[::-1]:
+            r.advance(steps)
+        pending, turn = [r for r in pending if not r.done], turn + 1
+    return [r.result() for r in runs]
 
 
 def run_name(mode: str, speculative: str) -> str:
@@ -235,7 +292,7 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
         dtype: str = "bfloat16", device: str = "auto", progress: bool = True, rounds: int = 1,
         threads: int | None = None, gguf: str | None = None, llama_bin: str | None = None,
         vllm_python: str | None = None, speculative: list[str] | tuple[str, ...] = ("off",),
-        num_speculative_tokens: int = 4) -> dict:
+        num_speculative_tokens: int = 4, interleave: int = 0) -> dict:
     """Every mode once per round; rounds alternate the order (first to last, then last to first), and
     each mode reports its median round, so a slow spell of the machine does not land on one mode; its ratio to the
     first mode is the median of the rounds' ratios (each round's two runs side by side).
@@ -246,7 +303,9 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
     `vllm_python` (see bench/vllm_baseline.py); each in every round after the modes like one more mode
     (memory-bound decode on a shared machine drifts by tens of percent within minutes); ratios are against
     the first mode. Every mode and baseline is warmed up on the exact batch it is then timed on. speculative: each mode once per entry, "off" (plain decoding; the row is the mode's name)
-    or a draft source ("ngram", "suffix"; the row is "mode+source")."""
+    or a draft source ("ngram", "suffix"; the row is "mode+source"). interleave: N > 0 times the modes of a round
+    together, N engine steps each in turn (run_interleaved), the baselines before or after them as one more run;
+    0 runs each mode's generate whole."""
     spec = WORKLOADS.get(workload) if isinstance(workload, str) else workload
     if spec is None:
         raise ValueError(f"unknown workload {workload!r}; choose from {sorted(WORKLOADS)}")
@@ -258,6 +317,8 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
         raise ValueError(f"unknown modes {unknown or modes}; choose from {list(MODES)}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if interleave < 0:
+        raise ValueError(f"interleave must be >= 0 engine steps, got {interleave}")
     if threads is not None:
         check_positive("--threads", threads)
     baselines = [baseline] if isinstance(baseline, str) else list(baseline or [])
@@ -270,23 +331,35 @@ def run(workload: str | Workload, modes: list[str], baseline: str | list[str] | 
         prompts = prompt_ids(spec, AutoTokenizer.from_pretrained(model_dir(model)))
         shape = shape_of(spec, prompts, threads)
         engines: dict = {}
+        spec_kw = {s: {} if s == "off" else dict(speculative=s, num_speculative_tokens=num_speculative_tokens)
+                   for s in speculative}
         runners = {run_name(m, s): functools.partial(
-            run_engine, m, spec, prompts, model, dtype, device, progress, engines=engines,
-            **({} if s == "off" else dict(speculative=s, num_speculative_tokens=num_speculative_tokens)))
+            run_engine, m, spec, prompts, model, dtype, device, progress, engines=engines, **spec_kw[s])
             for m in modes for s in speculative}
+        timed = {run_name(m, s): functools.partial(TimedRun, m, spec, prompts, model, dtype, device,
+                                                   engines=engines, **spec_kw[s]) for m in modes for s in speculative}
         for name in baselines:
             runners[name] = _baseline_run(name, checked.get(name), spec, prompts, shape, model, dtype)
         order = list(runners)
         runs: dict[str, list[dict]] = {m: [] for m in order}
         for i in range(rounds):
-            for m in order if i % 2 == 0 else order[::-1]:
-                runs[m].append(runners[m]())
+            turn = order if i % 2 == 0 else order[::-1]
+            if interleave:  # the modes as one run where the first of them comes in this round's order
+                together = [m for m in turn if m in timed]
+                at = turn.index(together[0])
+                turn = turn[:at] + [tuple(together)] + [m for m in turn[at:] if m not in timed]
+            for m in turn:
+                if isinstance(m, tuple):
+                    for name, result in zip(m, run_interleaved([timed[name]() for name in m], interleave)):
+                        runs[name].append(result)
+                else:
+                    runs[m].append(runners[m]())
         results = [median_run(runs[m]) for m in order]
         machine = machine_info()
     for name, r in zip(order, results):  # paired: each round's ratio to the first mode in the same round, the median
         r["ratio_vs_first"] = _median([a["output_tok_s"] / b["output_tok_s"] for a, b in zip(runs[name], runs[order[0]])])
     report = {"workload": asdict(spec), "shape": shape, "model": model, "dtype": dtype, "rounds": rounds,
-              "machine": machine, "results": results}
+              "interleave": interleave, "machine": machine, "results": results}
     if baselines:
         report["versus_best_peer"] = versus_best_peer(runs, [m for m in order if m not in baselines], baselines)
     return report
@@ -371,6 +444,8 @@ def format_table(report: dict) -> str:
     head = (f"workload {report['workload']['name']}: {shape_words(report['shape'])}, {report['dtype']}, "
             f"torch {report['machine']['torch']}, {machine_words(report['machine'])}")
     rounds = report.get("rounds", 1)
+    if report.get("interleave"):
+        head += f"; the modes taking turns every {report['interleave']} engine steps"
     if rounds > 1:
         head += f"; median of {rounds} rounds in alternating order"
         per_round = [f"{r['mode']} " + "/".join(f"{x:.0f}" for x in r["output_tok_s_rounds"])

@@ -135,6 +135,9 @@ def bench_throughput(args: argparse.Namespace) -> dict:
     from fp8engine.bench import throughput
     spec = throughput.shaped(args.workload, args.num_prompts, args.n, args.input_len, args.output_len,
                              args.prompt_kind)
+    if args.interleave and (args.update_every is not None or args.replicas is not None):
+        raise ValueError("--interleave times engine modes side by side; it takes neither --update-every nor "
+                         "--replicas")
     if args.update_every is not None:
         if args.replicas is not None or args.baseline is not None or args.plot:
             raise ValueError("--update-every compares --in-flight policies of one mode; it takes neither "
@@ -155,7 +158,8 @@ def bench_throughput(args: argparse.Namespace) -> dict:
     report = throughput.run(spec, args.modes, args.baseline, args.model, args.dtype, args.device,
                             progress=not args.no_progress, rounds=args.rounds, threads=args.threads,
                             gguf=args.gguf, llama_bin=args.llama_bin, vllm_python=args.vllm_python,
-                            speculative=args.speculative_list, num_speculative_tokens=args.num_speculative_tokens)
+                            speculative=args.speculative_list, num_speculative_tokens=args.num_speculative_tokens,
+                            interleave=args.interleave)
     print(throughput.format_table(report))
     if args.plot:
         from fp8engine.bench.plot import plot_report

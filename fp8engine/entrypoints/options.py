@@ -302,6 +302,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--rounds",), "rounds", "bench", ("bench",), "run every mode (or replica count), and the baseline, "
            "this many times in alternating order and report the median (with a baseline, also each round's best "
            "mode / best peer)", 1, int),
+    Option(("--interleave",), "interleave", "bench", ("bench",), "time the modes of a round together, N engine "
+           "steps each in turn (the order reversing every turn), so that the machine's slow spells land on every "
+           "mode alike; 0: each mode's run whole, one after the other", 0, int, metavar="N"),
     Option(("--no-progress",), "no_progress", "bench", ("bench",), "no progress bars", False,
            action="store_true"),
     Option(("--concurrency", "--clients"), "concurrency", "bench", ("bench",),
