@@ -28,7 +28,8 @@ def install() -> bool:
         return False
     if getattr(interpreter, "_fp8engine_fast_helpers", False):
         return True
-    patch_lang, launch = getattr(interpreter, "_patch_lang", None), getattr(interpreter.GridExecutor, "__call__", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    patch_lang, launch = getattr(interpreter, "_patch_lang", None), getattr(executor, "__call__", None)
     if patch_lang is None or launch is None or not hasattr(interpreter, "_LangPatchScope"):
         return False
 
@@ -51,6 +52,6 @@ def install() -> bool:
             _state.launching, _state.patched = False, None
 
     interpreter._patch_lang = _patch_lang
-    interpreter.GridExecutor.__call__ = _launch
+    executor.__call__ = _launch
     interpreter._fp8engine_fast_helpers = True
     return True
