@@ -414,7 +414,7 @@ def run(dry: bool, workdir: str | None = None, only: list[str] | None = None) ->
         big = model_dir(root / "8b", TINY if dry else EIGHT_B, weights=False)
         steps, prompt_len = (2, 16) if dry else (16, 128)
         sizes = (1, 2) if dry else (1, 64, 256)
-        some = sizes[:1] if dry else sizes[:2]  # the dry run proves each kind of row runs, on the interpreter: one
+        some = sizes[:1] if dry else sizes[:2]  # the dry run runs each kind of row once (the interpreter is slow)
         # (batch, quantization, eager, batch invariant, FP8 LM head)
         runs = [(batch, quantization, False, False, False) for quantization in (None, "fp8") for batch in sizes]
         runs += [(1, quantization, True, False, False) for quantization in (None, "fp8")]  # the host's share
