@@ -1,4 +1,5 @@
 import gc
+import importlib.util
 import os
 import random
 import shutil
@@ -9,7 +10,20 @@ import pytest
 import torch
 
 from fp8engine.model_executor.kernels.cpu_ops import cpu_flags  # noqa: F401 (tests import it from here)
-from tests import interpreter
+
+
+def _sibling(name: str):
+    """This directory's module `name`, loaded by its path: `from tests import ...` finds whichever `tests` package
+    comes first on sys.path, and veRL's wheel installs one into site-packages (test-integrations runs this conftest
+    in veRL's venv, from /tmp)."""
+    path = os.path.join(os.path.dirname(__file__), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"fp8engine_tests_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+interpreter = _sibling("interpreter")
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
