@@ -456,7 +456,7 @@ def _spread(gen: torch.Generator, *shape: int) -> torch.Tensor:
 
 @pytest.mark.skipif(not AMX, reason="the tiles' order is checked against the tiles")
 def test_nt16_in_the_tiles_order_gives_the_tiles_bits(ops):
-    """TDPBF16PS adds each 32-k step into C as C + (even + odd) (csrc/fp8_linear.cpp, nt16_tiles_blocks): the nt16
+    """TDPBF16PS adds each 32-k step into C as C + (even + odd) (csrc/fp8_linear.cpp, nt16_blocks): the nt16
     kernel in that order gives the tiles' bits, at 1-6 rows where it replaces them, with ragged K (a partial last
     block, a single 64-k chunk), on inputs that tell sums in other orders apart (the plain nt kernel, one vdpbf16ps
     chain, differs on them)."""

@@ -859,28 +859,19 @@ constexpr int kNtGroup = 4;  // K blocks nt_blocks takes at once
 // The line of a K block that holds slots 2 j and 2 j + 1 (nt16_pair_slot's inverse).
 constexpr int64_t nt16_line_of(int64_t j) { return (j & 0x11) | ((j >> 3) & 1) << 1 | ((j >> 1) & 3) << 2; }
 
-// The block sums acc[g] of a task's G blocks, scaled and added to its running sums tot (set by the first block when
-// first), as amx_scale_tile applies them.
-template <int G, int MR>
-inline void nt16_add_block_sums(const __m512 (&acc)[G][MR][kNtVecs], const float* sx, int64_t sx_ld,
-                                const __m512 (*sw)[kNtVecs], float* tot, bool first) {
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < MR; ++i) {
-      const __m512 sxv = _mm512_set1_ps(sx[i * sx_ld + g]);
-      for (int v = 0; v < kNtVecs; ++v) {
-        float* t = tot + (i * kNtVecs + v) * 16;
-        const __m512 prev = first && g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(t);
-        _mm512_store_ps(t, _mm512_fmadd_ps(acc[g][i][v], _mm512_mul_ps(sxv, sw[g][v]), prev));
-      }
-    }
-}
-
 // nt_blocks on a task whose two vectors are nt16 groups, at a row or two, without wt: each line converts in
 // registers straight into its two pairs of 16 rows and enters the chains at once, the lines taken in slot order
 // (the chains' order), so the sums are nt_blocks' bits. The G blocks from b0 may end with the partial last block of
 // K, whose chain runs over whole 64-k chunks as nt_block's (zero weights past K). The next task's lines are
 // prefetched into L2 as nt16's conversion does.
-template <int G, int MR>
+//
+// kTiles sums in the AMX tiles' order instead (linear_common.h), so that the outputs are linear_amx's bits: the
+// tiles' k is the lane-order slot here too (the converted weight rows and the packed activations share it), so a
+// 32-k step is 16 slots: two FMA chains per output over them (the products of E4M3 values are exact and never
+// denormal, so FMA rounds as the tiles add), folded into the block's sum as the tile does, then the block's scale
+// and the running sum as amx_scale_tile applies them. (vdpbf16ps on pairs with one half zero gives the same bits
+// without taking the weight's pairs apart, but took 1.2x the time of this at one row, 2x at six, on the Xeon.)
+template <int G, int MR, bool kTiles = false>
 void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_t b0, const uint16_t* xb,
                  int64_t ldx, const float* sx, int64_t sx_ld, const __m512 (*sw)[kNtVecs], float* tot, bool first) {
   static_assert(kNtVecs == 2, "a task is two groups");
@@ -888,10 +879,10 @@ void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_
   const uint8_t* base[kNtVecs] = {p.w + n0 * p.k + b0 * kBlock * 16, p.w + (n0 + 16) * p.k + b0 * kBlock * 16};
   const int64_t ahead = kNtRows * p.k, last_cols = std::min(kBlock, p.k - (b0 + G - 1) * kBlock);
   const int64_t last_lines = last_cols / 4, last_slot_pairs = cdiv(last_cols, 64) * 16;
-  __m512 acc[G][MR][kNtVecs];
-  for (auto& row : acc)
-    for (auto& a : row)
-      for (auto& v : a) v = _mm512_setzero_ps();
+  __m512 acc[G][MR][kNtVecs], even[G][MR][kNtVecs], odd[G][MR][kNtVecs];  // even, odd: kTiles' step chains
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < kNtVecs; ++v) acc[g][i][v] = even[g][i][v] = odd[g][i][v] = _mm512_setzero_ps();
   for (int64_t j = 0; j < kBlock / 4; ++j) {
     const int64_t line = nt16_line_of(j);
     for (int g = 0; g < G; ++g) {
@@ -909,13 +900,39 @@ void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_
       for (int i = 0; i < MR; ++i) {  // each row's two pairs broadcast as it goes (few registers at 8 rows)
         int32_t pair[2];
         std::memcpy(pair, xb + i * ldx + g * kBlock + 4 * j, 8);
-        const __m512bh x0 = as_bh(_mm512_set1_epi32(pair[0])), x1 = as_bh(_mm512_set1_epi32(pair[1]));
-        for (int v = 0; v < kNtVecs; ++v)
-          acc[g][i][v] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g][i][v], as_bh(w[v][0]), x0), as_bh(w[v][1]), x1);
+        if constexpr (kTiles) {
+          for (int h = 0; h < 2; ++h) {
+            const __m512 xe = _mm512_set1_ps(pair_even(pair[h])), xo = _mm512_set1_ps(pair_odd(pair[h]));
+            for (int v = 0; v < kNtVecs; ++v) {
+              even[g][i][v] = _mm512_fmadd_ps(pairs_even(w[v][h]), xe, even[g][i][v]);
+              odd[g][i][v] = _mm512_fmadd_ps(pairs_odd(w[v][h]), xo, odd[g][i][v]);
+            }
+          }
+        } else {
+          const __m512bh x0 = as_bh(_mm512_set1_epi32(pair[0])), x1 = as_bh(_mm512_set1_epi32(pair[1]));
+          for (int v = 0; v < kNtVecs; ++v)
+            acc[g][i][v] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g][i][v], as_bh(w[v][0]), x0), as_bh(w[v][1]), x1);
+        }
+      }
+      if constexpr (kTiles) {
+        if ((j & 7) == 7)  // the end of a 32-k step (16 slots)
+          for (int i = 0; i < MR; ++i)
+            for (int v = 0; v < kNtVecs; ++v) {
+              acc[g][i][v] = _mm512_add_ps(acc[g][i][v], _mm512_add_ps(even[g][i][v], odd[g][i][v]));
+              even[g][i][v] = odd[g][i][v] = _mm512_setzero_ps();
+            }
       }
     }
   }
-  nt16_add_block_sums<G, MR>(acc, sx, sx_ld, sw, tot, first);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < MR; ++i) {
+      const __m512 sxv = _mm512_set1_ps(sx[i * sx_ld + g]);
+      for (int v = 0; v < kNtVecs; ++v) {
+        float* t = tot + (i * kNtVecs + v) * 16;
+        const __m512 prev = first && g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(t);
+        _mm512_store_ps(t, _mm512_fmadd_ps(acc[g][i][v], _mm512_mul_ps(sxv, sw[g][v]), prev));
+      }
+    }
 }
 
 using Nt16BlocksFn = void (*)(const Problem&, const E4m3ToBf16&, int64_t, int64_t, const uint16_t*, int64_t,
@@ -933,134 +950,35 @@ constexpr Nt16BlocksFn kNt16Block[kNtMaxRows + 1] = {
     nullptr, nt16_blocks<1, 1>, nt16_blocks<1, 2>, nt16_blocks<1, 3>, nt16_blocks<1, 4>,
     nt16_blocks<1, 5>, nt16_blocks<1, 6>, nt16_blocks<1, 7>, nt16_blocks<1, 8>};
 
-// E4M3 codes as float32 for the tiles' order below: the values pairs_even and pairs_odd (linear_common.h) would take
-// from the two vectors of pairs E4m3ToBf16 interleaves (q = 0, 1: the even and odd codes of its first, q = 2, 3: of
-// its second), each permuted straight from the bytes its bytes() gives into the top halves of the lanes, the rest
-// zeroed: four permutes in place of two unpacks and four shifts or masks.
-struct E4m3ToF32Pairs {
-  __m512i idx[4];
-  E4m3ToF32Pairs() {
-    alignas(64) uint8_t t[4][64];
-    for (int q = 0; q < 4; ++q)
-      for (int b = 0; b < 64; ++b) {
-        const int code = 16 * (b / 16) + 8 * (q / 2) + 2 * (b % 16 / 4) + q % 2;  // lane, pair in it, even or odd
-        t[q][b] = static_cast<uint8_t>(b % 4 == 3 ? code | 64 : code);  // byte 3 from hi (the second table), 2 from lo
-      }
-    for (int q = 0; q < 4; ++q) idx[q] = _mm512_load_si512(t[q]);
-  }
-  void operator()(const E4m3ToBf16& cvt, __m512i codes, __m512 (&out)[4]) const {
-    __m512i hi, lo;
-    cvt.bytes(codes, hi, lo);
-    constexpr __mmask64 kTop = 0xCCCCCCCCCCCCCCCCull;  // bytes 2 and 3 of each lane
-    for (int q = 0; q < 4; ++q) out[q] = _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(kTop, lo, idx[q], hi));
-  }
-};
-
-// nt16_blocks' task in the AMX tiles' order (linear_common.h), so that the outputs are linear_amx's bits: the tiles'
-// k is the lane-order slot here too (the converted weight rows and the packed activations share it), so a 32-k step
-// is 16 slots: two FMA chains per output over them, even and odd codes (the products of E4M3 values are exact and
-// never denormal, so FMA rounds as the tiles add), folded into the block's sum as the tile does, then the block's
-// scale and the running sum as amx_scale_tile applies them. xf holds the activation rows widened to float32 (lane
-// order, ldx apart), so each FMA takes its activation as a broadcast from memory. Each line also prefetches the line
-// G blocks on in its group into L1 (the next call's, or the next group's), beside the next task's into L2.
-//
-// Against the pairs taken apart with shifts and masks, the activations broadcast from registers and no L1 prefetch,
-// the same bits in 0.87-0.99x the time (the default model's 30 FP8 layers at one row, 2 vCPUs of a Xeon with AMX,
-// alternating rounds, the weights in the last-level cache or not; 0.91-0.98x at two and four rows), and a batch-1
-// decode step of a batch-invariant engine 1.23-1.27x -> 1.13-1.17x the plain one's (benchmarks/decode_side_by_side.py
-// on that machine; the rest is the FMAs: two a product where the gemv's vdpbf16ps takes one for two). vdpbf16ps on
-// pairs with one half zero (the activation's, from memory) gives the same bits too, in the same time at one row.
-template <int G, int MR>
-void nt16_tiles_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, const E4m3ToF32Pairs& wide_ref, int64_t n0,
-                       int64_t b0, const float* xf, int64_t ldx, const float* sx, int64_t sx_ld,
-                       const __m512 (*sw)[kNtVecs], float* tot, bool first) {
-  static_assert(kNtVecs == 2, "a task is two groups");
-  const E4m3ToBf16 cvt = cvt_ref;  // the tables in registers
-  const E4m3ToF32Pairs wide = wide_ref;
-  const uint8_t* base[kNtVecs] = {p.w + n0 * p.k + b0 * kBlock * 16, p.w + (n0 + 16) * p.k + b0 * kBlock * 16};
-  const int64_t ahead = kNtRows * p.k, last_cols = std::min(kBlock, p.k - (b0 + G - 1) * kBlock);
-  const int64_t last_lines = last_cols / 4, last_slot_pairs = cdiv(last_cols, 64) * 16;
-  __m512 acc[G][MR][kNtVecs], even[G][MR][kNtVecs], odd[G][MR][kNtVecs];
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < kNtVecs; ++v) acc[g][i][v] = even[g][i][v] = odd[g][i][v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < kBlock / 4; ++j) {
-    const int64_t line = nt16_line_of(j);
-    for (int g = 0; g < G; ++g) {
-      const bool last = g == G - 1;
-      if (last && j >= last_slot_pairs) continue;
-      __m512 w[kNtVecs][4];
-      for (int v = 0; v < kNtVecs; ++v) {
-        if (!last || line < last_lines) {
-          const uint8_t* src = base[v] + g * kBlock * 16 + 64 * line;
-          _mm_prefetch(reinterpret_cast<const char*>(src + ahead), _MM_HINT_T2);
-          _mm_prefetch(reinterpret_cast<const char*>(src + G * kBlock * 16), _MM_HINT_T0);
-          wide(cvt, _mm512_loadu_si512(src), w[v]);
-        } else {
-          for (auto& q : w[v]) q = _mm512_setzero_ps();  // past K
-        }
-      }
-      for (int i = 0; i < MR; ++i) {
-        const float* xr = xf + i * ldx + g * kBlock + 4 * j;  // slots 2 j, 2 j + 1: their even and odd values
-        for (int h = 0; h < 2; ++h)
-          for (int v = 0; v < kNtVecs; ++v) {
-            even[g][i][v] = _mm512_fmadd_ps(w[v][2 * h], _mm512_set1_ps(xr[2 * h]), even[g][i][v]);
-            odd[g][i][v] = _mm512_fmadd_ps(w[v][2 * h + 1], _mm512_set1_ps(xr[2 * h + 1]), odd[g][i][v]);
-          }
-      }
-      if ((j & 7) == 7)  // the end of a 32-k step (16 slots)
-        for (int i = 0; i < MR; ++i)
-          for (int v = 0; v < kNtVecs; ++v) {
-            acc[g][i][v] = _mm512_add_ps(acc[g][i][v], _mm512_add_ps(even[g][i][v], odd[g][i][v]));
-            even[g][i][v] = odd[g][i][v] = _mm512_setzero_ps();
-          }
-    }
-  }
-  nt16_add_block_sums<G, MR>(acc, sx, sx_ld, sw, tot, first);
-}
-
-using Nt16TilesBlocksFn = void (*)(const Problem&, const E4m3ToBf16&, const E4m3ToF32Pairs&, int64_t, int64_t,
-                                   const float*, int64_t, const float*, int64_t, const __m512 (*)[kNtVecs], float*,
-                                   bool);
+// In the tiles' order two chains per output instead of one: two blocks at once at a row or two fill the registers.
+constexpr int kTilesGroup = 2;
+constexpr Nt16BlocksFn kNt16TileBlocks[kTilesGroup + 1][kNtGroupMaxM + 1] = {
+    {nullptr, nullptr, nullptr},
+    {nullptr, nt16_blocks<1, 1, true>, nt16_blocks<1, 2, true>},
+    {nullptr, nt16_blocks<2, 1, true>, nt16_blocks<2, 2, true>}};
 // The most rows linear_amx hands to nt16 in the tiles' order: the default model's 30 FP8 layers from DRAM on a
 // 2-vCPU Xeon with AMX (benchmarks/linear_stream.py --kernels fp8-bi; the tiles then took their weights as A tiles),
 // at 1 row 6.3 ms against the tiles' 10.9 and the gemv's 5.8; at 6 10.9 against 11.7; at 7 12.6 against 11.6.
 constexpr int64_t kTilesNtMaxM = 6;
-// Two chains per output: two blocks at once at a row or two fill the registers, one above.
-constexpr int kTilesGroup = 2;
-constexpr Nt16TilesBlocksFn kNt16TilesBlocks[kTilesGroup + 1][kTilesNtMaxM + 1] = {
-    {nullptr},
-    {nullptr, nt16_tiles_blocks<1, 1>, nt16_tiles_blocks<1, 2>, nt16_tiles_blocks<1, 3>, nt16_tiles_blocks<1, 4>,
-     nt16_tiles_blocks<1, 5>, nt16_tiles_blocks<1, 6>},
-    {nullptr, nt16_tiles_blocks<2, 1>, nt16_tiles_blocks<2, 2>}};
+constexpr Nt16BlocksFn kNt16TileBlock[kTilesNtMaxM + 1] = {
+    nullptr, nt16_blocks<1, 1, true>, nt16_blocks<1, 2, true>, nt16_blocks<1, 3, true>, nt16_blocks<1, 4, true>,
+    nt16_blocks<1, 5, true>, nt16_blocks<1, 6, true>};
 
-// A task of two nt16 groups at up to kTilesNtMaxM rows in the tiles' order: every K block through
-// nt16_tiles_blocks, kTilesGroup at a time at a row or two, above one at a time.
-template <typename OutT>
-void nt16_tiles_task(const Problem& p, const E4m3ToBf16& cvt, const E4m3ToF32Pairs& wide, const RowsBf16& x,
-                     const float* xf, int64_t n0, float* tot, OutT* y) {
-  for (int64_t b = 0; b < p.nkb;) {
-    const int g = p.m > kNtGroupMaxM ? 1 : static_cast<int>(std::min<int64_t>(kTilesGroup, p.nkb - b));
-    __m512 sw[kTilesGroup][kNtVecs];
-    for (int i = 0; i < g; ++i) nt_scales(p, n0, b + i, sw[i]);
-    kNt16TilesBlocks[g][p.m](p, cvt, wide, n0, b, xf + b * kBlock, x.kp, x.scale.get() + b, p.nkb, sw, tot, b == 0);
-    b += g;
-  }
-  nt_write(p.m, p.n, n0, p.bias, tot, y);
-}
-
-// A task of two nt16 groups at up to kNtMaxRows rows: every K block through nt16_blocks, at a row or two kNtGroup
-// at a time (the last call takes one more rather than leave one block alone on its two chains), above one at a time.
-template <typename OutT>
+// A task of two nt16 groups at up to kNtMaxRows rows (kTilesNtMaxM in the tiles' order): every K block through
+// nt16_blocks, at a row or two kNtGroup at a time (the last call takes one more rather than leave one block alone
+// on its two chains; kTilesGroup in the tiles' order), above one at a time.
+template <bool kTiles = false, typename OutT>
 void nt16_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* tot, OutT* y) {
   for (int64_t b = 0; b < p.nkb;) {
     const int64_t left = p.nkb - b;
-    const int g = p.m > kNtGroupMaxM  ? 1
-                  : left == kNt16MaxG ? kNt16MaxG
-                                      : static_cast<int>(std::min<int64_t>(kNtGroup, left));
+    const int g = p.m > kNtGroupMaxM              ? 1
+                  : kTiles                        ? static_cast<int>(std::min<int64_t>(kTilesGroup, left))
+                  : left == kNt16MaxG             ? kNt16MaxG
+                                                  : static_cast<int>(std::min<int64_t>(kNtGroup, left));
     __m512 sw[kNt16MaxG][kNtVecs];
     for (int i = 0; i < g; ++i) nt_scales(p, n0, b + i, sw[i]);
-    const Nt16BlocksFn blocks = p.m > kNtGroupMaxM ? kNt16Block[p.m] : kNt16Blocks[g][p.m];
+    const Nt16BlocksFn blocks = kTiles ? (p.m > kNtGroupMaxM ? kNt16TileBlock[p.m] : kNt16TileBlocks[g][p.m])
+                                       : (p.m > kNtGroupMaxM ? kNt16Block[p.m] : kNt16Blocks[g][p.m]);
     blocks(p, cvt, n0, b, x.x.get() + b * kBlock, x.kp, x.scale.get() + b, p.nkb, sw, tot, b == 0);
     b += g;
   }
@@ -1097,34 +1015,22 @@ void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t
 }
 
 // linear_amx's bits at up to kTilesNtMaxM rows, from nt16 weights whose every task is two groups (N a multiple of
-// kNtRows), without the tiles: the chains in the tiles' order (nt16_tiles_blocks). At one row the tiles, which compute 16
+// kNtRows), without the tiles: the chains in the tiles' order (nt16_blocks). At one row the tiles, which compute 16
 // activation rows whatever M is, took twice the gemv's time over the default model's 30 FP8 layers; this takes
 // 1.02-1.08x the gemv's there (docs/exact-rollouts.md). linear_nt<true> runs it.
 bool tiles_nt_takes(const Problem& p) { return p.m <= kTilesNtMaxM && p.nt16 && p.n % kNtRows == 0; }
 
-// The quantized activation rows (bf16 values) widened to float32, as nt16_tiles_blocks broadcasts them.
-Buffer<float> widen_rows(const RowsBf16& x, int64_t m) {
-  auto xf = alloc_buffer<float>(m * x.kp);
-  for (int64_t e = 0; e < m * x.kp; e += 16) {  // kp is a multiple of kBlock
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x.get() + e));
-    _mm512_store_si512(xf.get() + e, _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  return xf;
-}
-
-// kTiles: every task through nt16_tiles_task (tiles_nt_takes holds), which needs no wt.
+// kTiles: every task through nt16_task in the tiles' order (tiles_nt_takes holds), which needs no wt.
 template <bool kTiles = false, typename T>
 void linear_nt(const Problem& p, const T* xin, bool ue8m0, T* y) {
   const RowsBf16 x = quantize_rows(xin, p.m, p.k, p.nkb, ue8m0);
-  const Buffer<float> xf = kTiles ? widen_rows(x, p.m) : nullptr;
   at::parallel_for(0, cdiv(p.n, kNtRows), 1, [&](int64_t begin, int64_t end) {
     const E4m3ToBf16 cvt;
-    const E4m3ToF32Pairs wide;
     auto wt = kTiles ? nullptr : alloc_buffer<float>(kNtGroup * kNtWtFloats);
     auto tot = alloc_buffer<float>(p.m * kNtRows);
     for (int64_t t = begin; t < end; ++t) {
       if constexpr (kTiles) {
-        nt16_tiles_task(p, cvt, wide, x, xf.get(), t * kNtRows, tot.get(), y);
+        nt16_task<true>(p, cvt, x, t * kNtRows, tot.get(), y);
       } else {
         nt_task(p, cvt, x, t * kNtRows, wt.get(), tot.get(), y);
       }
