@@ -248,6 +248,26 @@ def test_sglang_info_routes_and_versions(client):
     assert client.get("/flush_cache").status_code == 200
 
 
+def test_sglang_server_info_passes_slimes_external_attach_check(client):
+    """slime's --rollout-external attach (slime/backends/sglang_utils/sglang_engine.py, _init_external) reads
+    /get_server_info and asserts that every server argument it would have launched SGLang with, bar the ones it
+    skips, equals the server's; its discovery (external.py) derives the engine's GPUs from tp_size * pp_size and its
+    role from disaggregation_mode. Here the arguments slime computes for one regular engine on one GPU, offloaded."""
+    info = client.get("/get_server_info").json()
+    expected = {"host": "127.0.0.1", "port": 8000, "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": 0,
+                "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "enable_memory_saver": True}
+    assert {name: info.get(name) for name in expected} == expected
+    assert info["disaggregation_mode"] not in ("prefill", "decode") and not info.get("encoder_only")
+    assert info["enable_return_routed_experts"] is False  # a dense model routes no experts
+    assert info["dtype"] == "bfloat16" and info["quantization"] is None and info["kv_cache_dtype"] == "auto"
+    assert info["enable_deterministic_inference"] is True  # the fixture's engine is batch invariant
+    assert info["weight_version"] == client.get("/get_weight_version").json()["weight_version"]
+    assert info["max_total_num_tokens"] == client.get("/v1/loads").json()["loads"][0]["max_total_num_tokens"]
+    model = client.get("/get_model_info").json()
+    assert model["is_generation"] is True and model["model_path"] == info["model_path"]
+    assert model["model_type"] == "llama" and model["has_image_understanding"] is False
+
+
 # ------------------------------------------------------------------ vLLM's weight transfer
 def test_packed_chunks_close_a_buffer_past_its_size():
     specs = [(f"w{i}", torch.bfloat16, [n]) for i, n in enumerate((4, 4, 10, 1))]  # 8, 8, 20, 2 bytes

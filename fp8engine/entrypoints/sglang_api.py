@@ -9,6 +9,10 @@
   POST /pause_generation {"mode": "abort" | "in_place" | "retract"}, /continue_generation
   POST /abort_request {"rid", "abort_all"}
   GET  /get_weight_version, /health_generate, /v1/loads; GET /flush_cache (and ours, POST)
+  GET  /get_server_info: the server arguments SGLang would report for this engine, by SGLang's names (slime's
+       external attach compares its expected tp_size, dp_size, pp_size, ep_size, nnodes, node_rank, host, port,
+       base_gpu_id, gpu_id_step and enable_memory_saver with them), plus its state (weight_version,
+       max_total_num_tokens, version); /get_model_info: model_path, tokenizer_path, is_generation, weight_version
 The weight routes SGLang shares with ours (/init_weights_update_group, /update_weights_from_distributed,
 /update_weights_from_tensor, /update_weights_from_disk, /release_memory_occupation, /resume_memory_occupation) are
 server.py's, and their replies carry SGLang's "success" and "message" beside ours.
@@ -181,7 +185,9 @@ class SglangRoutes:
                 ("POST", "/abort_request", self.abort_request, True),
                 ("GET", "/get_weight_version", self.get_weight_version, False),
                 ("GET", "/health_generate", self.health_generate, False),
-                ("GET", "/v1/loads", self.loads, False)]
+                ("GET", "/v1/loads", self.loads, False),
+                ("GET", "/get_server_info", self.get_server_info, False),
+                ("GET", "/get_model_info", self.get_model_info, False)]
 
     async def generate(self, request: Request) -> list[dict] | dict:
         body = parse_json(await self.server.read(request), SglangGenerateRequest)
@@ -269,6 +275,36 @@ class SglangRoutes:
         bos = (await self.engine.call(lambda llm: llm.tokenize("ok")))[:1]
         await self.rollouts.run([bos], [SamplingParams(max_tokens=1, temperature=0.0)], None)
         return {"status": "ok"}
+
+    async def get_server_info(self) -> dict:
+        """SGLang's GET /get_server_info for one engine of this process: what SGLang's ServerArgs would hold for
+        it, by their names (one node, one data-parallel rank, no pipeline stages; tp_size the engine's tensor
+        parallelism, ep_size it where experts are split whole), and its state. enable_memory_saver is true: the
+        engine always hands its memory back on /release_memory_occupation."""
+        llm, s = self.engine.engine, await self.engine.stats()
+        c = llm.config
+        return {"model_path": llm.model_dir, "tokenizer_path": llm.model_dir,
+                "served_model_name": self.server.model_name,
+                "host": self.server.settings.host, "port": self.server.settings.port,
+                "dtype": c.dtype, "quantization": c.quantization, "kv_cache_dtype": c.kv_cache_dtype,
+                "context_length": self.server.max_model_len, "max_running_requests": c.max_num_seqs,
+                "chunked_prefill_size": c.max_num_batched_tokens, "page_size": c.block_size,
+                "tp_size": c.tensor_parallel_size, "dp_size": 1, "pp_size": 1,
+                "ep_size": c.tensor_parallel_size if c.expert_parallel else 1,
+                "nnodes": 1, "node_rank": 0, "base_gpu_id": 0, "gpu_id_step": 1, "random_seed": c.seed,
+                "enable_memory_saver": True, "enable_return_routed_experts": bool(llm.runner.moe_blocks),
+                "disaggregation_mode": "null",
+                "enable_deterministic_inference": c.batch_invariant, "disable_radix_cache": not c.enable_prefix_caching,
+                "weight_version": str(s.weight_version), "max_total_num_tokens": s.kv_cache_capacity_tokens,
+                "version": fp8engine.__version__, "engine": "fp8engine"}
+
+    async def get_model_info(self) -> dict:
+        """SGLang's GET /get_model_info: a text generation model."""
+        llm, s = self.engine.engine, await self.engine.stats()
+        return {"model_path": llm.model_dir, "tokenizer_path": llm.model_dir, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": str(s.weight_version),
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": llm.runner.hf_config.model_type}
 
     async def loads(self) -> dict:
         """SGLang's GET /v1/loads (its "core" fields; query options are ignored): one data-parallel rank."""
