@@ -13,7 +13,8 @@ class SamplingParams:
     """Sampling options of one request.
 
     n: samples per prompt (they share the prompt's KV blocks).
-    temperature: 0 means greedy. top_k: -1 = off. top_p in (0, 1]. min_p in [0, 1].
+    temperature: 0 means greedy. top_k: -1 = off (0 too, as vLLM takes it: read as -1). top_p in (0, 1].
+    min_p in [0, 1].
     max_tokens / min_tokens: bounds on generated tokens (min_tokens suppresses EOS and stops).
         max_tokens=0 generates nothing: the prompt is only computed (scored, with prompt_logprobs).
     stop / stop_token_ids / ignore_eos: extra stop conditions; a stop string is cut from the text.
@@ -75,8 +76,10 @@ class SamplingParams:
         _require(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         _require(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
         _require(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
-        _require(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-                 "top_k", self.top_k, "-1 (off) or >= 1")
+        _require(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1,
+                 "top_k", self.top_k, "-1 or 0 (off) or >= 1")
+        if self.top_k == 0:  # vLLM's "off" too (TRL's server mode sends it): kept as ours
+            self.top_k = -1
         _require(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
         _require(isinstance(self.max_tokens, int) and self.max_tokens >= 0,
                  "max_tokens", self.max_tokens, "an integer >= 0")

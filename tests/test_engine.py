@@ -133,7 +133,7 @@ def test_prompt_logprobs_match_teacher_forcing(engine_fp32, default_dir):
     ("hi", dict(top_p=1.5), "top_p"),
     ("hi", dict(n=0), "n must be"),
     ("hi", dict(max_tokens=-1), "max_tokens"),
-    ("hi", dict(top_k=0), "top_k"),
+    ("hi", dict(top_k=-3), "top_k"),
 ])
 def test_bad_requests_raise_and_engine_keeps_serving(engine_bf16, prompt, params, message):
     sampling = SamplingParams()

@@ -83,7 +83,7 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_a_400_naming_both(client, 
 
 
 LIMITS = [
-    ("n", 65), ("n", 0), ("best_of", 2), ("top_k", -2), ("top_k", 0), ("top_p", 0.0), ("top_p", 1.5),
+    ("n", 65), ("n", 0), ("best_of", 2), ("top_k", -2), ("top_k", 1.5), ("top_p", 0.0), ("top_p", 1.5),
     ("min_p", 1.5), ("temperature", -1.0), ("temperature", 0.001), ("logprobs", 21), ("logprobs", -1),
     ("max_tokens", -1), ("min_tokens", -1), ("min_tokens", 5), ("stop", ["s"] * 33), ("stop", "x" * 257),
     ("stop_token_ids", list(range(257))), ("stop_token_ids", [-1]),

@@ -221,7 +221,7 @@ UNSUPPORTED = [
     ("completions", "repetition_penalty", 0),
     ("completions", "temperature", 1e-4),
     ("completions", "stop", ["x"] * 33),
-    ("completions", "top_k", 0),
+    ("completions", "top_k", -3),
 ]
 
 
@@ -234,6 +234,19 @@ def test_every_unsupported_field_gets_400_naming_it(server, endpoint, field, val
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field and field in error["message"], error
+
+
+def test_top_k_0_is_off_as_vllm_takes_it(server):
+    """TRL's server mode (and vLLM) send top_k 0 for "no top-k": the same tokens and logprobs as -1, which
+    SamplingParams keeps it as; below -1 stays a 400."""
+    from fp8engine import SamplingParams
+    bodies = [complete(server, prompt=RAW[0], max_tokens=6, temperature=1.0, seed=7, logprobs=0, top_k=k)
+              for k in (0, -1)]
+    assert bodies[0]["choices"][0]["text"] == bodies[1]["choices"][0]["text"]
+    assert bodies[0]["choices"][0]["logprobs"] == bodies[1]["choices"][0]["logprobs"]
+    assert SamplingParams(top_k=0).top_k == -1
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=True)  # a bool is not a count
 
 
 def test_no_op_values_of_unimplemented_fields_are_accepted(server):
