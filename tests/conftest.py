@@ -15,12 +15,14 @@ from fp8engine.model_executor.kernels.cpu_ops import cpu_flags  # noqa: F401 (te
 def _sibling(name: str):
     """This directory's module `name`, loaded by its path: `from tests import ...` finds whichever `tests` package
     comes first on sys.path, and veRL's wheel installs one into site-packages (test-integrations runs this conftest
-    in veRL's venv, from /tmp)."""
-    path = os.path.join(os.path.dirname(__file__), f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"fp8engine_tests_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    in veRL's venv, from /tmp). Loaded once: the tests that import this file as tests.conftest run it again."""
+    key = f"fp8engine_tests_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, os.path.join(os.path.dirname(__file__), f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[key] = module
+    return sys.modules[key]
 
 
 interpreter = _sibling("interpreter")
