@@ -268,6 +268,51 @@ def test_sglang_server_info_passes_slimes_external_attach_check(client):
     assert model["model_type"] == "llama" and model["has_image_understanding"] is False
 
 
+def test_server_info_carries_vllms_config_beside_sglangs_keys(client):
+    """GET /server_info: vLLM's shape ({"vllm_config"}, TRL's VLLMClient.get_server_info) with SGLang's
+    /get_server_info keys at the top level (slime's discovery asks /server_info first)."""
+    info = client.get("/server_info", params={"config_format": "json"}).json()
+    sglang = client.get("/get_server_info").json()
+    assert {k: info[k] for k in sglang} == sglang
+    config = info["vllm_config"]
+    assert config["model_config"]["logprobs_mode"] == "raw_logprobs"  # the fixture's server: no --logprobs-mode
+    assert config["model_config"]["dtype"] == "torch.bfloat16" and config["model_config"]["quantization"] is None
+    assert config["weight_transfer_config"] == {"backend": "gloo"} and config["lora_config"] is None
+    assert config["parallel_config"]["data_parallel_size"] == 1 and config["parallel_config"]["world_size"] == 1
+    assert config["cache_config"]["num_gpu_blocks"] == client.get("/stats").json()["num_kv_blocks_total"] == 512
+    text = client.get("/server_info").json()["vllm_config"]  # vLLM's default format: one string
+    assert "model_config.logprobs_mode='raw_logprobs'" in text and "cache_config.block_size=16" in text
+    bad = client.get("/server_info", params={"config_format": "yaml"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "config_format"
+    assert ServerSettings(logprobs_mode="processed_logprobs").vllm_logprobs_mode == "processed_logprobs"
+    with pytest.raises(ValueError, match="logprobs_mode must be one of raw, processed, raw_logprobs, "
+                                         "processed_logprobs, got 'raw_logits'"):
+        ServerSettings(logprobs_mode="raw_logits")
+
+
+def test_tokens_as_token_ids_keep_tokens_of_the_same_text_apart(client, prompt, tokenizer):
+    """vLLM's return_tokens_as_token_ids (TRL's VLLMClient.generate sends it): "token_id:<id>" for every token in
+    logprobs, top logprobs and echoed prompt included; the rest of the choice as without it."""
+    body = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 3, "echo": True,
+            "return_token_ids": True}
+    plain, = client.post("/v1/completions", json=body).json()["choices"]
+    ids, = client.post("/v1/completions", json=body | {"return_tokens_as_token_ids": True}).json()["choices"]
+    everything = prompt + ids["token_ids"]
+    assert ids["logprobs"]["tokens"] == [f"token_id:{t}" for t in everything]
+    assert ids["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    assert ids["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"] and ids["text"] == plain["text"]
+    for top, plain_top in zip(ids["logprobs"]["top_logprobs"][1:], plain["logprobs"]["top_logprobs"][1:]):
+        assert sorted(top.values()) == sorted(plain_top.values())
+        assert {tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(int(k[9:]))]) for k in top} \
+            == set(plain_top)
+    chat = {"messages": [{"role": "user", "content": "Count to three."}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice, = client.post("/v1/chat/completions", json=chat).json()["choices"]
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(e["top_logprobs"][0]["token"].startswith("token_id:") for e in content)
+
+
 # ------------------------------------------------------------------ vLLM's weight transfer
 def test_packed_chunks_close_a_buffer_past_its_size():
     specs = [(f"w{i}", torch.bfloat16, [n]) for i, n in enumerate((4, 4, 10, 1))]  # 8, 8, 20, 2 bytes

@@ -356,3 +356,45 @@ def test_three_grpo_steps_with_a_peft_model_sync_the_adapter_alone(default_dir, 
     a, b = lora.shard_views(0)
     assert torch.equal(a, q_proj.lora_A["default"].weight.to(torch.bfloat16))
     assert torch.equal(b, (q_proj.lora_B["default"].weight * 2.0).to(torch.bfloat16))
+
+
+def test_trls_vllm_client_drives_serve_in_server_mode(monkeypatch, tokenizer):
+    """TRL's own VLLMClient (GRPO's vllm_mode="server") against `fp8engine serve --logprobs-mode
+    processed_logprobs`: /server_info passes GRPOTrainer's logprobs-mode check and init_communicator's
+    weight-transfer check, generate's token-id completions (return_tokens_as_token_ids, top_k 0, prompt-major n)
+    equal our /v1/completions with processed logprobs, and the weight sync stops at TRL's own CUDA requirement.
+    VLLMClient refuses to start without vLLM installed; nothing it calls here imports vLLM, so that check is
+    lifted, and vLLM's get_ip (the trainer's address for the rendezvous) is given one."""
+    import requests
+    from trl.generation import vllm_client
+
+    from fp8engine.bench.serve_load import serving
+
+    monkeypatch.setattr(vllm_client, "is_vllm_available", lambda *_, **__: True)
+    monkeypatch.setattr(vllm_client, "get_ip", lambda: "127.0.0.1", raising=False)
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    flags = ["--logprobs-mode", "processed_logprobs", "--batch-invariant", "--num-kv-blocks", "256"]
+    with serving(flags) as url:
+        client = vllm_client.VLLMClient(base_url=url, connection_timeout=30)
+        info = client.get_server_info()
+        assert info["model_config"]["logprobs_mode"] == "processed_logprobs"  # GRPOTrainer's IS-correction check
+        assert info["weight_transfer_config"] == {"backend": "gloo"} and info["lora_config"] is None
+        assert info["parallel_config"]["data_parallel_size"] == 1 and client.get_world_size() == 1
+        out = client.generate(prompts, n=2, temperature=1.0, top_p=0.8, top_k=0, max_tokens=6,
+                              generation_kwargs={"seed": 7, "ignore_eos": True})
+        body = {"prompt": prompts, "n": 2, "temperature": 1.0, "top_p": 0.8, "max_tokens": 6, "seed": 7,
+                "ignore_eos": True, "logprobs": 0, "return_token_ids": True}
+        choices = {mode: requests.post(f"{url}/v1/completions", json=body | {"logprobs_mode": mode}).json()[
+            "choices"] for mode in ("processed", "raw")}
+        assert out["prompt_ids"] == prompts
+        assert out["completion_ids"] == [c["token_ids"] for c in choices["processed"]]
+        assert all(len(ids) == 6 for ids in out["completion_ids"])
+        assert out["logprob_token_ids"] == [[[t] for t in ids] for ids in out["completion_ids"]]
+        assert out["logprobs"] == [[[lp] for lp in c["logprobs"]["token_logprobs"]] for c in choices["processed"]]
+        raw = [lp for c in choices["raw"] for lp in c["logprobs"]["token_logprobs"]]
+        assert [c["token_ids"] for c in choices["raw"]] == out["completion_ids"]
+        assert all(p >= r for p, r in zip(sum(sum(out["logprobs"], []), []), raw))  # top-p renormalizes upward
+        assert sum(sum(out["logprobs"], []), []) != raw
+        client.reset_prefix_cache()
+        with pytest.raises(NotImplementedError, match="needs a CUDA device"):
+            client.init_communicator(device="cpu")

@@ -2,3 +2,4 @@
 
 MAX_BODY_BYTES = 1 << 20  # OpenAI endpoints
 MAX_UPDATE_BYTES = 2 << 30  # /update_weights bodies (safetensors)
+LOGPROBS_MODES = ("raw", "processed", "raw_logprobs", "processed_logprobs")  # --logprobs-mode: ours, then vLLM's

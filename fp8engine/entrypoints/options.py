@@ -24,7 +24,7 @@ from fp8engine.bench.workloads import (
     WORKLOADS,
 )
 from fp8engine.config import EngineConfig
-from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
+from fp8engine.entrypoints.limits import LOGPROBS_MODES, MAX_BODY_BYTES, MAX_UPDATE_BYTES
 from fp8engine.tools import PARSERS
 
 logger = logging.getLogger(__name__)
@@ -226,6 +226,11 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--tool-call-parser",), "tool_call_parser", "server", ("serve",),
            "how tool calls are read from the model's replies (tools.py); default: by the chat template "
            "(llama3_json for Llama 3 templates, else hermes)", None, choices=PARSERS),
+    Option(("--logprobs-mode",), "logprobs_mode", "rl", ("serve",),
+           "the logprobs a request gets when it does not name logprobs_mode: raw (the model's log-softmax) or "
+           "processed (under the distribution sampled from, which importance-sampling correction needs); vLLM's "
+           "raw_logprobs / processed_logprobs are the same; none: each API's own (raw on /v1/* and vLLM's "
+           "routes, as vLLM; processed on SGLang's /generate but at temperature 0)", None, choices=LOGPROBS_MODES),
     Option(("--admin-key",), "admin_key", "rl", ("serve",),
            "key for the RL endpoints (weight updates, pause, flush); none = the api key", metavar="KEY"),
     Option(("--allowed-weight-dir",), "allowed_weight_dir", "rl", ("serve",),

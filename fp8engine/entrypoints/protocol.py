@@ -14,10 +14,14 @@ value (suffix insertion, best_of > n, audio, ...) answers 400 naming it: none is
 
 Logprobs are raw by default here (log-softmax of the model's logits, before temperature, penalties and
 truncation, as in vLLM), so temperature 0 still gives k alternatives; `logprobs_mode: "processed"`
-asks for the distribution actually sampled from. Echoed prompt logprobs are always raw.
+asks for the distribution actually sampled from, and `fp8engine serve --logprobs-mode processed` (vLLM's
+`--logprobs-mode processed_logprobs`) makes that the default of requests that do not say. Echoed prompt
+logprobs are always raw.
 
 Request extensions (both endpoints): top_k, min_p, min_tokens, ignore_eos, stop_token_ids,
-repetition_penalty, return_token_ids, logprobs_mode ("raw" | "processed", default "raw"),
+repetition_penalty, return_token_ids, return_tokens_as_token_ids (vLLM's: every token in logprobs, top
+logprobs included, written "token_id:<id>" instead of its text, so that tokens with the same text stay apart),
+logprobs_mode ("raw" | "processed", default the server's --logprobs-mode, raw unless set),
 return_routed_experts (MoE models), structured_outputs ({"json": schema} | {"regex": ...} | {"grammar": EBNF},
 vLLM's names). Chat only: history_token_ids, the exact token ids of the conversation up to and including its
 last assistant message (the previous response's prompt_token_ids + token_ids, or an episode's history): the
@@ -185,8 +189,9 @@ class SamplingRequest(_OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     return_routed_experts: bool = False
-    logprobs_mode: Literal["raw", "processed"] = "raw"
+    logprobs_mode: Literal["raw", "processed"] | None = None  # None: the server's --logprobs-mode (server.py)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
@@ -300,7 +305,7 @@ class SamplingRequest(_OpenAIRequest):
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed,
-            logprobs=self.num_logprobs, logprobs_mode=self.logprobs_mode,
+            logprobs=self.num_logprobs, logprobs_mode=self.logprobs_mode or "raw",
             return_routed_experts=self.return_routed_experts,
             prompt_logprobs=self.num_prompt_logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
@@ -647,6 +652,11 @@ class TokenTable:
         return {"token": self.text(token_id), "logprob": _finite(logprob), "bytes": list(self.bytes(token_id))}
 
 
+def _token_id_label(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids spelling of a token."""
+    return f"token_id:{token_id}"
+
+
 def _token_bytes(token: str, byte_of: dict[str, int]) -> bytes:
     if byte_of and all(c in byte_of for c in token):
         return bytes(byte_of[c] for c in token)
@@ -723,6 +733,7 @@ class ResponseBuilder:
         self._holdback = max((len(s) - 1 for s in stops), default=0)
         self._cursors: dict[int, Cursor] = {}
         self._latest: dict[int, RequestOutput] = {}
+        self.label = _token_id_label if request.return_tokens_as_token_ids else tokens.text  # a token in logprobs
 
     def chunk_choices(self, prompt_index: int, out: RequestOutput) -> list[dict]:
         """Stream choices for what `out` adds (empty when nothing new can be sent yet)."""
@@ -810,10 +821,13 @@ class CompletionBuilder(ResponseBuilder):
         if logprobs is None:
             return None
         texts = [self.tokens.text(t) for t in token_ids]
-        tops = None if top_logprobs is None else [
-            None if top is None else {self.tokens.text(t): _finite(lp) for t, lp in top.items()}
-            for top in top_logprobs]
-        return {"tokens": texts, "token_logprobs": [_finite(x) for x in logprobs], "top_logprobs": tops,
+        # as vLLM's: at logprobs=0 each position's top holds the token itself (TRL's client reads it), None where
+        # the token has no logprob (an echoed prompt's first)
+        tops = [None if lp is None else {self.label(t): _finite(lp)} if top is None else
+                {self.label(k): _finite(v) for k, v in top.items()}
+                for t, lp, top in zip(token_ids, logprobs, top_logprobs or itertools.repeat(None))]
+        return {"tokens": [self.label(t) for t in token_ids], "token_logprobs": [_finite(x) for x in logprobs],
+                "top_logprobs": tops,
                 "text_offset": list(itertools.accumulate(map(len, texts), initial=text_offset))[:-1]}
 
 
@@ -866,6 +880,9 @@ class ChatBuilder(ResponseBuilder):
         for i, (token, logprob) in enumerate(zip(piece.token_ids, piece.logprobs)):
             top = piece.top_logprobs[i] if piece.top_logprobs else {}
             best = sorted(top.items(), key=lambda item: -item[1])[:k]
-            entries.append({**self.tokens.entry(token, logprob),
-                            "top_logprobs": [self.tokens.entry(t, lp) for t, lp in best]})
+            entries.append({**self._entry(token, logprob),
+                            "top_logprobs": [self._entry(t, lp) for t, lp in best]})
         return {"content": entries}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        return {**self.tokens.entry(token_id, logprob), "token": self.label(token_id)}

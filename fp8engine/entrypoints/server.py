@@ -88,7 +88,7 @@ import fp8engine
 from fp8engine import tools
 from fp8engine.engine import LLMEngine
 from fp8engine.entrypoints.async_engine import AsyncEngine, EngineAsleep, EnginePaused, RequestStream
-from fp8engine.entrypoints.limits import MAX_BODY_BYTES, MAX_UPDATE_BYTES
+from fp8engine.entrypoints.limits import LOGPROBS_MODES, MAX_BODY_BYTES, MAX_UPDATE_BYTES
 from fp8engine.entrypoints.openapi import (
     EVENTS,
     JSON,
@@ -170,6 +170,14 @@ class ServerSettings:
     bucket_timeout_s: float = 600.0  # an open bucketed update with no bucket for this long is dropped
     shutdown: str = "wait"  # SIGTERM: in-flight requests finish ("wait") or are aborted ("abort")
     tool_call_parser: str | None = None  # None: the model's (tools.default_parser)
+    logprobs_mode: str | None = None  # "raw" | "processed" for requests that do not say; None: each API's own
+
+    def __post_init__(self):
+        if self.logprobs_mode is not None:
+            if self.logprobs_mode not in LOGPROBS_MODES:
+                raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "
+                                 f"{self.logprobs_mode!r}")
+            self.logprobs_mode = self.logprobs_mode.removesuffix("_logprobs")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerSettings":
@@ -177,7 +185,13 @@ class ServerSettings:
                    allowed_weight_dirs=tuple(args.allowed_weight_dir or ()),
                    max_body_bytes=args.max_body_bytes, max_update_bytes=args.max_update_bytes,
                    clamp_max_tokens=args.clamp_max_tokens, bucket_timeout_s=args.bucket_timeout,
-                   shutdown=args.shutdown, tool_call_parser=args.tool_call_parser)
+                   shutdown=args.shutdown, tool_call_parser=args.tool_call_parser,
+                   logprobs_mode=args.logprobs_mode)
+
+    @property
+    def vllm_logprobs_mode(self) -> str:
+        """vLLM's name of what /v1/completions and /inference/v1/generate return by default."""
+        return f"{self.logprobs_mode or 'raw'}_logprobs"
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -329,13 +343,19 @@ class Server:
 
     # ----------------------------------------------------------------- OpenAI
     async def completions(self, request: Request) -> Response:
-        body = parse_json(await _read_body(request, self.settings.max_body_bytes), CompletionRequest)
+        body = self._defaults(parse_json(await _read_body(request, self.settings.max_body_bytes), CompletionRequest))
         return await self._generate(request, body, CompletionBuilder(body, self.model_name, self.tokens))
 
     async def chat_completions(self, request: Request) -> Response:
-        body = parse_json(await _read_body(request, self.settings.max_body_bytes), ChatCompletionRequest)
+        body = self._defaults(parse_json(await _read_body(request, self.settings.max_body_bytes),
+                                         ChatCompletionRequest))
         return await self._generate(request, body, ChatBuilder(body, self.model_name, self.tokens,
                                                                self.tool_call_parser))
+
+    def _defaults(self, body: SamplingRequest) -> SamplingRequest:
+        """The server-wide defaults of what `body` leaves open (its logprobs_mode)."""
+        body.logprobs_mode = body.logprobs_mode or self.settings.logprobs_mode or "raw"
+        return body
 
     async def _generate(self, request: Request, body: SamplingRequest, builder: ResponseBuilder) -> Response:
         self.check_model(body.model)

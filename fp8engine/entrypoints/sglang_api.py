@@ -18,7 +18,8 @@ The weight routes SGLang shares with ours (/init_weights_update_group, /update_w
 server.py's, and their replies carry SGLang's "success" and "message" beside ours.
 
 Logprobs are those of the distribution sampled from (temperature, top-k and top-p applied; at temperature 0, greedy,
-the model's log-softmax, as SGLang reports it); "logprobs_mode": "raw" | "processed" (our extension) chooses.
+the model's log-softmax, as SGLang reports it); "logprobs_mode": "raw" | "processed" (our extension) chooses, and
+`fp8engine serve --logprobs-mode` sets what requests that do not say get.
 SGLang's own are log-softmax(logits / temperature), before top-k and top-p. A rid list names each prompt; a single
 rid names the request (an abort by it ends every prompt). max_new_tokens beyond the context is cut to it.
 "retract" pauses as "in_place" does: the requests keep their KV cache until /continue_generation.
@@ -201,7 +202,8 @@ class SglangRoutes:
         prompt_logprobs = logprobs if body.logprob_start_len >= 0 else None
         params = []
         for sampling, prompt in zip(samplings, prompts):
-            mode = body.logprobs_mode or ("raw" if sampling.temperature == 0 else "processed")
+            mode = body.logprobs_mode or self.server.settings.logprobs_mode or (
+                "raw" if sampling.temperature == 0 else "processed")
             room = max(self.server.max_model_len - len(prompt), 1)
             try:
                 params.append(sampling.engine(room, logprobs, mode, prompt_logprobs, body.return_routed_experts))

@@ -12,6 +12,9 @@ VLLM_SERVER_DEV_MODE=1): what SkyRL and prime-rl call.
   POST /update_weight_version {"new_version"}, GET /weight_info {"weight_version"}, POST /weight_checker
        {"action": "checksum" | "compare", "baseline"}, GET /get_world_size {"world_size"}
   POST /reset_prefix_cache {"success"}, POST /collective_rpc (400: fp8engine has no workers to call)
+  GET  /server_info?config_format=text|json: vLLM's vllm_config (the fields that describe this engine, vLLM's names:
+       model_config.logprobs_mode from --logprobs-mode, weight_transfer_config, lora_config, parallel_config, ...)
+       beside SGLang's /get_server_info keys (sglang_api.py), since SGLang's clients ask this path too
   POST /inference/v1/generate {"request_id", "token_ids", "sampling_params", "return_token_ids"}: token in, token
        out, in vLLM's GenerateTokensResponse shape (non-streaming)
   POST /tokenize {"prompt" | "messages", ...}, /detokenize {"tokens"}, /v1/chat/completions/render
@@ -47,7 +50,7 @@ from fp8engine.entrypoints.protocol import (
 )
 from fp8engine.entrypoints.rollouts import VLLM_ID_PREFIX, Rollouts, spans
 from fp8engine.entrypoints.weight_transfer import TransferInit, TransferUpdate, set_weight_version
-from fp8engine.outputs import CompletionOutput, RequestOutput
+from fp8engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from fp8engine.sampling_params import SamplingParams
 
 
@@ -88,7 +91,7 @@ class VllmSamplingParams(_OpenAIRequest):
     skip_reading_prefix_cache: bool | None = None
     bad_words: list[str] = Field(default_factory=list, max_length=0, description="bad_words are not implemented")
 
-    def engine(self, room: int, routed: bool) -> SamplingParams:
+    def engine(self, room: int, routed: bool, logprobs_mode: str = "raw") -> SamplingParams:
         structured = {}
         for key, value in (self.structured_outputs or {}).items():
             if key not in ("json", "regex", "grammar") or len(self.structured_outputs) != 1:
@@ -100,7 +103,8 @@ class VllmSamplingParams(_OpenAIRequest):
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k if self.top_k > 0 else -1,
             min_p=self.min_p, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=list(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, seed=self.seed,
-            logprobs=_top_k(self.logprobs), logprobs_mode="raw", prompt_logprobs=_top_k(self.prompt_logprobs),
+            logprobs=_top_k(self.logprobs), logprobs_mode=logprobs_mode,
+            prompt_logprobs=_top_k(self.prompt_logprobs),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
@@ -121,6 +125,10 @@ class VllmGenerateRequest(_Request):
     stream: Literal[False] = False
     features: None = None
     content_parts: None = None
+
+
+class ServerInfoQuery(_Request):
+    config_format: Literal["text", "json"] = "text"
 
 
 class AbortRequests(_Request):
@@ -203,6 +211,7 @@ class VllmRoutes:
                 ("GET", "/weight_info", self.weight_info, True),
                 ("POST", "/weight_checker", self.weight_checker, True),
                 ("GET", "/get_world_size", self.get_world_size, True),
+                ("GET", "/server_info", self.server_info, False),
                 ("POST", "/reset_prefix_cache", self.reset_prefix_cache, True),
                 ("POST", "/collective_rpc", self.collective_rpc, True),
                 ("POST", "/inference/v1/generate", self.generate, False),
@@ -275,6 +284,44 @@ class VllmRoutes:
                             if checksums.get(k) != body.baseline.get(k))
         return {"match": not mismatches, "mismatches": mismatches}
 
+    async def server_info(self, request: Request) -> dict:
+        """vLLM's GET /server_info?config_format=text|json (its dev route; TRL's VLLMClient reads
+        vllm_config.weight_transfer_config, model_config.logprobs_mode, lora_config and parallel_config) with SGLang's
+        /get_server_info at the top level: SGLang's newer name of that route is this path, and slime's discovery
+        asks it first."""
+        query = validate(ServerInfoQuery, dict(request.query_params))
+        config = self._vllm_config(await self.engine.stats())
+        if query.config_format == "text":
+            config = ", ".join(f"{key}={value!r}" for key, value in _flat(config))
+        return {**await self.server.sglang.get_server_info(), "vllm_config": config}
+
+    def _vllm_config(self, stats: EngineStats) -> dict:
+        """The fields of vLLM's VllmConfig (its JSON dump's names) that describe this engine."""
+        llm, settings = self.engine.engine, self.server.settings
+        c = llm.config
+        fp8_kv = c.kv_cache_dtype != "auto"
+        return {
+            "model_config": {"model": llm.model_dir, "served_model_name": self.server.model_name,
+                             "tokenizer": llm.model_dir, "dtype": f"torch.{c.dtype}", "seed": c.seed,
+                             "max_model_len": self.server.max_model_len, "quantization": c.quantization,
+                             "max_logprobs": MAX_LOGPROBS, "logprobs_mode": settings.vllm_logprobs_mode,
+                             "enforce_eager": c.enforce_eager, "runner_type": "generate"},
+            "cache_config": {"block_size": c.block_size, "cache_dtype": c.kv_cache_dtype if fp8_kv else "auto",
+                             "enable_prefix_caching": c.enable_prefix_caching,
+                             "num_gpu_blocks": stats.num_kv_blocks_total, "num_cpu_blocks": None},
+            "parallel_config": {"tensor_parallel_size": c.tensor_parallel_size, "pipeline_parallel_size": 1,
+                                "data_parallel_size": 1, "world_size": c.tensor_parallel_size,
+                                "enable_expert_parallel": c.expert_parallel},
+            "scheduler_config": {"max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
+                                 "max_model_len": self.server.max_model_len},
+            "device_config": {"device": stats.device},
+            "lora_config": None if c.max_lora_rank == 0 else {"max_lora_rank": c.max_lora_rank, "max_loras": 1},
+            "speculative_config": None if c.speculative is None else {
+                "method": c.speculative, "num_speculative_tokens": c.num_speculative_tokens},
+            # the trainer-facing weight transfer (weight_transfer.py): on gloo on CPU; vLLM's NCCL data plane on
+            # GPUs is not implemented (501), so a CUDA engine reports none, which TRL names before it tries
+            "weight_transfer_config": {"backend": "gloo"} if c.device == "cpu" else None}
+
     async def get_world_size(self) -> dict:
         return {"world_size": 1}
 
@@ -295,7 +342,8 @@ class VllmRoutes:
         self.server.check_model(body.model)
         room = max(self.server.max_model_len - len(body.token_ids), 1)
         try:
-            params = body.sampling_params.engine(room, body.return_routed_experts)
+            params = body.sampling_params.engine(room, body.return_routed_experts,
+                                                 self.server.settings.logprobs_mode or "raw")
         except ValueError as exc:
             raise ApiError(400, f"sampling_params: {exc}", param="sampling_params") from None
         rid = body.request_id
@@ -372,6 +420,15 @@ class VllmRoutes:
                 "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,
                 "output_mode": "tokens", "stream": body.stream, "stream_options": None, "cache_salt": None,
                 "priority": 0, "kv_transfer_params": None, "ec_transfer_params": None}
+
+
+def _flat(config: dict, prefix: str = ""):
+    """(dotted key, value) of a nested dict's leaves."""
+    for key, value in config.items():
+        if isinstance(value, dict):
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value
 
 
 def _top_k(k: int | None) -> int | None:
