@@ -5,6 +5,8 @@ flight; vLLM's weight-transfer protocol from a trainer process equal to update_w
 naming it and changes nothing."""
 
 import asyncio
+import base64
+import io
 import json
 import os
 import subprocess
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import numpy
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -24,6 +27,7 @@ from fp8engine.entrypoints.weight_transfer import packed_chunks
 from tests.checkpoints import perturbed_state
 from tests.conftest import make_engine
 from tests.prompts import RAW
+from tests.tiny_models import tiny_dir  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path.home() / ".cache/fp8engine/baselines/vllm-venv/bin/python"  # make bench-baselines builds it
@@ -311,6 +315,33 @@ def test_tokens_as_token_ids_keep_tokens_of_the_same_text_apart(client, prompt, 
     content = choice["logprobs"]["content"]
     assert [e["token"] for e in content] == [f"token_id:{t}" for t in choice["token_ids"]]
     assert all(e["top_logprobs"][0]["token"].startswith("token_id:") for e in content)
+
+
+def test_skyrl_generate_packs_routed_experts_as_skyrl_reads_them(tiny_dir):  # noqa: F811
+    """SkyRL's RemoteInferenceClient body ({"sampling_params", "model", "token_ids"}, X-Session-ID; its
+    routed-expert path) on a Qwen3-MoE engine: the tokens and logprobs of /inference/v1/generate, routed experts
+    decoded as SkyRL's generate_wire decodes them (base64 ids in the narrowest dtype, shape) equal to its .npy ones."""
+    engine = make_engine(tiny_dir("qwen3_moe"), dtype="float32", num_kv_blocks=64)
+    prompt = [5, 17, 33, 2, 8, 40]
+    sampling = {"max_tokens": 6, "temperature": 1.0, "seed": 4, "logprobs": 0, "ignore_eos": True}
+    with TestClient(create_app(engine, ServerSettings())) as moe:
+        reply = moe.post("/skyrl/v1/generate", headers={"X-Session-ID": "traj-1"},
+                         json={"sampling_params": sampling, "model": "default", "token_ids": prompt}).json()
+        vllm = moe.post("/inference/v1/generate", json={"token_ids": prompt, "sampling_params": sampling,
+                                                        "return_routed_experts": True}).json()
+        refused = moe.post("/skyrl/v1/generate", json={"token_ids": prompt, "return_full_logprobs": True})
+    choice, = reply["choices"]
+    theirs, = vllm["choices"]
+    assert choice["token_ids"] == theirs["token_ids"] and len(choice["token_ids"]) == 6
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == [
+        e["logprob"] for e in theirs["logprobs"]["content"]]
+    assert choice["finish_reason"] == "length"
+    packed = choice["routed_experts"]
+    assert packed["dtype"] == "uint8" and packed["shape"][0] == len(prompt) + 6 - 1
+    routes = numpy.frombuffer(base64.b64decode(packed["data"]), dtype=packed["dtype"]).reshape(packed["shape"])
+    expected = numpy.load(io.BytesIO(base64.b64decode(theirs["routed_experts"])))
+    assert routes.shape == expected.shape and (routes == expected).all()
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_full_logprobs"
 
 
 # ------------------------------------------------------------------ vLLM's weight transfer

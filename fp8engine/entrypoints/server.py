@@ -143,6 +143,7 @@ REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": 
                   "/abort_requests": vllm_api.AbortRequests, "/init_weight_transfer_engine": vllm_api.TransferInitBody,
                   "/finish_weight_update": vllm_api.FinishBody, "/update_weight_version": vllm_api.VersionBody,
                   "/weight_checker": vllm_api.CheckerBody, "/inference/v1/generate": vllm_api.VllmGenerateRequest,
+                  "/skyrl/v1/generate": vllm_api.SkyrlGenerateRequest,
                   "/tokenize": vllm_api.TokenizeBody, "/detokenize": vllm_api.DetokenizeBody,
                   "/v1/chat/completions/render": ChatCompletionRequest, "/generate": sglang_api.SglangGenerateRequest,
                   "/pause_generation": sglang_api.PauseGenerationRequest, "/abort_request": sglang_api.AbortRequest}

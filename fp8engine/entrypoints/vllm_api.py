@@ -16,7 +16,8 @@ VLLM_SERVER_DEV_MODE=1): what SkyRL and prime-rl call.
        model_config.logprobs_mode from --logprobs-mode, weight_transfer_config, lora_config, parallel_config, ...)
        beside SGLang's /get_server_info keys (sglang_api.py), since SGLang's clients ask this path too
   POST /inference/v1/generate {"request_id", "token_ids", "sampling_params", "return_token_ids"}: token in, token
-       out, in vLLM's GenerateTokensResponse shape (non-streaming)
+       out, in vLLM's GenerateTokensResponse shape (non-streaming); POST /skyrl/v1/generate, SkyRL's fork of it
+       (routed experts packed as SkyRL packs them)
   POST /tokenize {"prompt" | "messages", ...}, /detokenize {"tokens"}, /v1/chat/completions/render
 Weight versions are our integer versions; vLLM's are strings, so a version given as a string must hold an integer.
 """
@@ -127,6 +128,21 @@ class VllmGenerateRequest(_Request):
     content_parts: None = None
 
 
+class SkyrlGenerateRequest(_Request):
+    """POST /skyrl/v1/generate: SkyRL's fork of vLLM's token route (skyrl/backends/skyrl_train/inference_servers/
+    vllm_server_actor.py), which its RemoteInferenceClient calls when routed-expert replay is on. cache_salt only
+    keeps other salts' requests off a prompt's cached blocks in vLLM; it changes no output, and is taken and
+    ignored. Full-vocabulary logprobs and sample supports (SkyRL's diagnostics) are refused by name."""
+
+    token_ids: TokenIds
+    sampling_params: VllmSamplingParams = Field(default_factory=VllmSamplingParams)
+    model: str | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+    return_full_logprobs: Literal[False] = Field(False, description="not implemented")
+    return_sample_support: Literal[False] = Field(False, description="not implemented")
+
+
 class ServerInfoQuery(_Request):
     config_format: Literal["text", "json"] = "text"
 
@@ -215,6 +231,7 @@ class VllmRoutes:
                 ("POST", "/reset_prefix_cache", self.reset_prefix_cache, True),
                 ("POST", "/collective_rpc", self.collective_rpc, True),
                 ("POST", "/inference/v1/generate", self.generate, False),
+                ("POST", "/skyrl/v1/generate", self.skyrl_generate, False),
                 ("POST", "/tokenize", self.tokenize, False), ("POST", "/detokenize", self.detokenize, False),
                 ("POST", "/v1/chat/completions/render", self.render, False)]
 
@@ -362,6 +379,25 @@ class VllmRoutes:
                 "mm_placeholders": None, "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None,
                 "choices": [_choice(s, params, out) for s in out.outputs]}
 
+    async def skyrl_generate(self, request: Request) -> dict:
+        """SkyRL's reply: choices of token_ids, finish_reason, logprobs {"content": [{"logprob"}]} and, on a MoE
+        model, routed_experts packed as SkyRL's generate_wire packs them (base64 of [positions fed, MoE layers,
+        top_k] in the smallest of uint8 / int16 / int32 that holds the largest id, with its shape and dtype)."""
+        body = parse_json(await self.server.read(request), SkyrlGenerateRequest)
+        self.server.check_model(body.model)
+        room = max(self.server.max_model_len - len(body.token_ids), 1)
+        try:
+            params = body.sampling_params.engine(room, bool(self.engine.engine.runner.moe_blocks),
+                                                 self.server.settings.logprobs_mode or "raw")
+        except ValueError as exc:
+            raise ApiError(400, f"sampling_params: {exc}", param="sampling_params") from None
+        out, = await self.rollouts.run([list(body.token_ids)], [params], body.request_id)
+        return {"id": body.request_id or out.request_id, "choices": [
+            {"token_ids": s.token_ids, "finish_reason": s.finish_reason or "stop",
+             "logprobs": None if s.logprobs is None else {"content": [{"logprob": _finite(lp)} for lp in s.logprobs]},
+             "routed_experts": None if s.routed_experts is None else _packed_routes(s.routed_experts)}
+            for s in out.outputs]}
+
     def _prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
         """vLLM's: per prompt token, None for the first, else {token id: {"logprob", "rank", "decoded_token"}}."""
         tops = out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)
@@ -469,6 +505,15 @@ def _npy_base64(routed: torch.Tensor) -> str:
     buffer = io.BytesIO()
     numpy.save(buffer, routed.to(torch.int32).numpy())
     return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _packed_routes(routed: torch.Tensor) -> dict:
+    """SkyRL's packed routed experts: {"data": base64 of the ids in the narrowest of uint8, int16, int32, "shape",
+    "dtype"}."""
+    top = int(routed.max()) if routed.numel() else 0
+    dtype = numpy.uint8 if top < 2**8 else numpy.int16 if top < 2**15 else numpy.int32
+    ids = routed.numpy().astype(dtype)
+    return {"data": base64.b64encode(ids.tobytes()).decode(), "shape": list(ids.shape), "dtype": ids.dtype.name}
 
 
 RANK_TAG = "dp0:pp0:pcp0:tp0:"  # vLLM's checksum keys name the worker's ranks: one worker here
