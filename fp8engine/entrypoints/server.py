@@ -148,7 +148,7 @@ REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": 
                   "/v1/chat/completions/render": ChatCompletionRequest, "/generate": sglang_api.SglangGenerateRequest,
                   "/pause_generation": sglang_api.PauseGenerationRequest, "/abort_request": sglang_api.AbortRequest}
 QUERIES = {"/update_weights": BucketQuery, "/update_lora": LoraQuery, "/sleep": SleepQuery, "/wake_up": WakeQuery,
-           "/pause": vllm_api.VllmPauseQuery}
+           "/pause": vllm_api.VllmPauseQuery, "/server_info": vllm_api.ServerInfoQuery}
 RESPONSES = {"/v1/completions": CompletionResponse, "/v1/chat/completions": ChatCompletionResponse}
 CONTENT_TYPES = {"/v1/completions": (JSON, EVENTS), "/v1/chat/completions": (JSON, EVENTS), "/metrics": (TEXT,)}
 

@@ -15,6 +15,13 @@ loads it explicitly), which registers three pieces:
   `rollout.checkpoint_engine.update_weights_bucket_megabytes` (each bucket copied into one flat tensor: SGLang's
   flattened bucket); the actor stages them and commits once, at the end, with `weight_version=global_steps` (all
   or nothing). `release()` / `resume(tags)` are sleep / wake.
+- `FP8EngineCheckpointEngine` (`CheckpointEngineRegistry`, backend "fp8engine"): standalone mode's weight sync
+  (`rollout.checkpoint_engine.backend=fp8engine`, the rollout on its own workers). The trainer's rank 0 broadcasts
+  the weights over a torch.distributed group of its own (gloo on CPU, NCCL on GPUs) straight into each replica's
+  engine, which joins it as LLMEngine.init_weights_update_group does (fp8engine's weight-update group): bucket by
+  bucket, a JSON header naming the bucket's tensors, then the tensors; the engine stages them as they arrive and
+  commits once at the end with `weight_version=global_steps` (all or nothing), then leaves the group. veRL's
+  rollout-side worker only hands the engine its place in the group (FP8EngineRollout.update_weights).
 
 Engine options: `actor_rollout_ref.rollout.engine_kwargs.fp8engine.<EngineConfig field>=value` (quantization,
 kv_cache_dtype, batch_invariant, ...), over what the rollout config implies (model path, dtype, lengths, seed,
@@ -33,6 +40,7 @@ from typing import Any
 
 import ray
 import torch
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY, BaseRollout
 from verl.workers.rollout.replica import (
@@ -49,11 +57,21 @@ from fp8engine.outputs import RequestOutput
 from fp8engine.rl.sync import buckets
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights import tensor_handles
+from fp8engine.weights.dist_update import (
+    DEFAULT_TIMEOUT_S,
+    broadcast_header,
+    broadcast_weights,
+    dtype_name,
+    free_port,
+    init_process_group,
+    parse_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
 NAME = "fp8engine"
-WIRE_FORMATS = ("named_tensors", "delta_flush")
+BROADCAST = "fp8engine_broadcast"  # the wire format of FP8EngineCheckpointEngine: the engine receives itself
+WIRE_FORMATS = ("named_tensors", "delta_flush", BROADCAST)
 SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                            "frequency_penalty", "ignore_eos", "seed", "stop", "stop_token_ids", "min_tokens",
                            "logprobs", "max_tokens", "max_new_tokens"})
@@ -256,6 +274,34 @@ class FP8EngineServer:
         report = await self.engine.update_lora(adapter, scaling, weight_version=weight_version)
         return dataclasses.asdict(report)
 
+    async def receive_broadcast(self, ticket: dict[str, Any], global_steps: int | None = None) -> dict[str, Any]:
+        """Standalone mode's sync (FP8EngineCheckpointEngine): join the trainer's group at the ticket's rank, receive
+        every bucket it broadcasts (its header, then its tensors; FP8-bound weights quantized as they arrive), commit
+        them as one update at weight_version=global_steps and leave the group. A bad tensor fails the commit with a
+        ValueError naming it and the engine keeps its weights; a broken transfer, a RuntimeError."""
+        def receive(engine: LLMEngine) -> dict[str, Any]:
+            engine.init_weights_update_group(ticket["address"], ticket["port"], ticket["rank"], ticket["world_size"],
+                                             group_name=ticket["group_name"], backend=ticket["backend"],
+                                             timeout_s=ticket["timeout_s"])
+            try:
+                group = engine.weights_update_group
+                prequantizer, received, names, buckets_in = engine.prequantizer(), [], [], 0
+                while True:
+                    header = broadcast_header(group.group, None, group.device)
+                    if header["names"]:
+                        received += engine.receive_weights(header["names"], header["dtypes"], header["shapes"],
+                                                           prequantizer)
+                        names += header["names"]
+                        buckets_in += 1
+                    if header["last"]:
+                        break
+                report = engine.received_report(engine.update_weights(received, weight_version=global_steps),
+                                                names, prequantizer)
+                return dataclasses.asdict(report) | {"num_buckets": buckets_in}
+            finally:
+                engine.destroy_weights_update_group()
+        return await self.engine.call(receive)
+
     async def drop_staged(self) -> None:
         """Forget buckets staged by an update that failed before its commit."""
         self._staged = []
@@ -360,6 +406,12 @@ class FP8EngineRollout(BaseRollout):
                                       "supported; use checkpoint_engine.backend=naive (full named tensors)")
         if wire_format not in WIRE_FORMATS:
             raise ValueError(f"wire_format must be one of {list(WIRE_FORMATS)}, got {wire_format!r}")
+        if wire_format == BROADCAST:  # FP8EngineCheckpointEngine's: the engine joins the trainer's group itself
+            start = time.perf_counter()
+            report = await self._server().receive_broadcast.remote(weights, global_steps)
+            report["sync_seconds"] = time.perf_counter() - start
+            self.last_update = report
+            return report
         if torch.multiprocessing.get_sharing_strategy() != "file_system":
             torch.multiprocessing.set_sharing_strategy("file_system")  # handles the engine's process can open
         start = time.perf_counter()
@@ -443,6 +495,107 @@ def shared_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | N
     return {"flattened_tensor": flat, "metadata": metadata}
 
 
+# ----------------------------------------------------------------------------- standalone mode's weight sync
+class FP8EngineCheckpointEngine(CheckpointEngine):
+    """veRL's checkpoint engine for fp8engine rollouts on their own workers (standalone mode): the trainer's rank 0
+    broadcasts into the engines over a group of their own. Options (`checkpoint_engine.engine_kwargs.fp8engine.*`):
+    backend ("gloo" on CPU, "nccl" for CUDA tensors; default by whether the trainer has CUDA), dtype (floats are
+    cast to it before they travel, the engine's model dtype: "bfloat16"; None keeps them), timeout_s.
+
+    The group is joined when the weights move, not in init_process_group: veRL waits for every rank's
+    init_process_group before it starts the transfer, and the engines join from inside it (FP8EngineServer.
+    receive_broadcast). Trainer ranks but 0 walk the generator (producing each tensor is collective for FSDP)."""
+
+    wire_format = BROADCAST
+
+    def __init__(self, bucket_size: int, is_master: bool = False, backend: str | None = None,
+                 dtype: str | None = "bfloat16", timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs):
+        if kwargs:
+            raise ValueError(f"checkpoint_engine.engine_kwargs.fp8engine: unknown option(s) {sorted(kwargs)}; "
+                             f"known: backend, dtype, timeout_s")
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"checkpoint_engine.engine_kwargs.fp8engine.backend must be gloo or nccl, got {backend!r}")
+        self.bucket_size, self.is_master, self.timeout_s = int(bucket_size), is_master, float(timeout_s)
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.dtype = None if dtype is None else parse_dtype(dtype)
+        self.place: dict[str, Any] | None = None  # this worker's rank, the group's size and master
+
+    def prepare(self) -> dict[str, Any]:
+        """The master (trainer rank 0) names the group's rendezvous; the others report nothing."""
+        if not self.is_master:
+            return {}
+        return {"address": ray.util.get_node_ip_address(), "port": free_port(), "backend": self.backend,
+                "group_name": f"{NAME}-verl-{os.getpid()}-{time.monotonic_ns()}", "timeout_s": self.timeout_s}
+
+    @classmethod
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
+        """Trainer rank 0 is the group's rank 0, the other trainer ranks stay out (-1), rollout worker i (one per
+        replica) is rank 1 + i."""
+        master = metadata[0]
+        if not master:
+            raise ValueError("fp8engine checkpoint engine: trainer rank 0 must be the master")
+        world_size = 1 + rollout_world_size
+        actor = {"rank": [0] + [-1] * (actor_wg_world_size - 1), "world_size": [world_size] * actor_wg_world_size,
+                 "master_metadata": [master] * actor_wg_world_size}
+        rollout = {"rank": list(range(1, world_size)), "world_size": [world_size] * rollout_world_size,
+                   "master_metadata": [master] * rollout_world_size}
+        return actor, rollout
+
+    def init_process_group(self, rank: int, world_size: int, master_metadata: dict[str, Any]):
+        self.place = {"rank": rank, "world_size": world_size, **master_metadata}
+
+    def finalize(self):
+        self.place = None
+
+    async def send_weights(self, weights, global_steps: int | None = None) -> dict[str, Any]:
+        """Rank 0: join the group, then for each bucket of about bucket_size bytes its header and its tensors, and a
+        last header; returns the bytes and seconds sent. Other trainer ranks walk the generator."""
+        if self.place is None or self.place["rank"] != 0:
+            for _ in weights:
+                pass
+            return {}
+        place, start = self.place, time.perf_counter()
+        group = init_process_group(place["address"], place["port"], 0, place["world_size"], place["group_name"],
+                                   place["backend"], place["timeout_s"])
+        device = "cuda" if place["backend"] == "nccl" else "cpu"
+        num_bytes = num_buckets = 0
+        try:
+            for bucket in self._buckets(weights):
+                broadcast_header(group, {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype)
+                                 for _, t in bucket], "shapes": [list(t.shape) for _, t in bucket], "last": False},
+                                 device)
+                num_bytes += broadcast_weights(group, bucket, device)
+                num_buckets += 1
+            broadcast_header(group, {"names": [], "dtypes": [], "shapes": [], "last": True}, device)
+        finally:
+            torch.distributed.destroy_process_group(group)
+        return {"fp8engine/sync_bytes": num_bytes, "fp8engine/sync_buckets": num_buckets,
+                "fp8engine/send_seconds": time.perf_counter() - start}
+
+    def _buckets(self, weights):
+        """(name, tensor) pairs in buckets of about bucket_size bytes, floats cast to dtype, where they are."""
+        bucket, size = [], 0
+        for name, tensor in weights:
+            tensor = tensor.detach()
+            if self.dtype is not None and tensor.is_floating_point() and tensor.element_size() > 1:
+                tensor = tensor.to(self.dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > self.bucket_size:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor.contiguous()))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def receive_weights(self, global_steps: int | None = None) -> dict[str, Any]:
+        """The rollout side's part: where its engine joins the group (FP8EngineRollout.update_weights hands it to
+        the engine, which receives the weights itself)."""
+        if self.place is None:
+            raise RuntimeError("fp8engine checkpoint engine: receive_weights before init_process_group")
+        return dict(self.place)
+
+
 def _load_replica() -> type[RolloutReplica]:
     return FP8EngineReplica
 
@@ -451,6 +604,7 @@ def register() -> None:
     """Make `rollout.name=fp8engine` known to veRL (done on import)."""
     RolloutReplicaRegistry.register(NAME, _load_replica)
     _ROLLOUT_REGISTRY[(NAME, "async")] = f"{__name__}.FP8EngineRollout"
+    CheckpointEngineRegistry.register(NAME)(FP8EngineCheckpointEngine)
 
 
 register()

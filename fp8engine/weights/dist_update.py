@@ -16,6 +16,7 @@ Trainer side (the engines call init_weights_update_group / update_weights_from_d
 """
 
 import datetime
+import json
 import socket
 from collections.abc import Callable, Iterable, Sequence
 
@@ -87,6 +88,21 @@ def broadcast_weights(group: dist.ProcessGroup, tensors: Iterable[tuple[str, tor
         dist.broadcast(_wire(tensor), src=0, group=group)
         num_bytes += tensor.numel() * tensor.element_size()
     return num_bytes
+
+
+def broadcast_header(group: dist.ProcessGroup, header: dict | None, device: str = "cpu") -> dict:
+    """A JSON header from rank 0 to every rank of `group` (rank 0 passes it, the others None and get it back):
+    what a bucket that follows holds, for receivers that do not know it in advance."""
+    if header is not None:
+        data = torch.tensor(list(json.dumps(header).encode()), dtype=torch.uint8, device=device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0, group=group)
+    if header is None:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0, group=group)
+    return header if header is not None else json.loads(bytes(data.cpu().tolist()))
 
 
 class WeightsUpdateGroup:

@@ -3,12 +3,18 @@ driven in-process (no Ray) as veRL's replica and rollout call it: generate, abor
 bucketed shared-memory sync committed once. Runs in veRL's environment (`make test-integrations`)."""
 
 import asyncio
+import json
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 pytest.importorskip("verl")
+from verl.checkpoint_engine.base import CheckpointEngineRegistry
 from verl.workers.config import RolloutConfig
 from verl.workers.rollout.base import get_rollout_class
 from verl.workers.rollout.replica import RolloutMode, RolloutReplicaRegistry
@@ -16,6 +22,8 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplicaRegistry
 from fp8engine import default_model_path
 from fp8engine.integrations import verl as plugin
 from fp8engine.weights import tensor_handles
+
+HERE = Path(__file__).resolve().parent
 
 
 def rollout_config(**overrides) -> RolloutConfig:
@@ -196,3 +204,52 @@ def test_rollout_syncs_in_flat_buckets_committed_once(server):
     with pytest.raises(ValueError, match="no_such"):
         loop.run_until_complete(rollout.update_weights(iter(bad), global_steps=12))
     assert engine.weight_version == 11 and server._staged == []  # nothing committed, nothing left staged
+
+
+def standalone_sync(loop, rollout, path, steps: int) -> tuple[dict, dict]:
+    """One sync through FP8EngineCheckpointEngine as veRL's CheckpointEngineManager drives it (prepare,
+    build_topology, init_process_group on every worker, then the trainer's send_weights beside the rollout worker's
+    update_weights, finalize): a trainer of two ranks in a process of its own (verl_ce_trainer.py, sending `path`'s
+    tensors) and one rollout worker here. Returns what the trainer reported and what the engine reported."""
+    engine_cls = CheckpointEngineRegistry.get("fp8engine")
+    trainer = subprocess.Popen([sys.executable, str(HERE / "verl_ce_trainer.py"), str(path), str(steps)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        master = json.loads(trainer.stdout.readline())
+        _, rollout_kwargs = engine_cls.build_topology(2, 1, [master, {}, {}])
+        worker = engine_cls(bucket_size=1 << 20)
+        worker.init_process_group(**{key: values[0] for key, values in rollout_kwargs.items()})
+        received = loop.run_until_complete(rollout.update_weights(
+            worker.receive_weights(global_steps=steps), wire_format=worker.wire_format, global_steps=steps))
+        worker.finalize()
+        sent = json.loads(trainer.stdout.readline())
+    finally:
+        assert trainer.wait(timeout=120) == 0
+    return sent, received
+
+
+def test_checkpoint_engine_broadcasts_into_the_engine(server, tmp_path):
+    """Standalone mode (rollout.checkpoint_engine.backend=fp8engine): float32 weights, cast to bfloat16 on the
+    trainer's side, broadcast in buckets of 1 MiB over a gloo group the engine joins itself, committed once at
+    global_steps; a NaN fails the commit with the tensor named, the engine keeping its weights and version."""
+    server, loop = server
+    engine = server.engine.engine
+    rollout = plugin.FP8EngineRollout.__new__(plugin.FP8EngineRollout)
+    rollout.config, rollout.server, rollout.last_update = rollout_config(), _Handle(server), {}
+    names = loop.run_until_complete(server.expected_weight_names())
+    weights = {n: engine.get_weights_by_name(n).float() * 1.01 for n in names}
+    save_file(weights, tmp_path / "good.safetensors")
+    sent, received = standalone_sync(loop, rollout, tmp_path / "good.safetensors", steps=21)
+    assert received["weight_version"] == 21 == engine.weight_version and received["num_tensors"] == len(names)
+    assert sent["fp8engine/sync_buckets"] == received["num_buckets"] > 10 and sent["walked"] == len(names)
+    assert sent["fp8engine/sync_bytes"] == sum(t.numel() * 2 for t in weights.values())  # bfloat16 on the wire
+    for name in names[:: max(1, len(names) // 20)]:
+        assert torch.equal(engine.get_weights_by_name(name), weights[name].bfloat16()), name
+    bad_name = names[3]
+    weights[bad_name].view(-1)[7] = float("nan")
+    save_file(weights, tmp_path / "bad.safetensors")
+    before = engine.get_weights_by_name(bad_name).clone()
+    with pytest.raises(ValueError, match=bad_name.replace(".", r"\.")):
+        standalone_sync(loop, rollout, tmp_path / "bad.safetensors", steps=22)
+    assert engine.weight_version == 21 and torch.equal(engine.get_weights_by_name(bad_name), before)
+    assert engine.weights_update_group is None  # left after each sync
