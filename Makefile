@@ -33,8 +33,9 @@ test-avx512:
 	else echo "test-avx512: no AMX tiles here, the suite above ran the paths this CPU takes (AVX-512 or AVX2)"; fi
 
 # Other frameworks' own trainers driving fp8engine, each in an environment of its own under ~/.cache/fp8engine
-# (built when absent, reused after): veRL 0.9.1's GRPO trainer (main_ppo) for 3 steps, BF16 and FP8 engines
-# (tests/integrations/test_verl_grpo.py, about 2.5 min a run on 2 cores; test_verl_plugin.py first, seconds). Not part of `make test`.
+# (built when absent, reused after): veRL 0.9.1's GRPO trainer (main_ppo) for 3 steps, hybrid with BF16 and FP8
+# engines, and its separate trainer with the rollout standalone (tests/integrations/test_verl_grpo.py, about 2 min a
+# run on 2 cores; test_verl_plugin.py first, ~40 s). Not part of `make test`.
 VERL_VENV ?= $(HOME)/.cache/fp8engine/verl-venv
 test-integrations:
 	PY=$(PY) bash tests/integrations/verl_env.sh "$(VERL_VENV)"

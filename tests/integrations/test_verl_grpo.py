@@ -67,17 +67,30 @@ def overrides(tmp: Path, data: Path, engine_kwargs: dict) -> list[str]:
     ]
 
 
-def run_grpo(tmp: Path, engine_kwargs: dict) -> tuple[list[dict], list[dict], float, str]:
-    """veRL's main_ppo on the CPU; (per-step metrics, sync checks, wall seconds, output)."""
+# veRL's separate trainer: the rollout on a worker (and "GPU") of its own, synced through fp8engine's checkpoint
+# engine after every step (parameter_sync_step 1: each step trains on rollouts of the weights one sync back)
+STANDALONE = ["actor_rollout_ref.rollout.checkpoint_engine.backend=fp8engine", "trainer.v1.trainer_mode=separate_async",
+              "trainer.v1.separate_async.parameter_sync_step=1", "actor_rollout_ref.hybrid_engine=False",
+              "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+              "+ray_kwargs.ray_init.num_gpus=2"]
+
+
+def run_grpo(tmp: Path, engine_kwargs: dict, standalone: bool = False) -> tuple[list[dict], list[dict], float, str]:
+    """veRL's main_ppo on the CPU; (per-step metrics, sync checks, wall seconds, output). standalone: veRL's
+    separate trainer with FP8EngineCheckpointEngine, checked by the shim's VERL_BROADCAST_CHECK."""
     metrics, syncs = tmp / "metrics.jsonl", tmp / "syncs.jsonl"
     env = os.environ | {
         "VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "VERL_USE_EXTERNAL_MODULES": "verl_cpu_shim",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
-        "VERL_FILE_LOGGER_PATH": str(metrics), "VERL_SYNC_CHECK": str(syncs),
+        "VERL_FILE_LOGGER_PATH": str(metrics),
+        ("VERL_BROADCAST_CHECK" if standalone else "VERL_SYNC_CHECK"): str(syncs),
         "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0", "WANDB_MODE": "disabled",
         "HF_HUB_OFFLINE": "1", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     start = time.perf_counter()
     args = overrides(tmp, write_data(tmp / "train.parquet"), engine_kwargs)
+    if standalone:
+        replaced = ("actor_rollout_ref.rollout.checkpoint_engine.backend=", "+ray_kwargs.ray_init.num_gpus=")
+        args = [a for a in args if not a.startswith(replaced)] + STANDALONE
     proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *args],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=1200)
     wall = time.perf_counter() - start
@@ -142,3 +155,34 @@ def test_verl_grpo(engine, tmp_path):
             check["tied_head_equals_embedding"]
         assert check["engine_commit_seconds"] > 0
         assert check["update_weights_seconds"] >= check["engine_commit_seconds"]
+
+
+def test_verl_grpo_standalone(tmp_path):
+    """veRL's separate trainer (`trainer.v1.trainer_mode=separate_async`, `hybrid_engine=False`) with the rollout on
+    its own worker and `checkpoint_engine.backend=fp8engine`, BF16 engine: exit 0, grad_norm > 0; a sync before step
+    1 and after every step, each one's 273 tensors (272 + the tied head) in the engine bitwise what trainer rank 0
+    sent (the shim's digests), the engine's weight versions those syncs' global_steps; veRL's trajectory staleness
+    0 at step 1 and 1 after (the engine's version follows the syncs), and rollout_probs_diff_mean at the BF16 floor
+    at step 1, where the rollout's weights are the trainer's."""
+    steps, checks, wall, _ = run_grpo(tmp_path, {}, standalone=True)
+    sent = {c["global_steps"]: c["digests"] for c in checks if c["side"] == "trainer"}
+    held = {c["weight_version"]: c for c in checks if c["side"] == "engine"}
+    data = [record["data"] for record in steps]
+    print(f"\nveRL GRPO standalone, fp8engine bf16: {STEPS} steps in {wall:.1f} s")
+    for record, d in zip(steps, data):
+        print(f"  step={record['step']}  step_s={d['timing_s/step']:.3f}"
+              f"  update_weights_s={d['timing_s/update_weights']:.3f}  send_s={d['fp8engine/send_seconds']:.3f}"
+              f"  sync_MB={d['fp8engine/sync_bytes'] / 1e6:.1f}"
+              f"  engine_commit_s={held[record['step']]['commit_seconds']:.3f}"
+              f"  staleness={d['training/off_policy/trajectory_staleness/max']}"
+              f"  rollout_probs_diff_mean={d['training/rollout_probs_diff_mean']:.4f}"
+              f"  grad_norm={d['actor/grad_norm']:.4f}")
+    assert [record["step"] for record in steps] == list(range(1, STEPS + 1))
+    assert sorted(sent) == sorted(held) == list(range(STEPS + 1))
+    for version, digests in sent.items():
+        assert len(digests) == held[version]["num_tensors"] == 273  # 272 weights and the tied head
+        mismatched = [name for name, digest in digests.items() if held[version]["digests"].get(name) != digest]
+        assert mismatched == [], (version, mismatched[:5])
+    assert all(d["actor/grad_norm"] > 0 for d in data)
+    assert [d["training/off_policy/trajectory_staleness/max"] for d in data] == [0] + [1] * (STEPS - 1)
+    assert data[0]["training/rollout_probs_diff_mean"] < BF16_PROBS_DIFF_MAX

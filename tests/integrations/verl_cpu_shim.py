@@ -22,7 +22,9 @@ veRL's `calculate_debug_metrics` (`debug_{n}.pt`: responses, response_mask, roll
 function that reports `training/rollout_probs_diff_mean`. Off unless the variable is set.
 """
 
+import hashlib
 import json
+import logging
 import os
 import time
 import types
@@ -121,6 +123,18 @@ def _gloo_only(init_process_group):
 torch.distributed.init_process_group = _gloo_only(torch.distributed.init_process_group)
 
 
+def _without_flush(log):
+    """veRL 0.9.1's separate trainer with hybrid_engine=False logs with print's flush=True, which Logger rejects (a
+    TypeError at start-up on every platform): dropped here."""
+    def log_(self, level, msg, args, **kwargs):
+        kwargs.pop("flush", None)
+        return log(self, level, msg, args, **kwargs)
+    return log_
+
+
+logging.Logger._log = _without_flush(logging.Logger._log)
+
+
 def _check_sync(rollout, yielded: list[tuple[str, torch.Tensor]], report: dict, seconds: float) -> dict:
     server = rollout._server()
     import ray
@@ -157,6 +171,70 @@ def _check_sync(rollout, yielded: list[tuple[str, torch.Tensor]], report: dict, 
             "read_seconds": report["read_seconds"], "handover_seconds": report["handover_seconds"],
             "engine_step_seconds_total": stats["step_seconds_total"],
             "engine_generation_tokens_total": stats["num_generation_tokens_total"]}
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _install_broadcast_check(path: str) -> None:
+    """Standalone mode (FP8EngineCheckpointEngine): the trainer's rank 0 records a digest of every tensor it sends
+    (as sent: floats in bfloat16), the rollout worker, after the engine's commit, a digest of the engine's tensor of
+    each name; one JSON line per side and sync, compared by the test. Installed when the plugin registers itself
+    (this module is imported while verl is, before the plugin can be)."""
+    import sys
+
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+    register = RolloutReplicaRegistry.register
+
+    def checking_register(name, *args, **kwargs):
+        result = register(name, *args, **kwargs)
+        if name == "fp8engine":
+            _patch_broadcast(sys.modules["fp8engine.integrations.verl"], path)
+        return result
+
+    RolloutReplicaRegistry.register = checking_register
+    plugin = sys.modules.get("fp8engine.integrations.verl")  # None, or being imported, or imported
+    if hasattr(plugin, "register"):
+        _patch_broadcast(plugin, path)
+
+
+def _patch_broadcast(plugin, path: str) -> None:
+    send_weights = plugin.FP8EngineCheckpointEngine.send_weights
+    if getattr(send_weights, "sync_checked", False):
+        return
+
+    async def checked_send_weights(self, weights, global_steps=None):
+        sent = {}
+
+        def tee():
+            for name, tensor in weights:
+                if self.place is not None and self.place["rank"] == 0:
+                    sent[name] = _digest(tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
+                yield name, tensor
+
+        metrics = await send_weights(self, tee(), global_steps)
+        if sent:
+            with open(path, "a") as f:  # noqa: ASYNC230
+                f.write(json.dumps({"side": "trainer", "global_steps": global_steps, "digests": sent}) + "\n")
+        return metrics
+
+    async def checked_update_weights(self, weights, wire_format="named_tensors", global_steps=None, **kwargs):
+        report = await update_weights(self, weights, wire_format, global_steps, **kwargs)
+        import ray
+        server = self._server()
+        names = ray.get(server.expected_weight_names.remote()) + ["lm_head.weight"]
+        engine = ray.get(server.get_weights_by_name.remote(names))
+        with open(path, "a") as f:  # noqa: ASYNC230
+            f.write(json.dumps({"side": "engine", "weight_version": report["weight_version"],
+                                "num_tensors": report["num_tensors"], "commit_seconds": report["seconds"],
+                                "digests": {name: _digest(t) for name, t in engine.items()}}) + "\n")
+        return report
+
+    update_weights = plugin.FP8EngineRollout.update_weights
+    checked_send_weights.sync_checked = True
+    plugin.FP8EngineCheckpointEngine.send_weights = checked_send_weights
+    plugin.FP8EngineRollout.update_weights = checked_update_weights
 
 
 def _install_sync_check(path: str) -> None:
@@ -262,5 +340,7 @@ def _install_dump(directory: str) -> None:
 
 if os.environ.get("VERL_SYNC_CHECK"):
     _install_sync_check(os.environ["VERL_SYNC_CHECK"])
+if os.environ.get("VERL_BROADCAST_CHECK"):
+    _install_broadcast_check(os.environ["VERL_BROADCAST_CHECK"])
 if os.environ.get("FP8ENGINE_VERL_DUMP"):
     _install_dump(os.environ["FP8ENGINE_VERL_DUMP"])
