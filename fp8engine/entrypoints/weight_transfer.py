@@ -4,9 +4,10 @@ or more), /finish_weight_update.
 
 Rendezvous: the trainer is rank 0 and hosts a TCP store at master_address:master_port for `world_size` ranks
 (vLLM's StatelessProcessGroup.create); the engine joins it as rank `rank_offset`. The data plane is a group over
-that store: vLLM's PyNccl communicator on GPUs; on CPU a gloo group on the same store under the prefix
-GLOO_PREFIX, which opens, like PyNccl, with a one-element all-reduce (the warm-up each side issues before any
-broadcast). Each update_info {names, dtype_names, shapes} is then broadcast from rank 0 in order: tensor by
+that store: on GPUs an NCCL communicator from the unique id vLLM's trainer publishes in the store, as its PyNccl
+communicator does (weights/pynccl.py: written to vLLM's protocol, not yet run on a GPU); on CPU a gloo group on the
+same store under the prefix GLOO_PREFIX. Both open with a one-element all-reduce (the warm-up each side issues
+before any broadcast). Each update_info {names, dtype_names, shapes} is then broadcast from rank 0 in order: tensor by
 tensor, or with init_info.packed, as uint8 buffers of the tensors' bytes back to back, a buffer closed by the first
 tensor that takes it past packed_buffer_size_bytes (vLLM's packed_nccl_broadcast_producer), the last one by the
 end of the list.
@@ -28,6 +29,7 @@ from pydantic import Field, model_validator
 from fp8engine.entrypoints.async_engine import AsyncEngine
 from fp8engine.entrypoints.protocol import ApiError, _Request
 from fp8engine.outputs import WeightUpdateReport
+from fp8engine.weights import pynccl
 from fp8engine.weights.dist_update import parse_dtype
 
 GLOO_PREFIX = "fp8engine-gloo"
@@ -98,20 +100,19 @@ class WeightTransfer:
         if self.group is not None:
             raise ApiError(409, "the weight-transfer engine is already initialized; POST "
                                 "/shutdown_weight_transfer_engine first", code="already_initialized")
-        if self.engine.engine.config.device != "cpu":
-            raise ApiError(501, "vLLM's NCCL weight transfer needs vLLM's PyNccl unique-id exchange, which this "
-                                "engine does not implement on GPUs; use /init_weights_update_group (a "
-                                "torch.distributed NCCL group) there", code="not_implemented")
+        device = self.engine.engine.runner.device
         try:
-            self.store, self.group = await asyncio.to_thread(_join, init_info)
-        except (RuntimeError, ValueError) as exc:  # torch's DistError and timeouts derive from RuntimeError
+            self.store, self.group = await asyncio.to_thread(_join, init_info, device)
+        except (RuntimeError, ValueError, OSError) as exc:  # torch's DistError, timeouts; NCCL's library, errors
             raise ApiError(500, f"could not join the trainer's weight-transfer group at "
                                 f"{init_info.master_address}:{init_info.master_port}: {exc}",
                            code="rendezvous_failed") from None
         self.init_info = init_info
 
     async def shutdown(self) -> None:
-        self.group, self.store, self.staged = None, None, None  # the group's sockets close with it
+        if isinstance(self.group, pynccl.NcclComm):
+            self.group.abort()
+        self.group, self.store, self.staged = None, None, None  # a gloo group's sockets close with it
 
     def start(self) -> None:
         """Open an update (as vLLM, also before /init_weight_transfer_engine: a start and a finish alone set the
@@ -161,16 +162,17 @@ class WeightTransfer:
 
     def _receive(self, specs: list[tuple[str, torch.dtype, list[int]]], packed: bool) -> list[tuple[str, torch.Tensor]]:
         keep = self.prequantizer or (lambda name, tensor: [(name, tensor)])
+        device = self.engine.engine.runner.device
         if not packed:
             received = []
             for name, dtype, shape in specs:
-                tensor = torch.empty(shape, dtype=dtype)
-                _broadcast(self.group, tensor.view(torch.uint8) if dtype.itemsize == 1 else tensor)
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                _broadcast(self.group, tensor)
                 received += keep(name, tensor)
             return received
         received = []
         for chunk in packed_chunks(specs, self.init_info.packed_buffer_size_bytes):
-            buffer = torch.empty(sum(size for *_, size in chunk), dtype=torch.uint8)
+            buffer = torch.empty(sum(size for *_, size in chunk), dtype=torch.uint8, device=device)
             _broadcast(self.group, buffer)
             for (name, dtype, shape, _), piece in zip(chunk, buffer.split([size for *_, size in chunk])):
                 received += keep(name, piece.view(dtype).view(shape))
@@ -200,20 +202,28 @@ def packed_chunks(specs: list[tuple[str, torch.dtype, list[int]]], buffer_size: 
     return chunks
 
 
-def _join(init_info: TransferInit) -> tuple[dist.Store, dist.ProcessGroup]:
-    """Join the trainer's store as rank rank_offset, then the gloo group on it, and do the warm-up all-reduce."""
+def _join(init_info: TransferInit, device: torch.device) -> tuple[dist.Store, dist.ProcessGroup | pynccl.NcclComm]:
+    """Join the trainer's store as rank rank_offset, then the data plane on it, and do the warm-up all-reduce: on
+    CPU a gloo group on the store; on CUDA an NCCL communicator from the unique id the trainer published there
+    (vLLM's PyNccl handshake, weights/pynccl.py; not yet run on a GPU)."""
     timeout = datetime.timedelta(seconds=init_info.timeout_s)
     store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, is_master=False,
                           timeout=timeout, use_libuv=False)
+    if device.type == "cuda":
+        return store, pynccl.NcclComm(pynccl.read_unique_id(store), init_info.rank_offset, init_info.world_size,
+                                      device)
     group = dist.ProcessGroupGloo(dist.PrefixStore(GLOO_PREFIX, store), init_info.rank_offset,
                                   init_info.world_size, timeout)
     group.allreduce([torch.zeros(1)]).wait()
     return store, group
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-    """Receive rank 0's broadcast into `tensor` (the group is the engine's own, outside torch.distributed's world:
-    its methods are called directly)."""
+def _broadcast(group: dist.ProcessGroup | pynccl.NcclComm, tensor: torch.Tensor) -> None:
+    """Receive rank 0's broadcast into `tensor`. A gloo group is the engine's own, outside torch.distributed's world
+    (its methods are called directly), and carries 1-byte dtypes as bytes."""
+    if isinstance(group, pynccl.NcclComm):
+        group.broadcast(tensor)
+        return
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([tensor], options).wait()
+    group.broadcast([tensor.view(torch.uint8) if tensor.dtype.itemsize == 1 else tensor], options).wait()

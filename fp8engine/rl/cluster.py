@@ -608,7 +608,8 @@ class RolloutCluster:
         """Start one more replica; it takes work only once it holds the cluster's weights and
         version: the last sync's buckets, kept in the object store, or `model_or_state_dict` when
         given (needed after a distributed sync). A PEFT model on replicas with LoRA buffers gives its
-        adapter (the base as the other replicas hold it). Returns its actor handle."""
+        adapter (the base as the other replicas hold it). While the cluster sleeps, the new replica sleeps too (the
+        same level and tags) once it holds them, and wakes with the others. Returns its actor handle."""
         adapter = peft_adapter(model_or_state_dict) if self.takes_lora else None
         whole = model_or_state_dict is not None and adapter is None
         if self._synced and not self._weights and not whole:
@@ -631,6 +632,10 @@ class RolloutCluster:
                 self._commit(self.weight_version, [member])
             if self.paused:
                 _ray().get(member.actor.pause.remote(self.paused))
+            if self._asleep:  # the cluster sleeps: the new replica hands its memory back as the others did
+                level = max((self._levels.get(m.id, 1) for m in self._members), default=1)
+                report = _ray().get(member.actor.sleep.remote(level, sorted(self._asleep)))
+                self._levels[member.id] = report.level
         except BaseException:
             _ray().kill(member.actor)
             raise
