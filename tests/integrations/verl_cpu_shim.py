@@ -15,6 +15,11 @@ or, for an FP8 linear, with the dequantized blockwise quantization of that cast 
 one line records
 the names, mismatches, the engine's commit seconds and veRL's wall seconds for the whole call.
 
+Broadcast check (`VERL_BROADCAST_CHECK`: a JSON-lines file), for standalone mode through FP8EngineCheckpointEngine: a
+digest of every tensor trainer rank 0 sends and of the engine's tensor of every name after each commit, one line per
+side and sync. veRL 0.9.1's separate trainer also passes `flush=True` to a logger at start-up (a TypeError anywhere):
+Logger._log drops that keyword here.
+
 Dump (`FP8ENGINE_VERL_DUMP`: a directory; benchmarks/verl_fp8_mismatch.py reads it): every sync's yielded tensors
 (`weights_v{version}.safetensors`, as yielded), every rollout the server actor answers (`rollouts_{pid}.jsonl`:
 prompt ids, response ids, the engine's logprobs, the weight version of the last token) and, each step, the inputs of
