@@ -355,13 +355,7 @@ class VllmRoutes:
         if body.output_mode != "tokens":
             raise ApiError(400, "output_mode: only 'tokens' is implemented (detokenize with /detokenize)",
                            param="output_mode")
-        self.server.check_model(body.model)
-        room = max(self.server.max_model_len - len(body.token_ids), 1)
-        try:
-            params = body.sampling_params.engine(room, body.return_routed_experts,
-                                                 self.server.settings.logprobs_mode or "raw")
-        except ValueError as exc:
-            raise ApiError(400, f"sampling_params: {exc}", param="sampling_params") from None
+        params = self._params(body, body.return_routed_experts)
         rid = body.request_id
         out, = await self.rollouts.run([list(body.token_ids)], [params], rid)
         completion = sum(len(s.token_ids) for s in out.outputs)
@@ -383,19 +377,23 @@ class VllmRoutes:
         model, routed_experts packed as SkyRL's generate_wire packs them (base64 of [positions fed, MoE layers,
         top_k] in the smallest of uint8 / int16 / int32 that holds the largest id, with its shape and dtype)."""
         body = parse_json(await self.server.read(request), SkyrlGenerateRequest)
-        self.server.check_model(body.model)
-        room = max(self.server.max_model_len - len(body.token_ids), 1)
-        try:
-            params = body.sampling_params.engine(room, bool(self.engine.engine.runner.moe_blocks),
-                                                 self.server.settings.logprobs_mode or "raw")
-        except ValueError as exc:
-            raise ApiError(400, f"sampling_params: {exc}", param="sampling_params") from None
+        params = self._params(body, bool(self.engine.engine.runner.moe_blocks))
         out, = await self.rollouts.run([list(body.token_ids)], [params], body.request_id)
         return {"id": body.request_id or out.request_id, "choices": [
             {"token_ids": s.token_ids, "finish_reason": s.finish_reason or "stop",
              "logprobs": None if s.logprobs is None else {"content": [{"logprob": _finite(lp)} for lp in s.logprobs]},
              "routed_experts": None if s.routed_experts is None else _packed_routes(s.routed_experts)}
             for s in out.outputs]}
+
+    def _params(self, body: "VllmGenerateRequest | SkyrlGenerateRequest", routed: bool) -> SamplingParams:
+        """The engine's SamplingParams of a token route's body (its model checked, max_tokens cut to the context,
+        the server's logprobs mode); 400 naming sampling_params when they are bad."""
+        self.server.check_model(body.model)
+        room = max(self.server.max_model_len - len(body.token_ids), 1)
+        try:
+            return body.sampling_params.engine(room, routed, self.server.settings.logprobs_mode or "raw")
+        except ValueError as exc:
+            raise ApiError(400, f"sampling_params: {exc}", param="sampling_params") from None
 
     def _prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
         """vLLM's: per prompt token, None for the first, else {token id: {"logprob", "rank", "decoded_token"}}."""
