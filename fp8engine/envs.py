@@ -55,6 +55,9 @@ VARIABLES = (
            "tensor parallelism: how row-parallel partial sums are added over the ranks: gathered and added in rank "
            "order (fixed: the same bits at any batch) or by gloo's all-reduce (library); auto = fixed with "
            "batch_invariant, else library"),
+    EnvVar("FP8ENGINE_NCCL_SO", "", None,
+           "on CUDA, the NCCL library that vLLM-style weight transfer (weights/pynccl.py) loads; unset: the "
+           "nvidia-nccl wheel's libnccl.so found on sys.path, else libnccl.so.2 from the loader's path"),
 )
 _BY_NAME = {v.name: v for v in VARIABLES}
 
@@ -82,6 +85,7 @@ def markdown_table() -> str:
     """docs/environment.md's table: a row per variable."""
     rows = ["| variable | default | values | what it does |", "|---|---|---|---|"]
     for v in VARIABLES:
-        values = ", ".join(f"`{c}`" for c in v.choices) if v.choices else "a directory"
-        rows.append(f"| `{v.name}` | `{v.default}` | {values} | {v.help} |")
+        values = ", ".join(f"`{c}`" for c in v.choices) if v.choices else "a path"
+        default = f"`{v.default}`" if v.default else "(unset)"
+        rows.append(f"| `{v.name}` | {default} | {values} | {v.help} |")
     return "\n".join(rows) + "\n"

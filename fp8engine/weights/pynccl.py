@@ -23,6 +23,8 @@ import sys
 
 import torch
 
+from fp8engine import envs
+
 UNIQUE_ID_KEY = "broadcast_from/0/0"  # StatelessProcessGroup.broadcast_obj's first object from rank 0
 VLLM_UNIQUE_ID = ("vllm.distributed.device_communicators.pynccl_wrapper", "ncclUniqueId")
 NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
@@ -63,7 +65,7 @@ def read_unique_id(store) -> bytes:
 
 
 def library_path() -> str:
-    explicit = os.environ.get("FP8ENGINE_NCCL_SO")
+    explicit = envs.get("FP8ENGINE_NCCL_SO")
     if explicit:
         return explicit
     for root in sys.path:
