@@ -19,6 +19,7 @@
 #include "amx.h"
 #include "layout.h"
 #include "linear_common.h"
+#include "next_weight.h"
 
 #if defined(FP8E_BF16_KERNELS) || defined(FP8E_AVX2_KERNELS)
 
@@ -279,9 +280,10 @@ void nt_block_pairs(const Problem& p, int64_t n0, int64_t k0, int64_t pair_chunk
 // from k0, the last one possibly partial (its chain over its pairs, as nt_block's). Each block's chain in pair
 // order, the blocks' sums added in block order: nt_blocks' bits. The next task's lines are prefetched into L2.
 template <int G, int MR>
-void nt16_blocks(const Problem& p, int64_t n0, int64_t k0, const uint16_t* xb, int64_t ldx, float* tot, bool first) {
+void nt16_blocks(const Problem& p, int64_t n0, int64_t k0, const uint16_t* xb, int64_t ldx, float* tot, bool first,
+                 intptr_t ahead) {
   static_assert(kNtVecs == 2, "a task is two groups");
-  const int64_t last_pairs = cdiv(std::min(kBlockK, p.k - (k0 + (G - 1) * kBlockK)), 2), ahead = kNtRows * p.k;
+  const int64_t last_pairs = cdiv(std::min(kBlockK, p.k - (k0 + (G - 1) * kBlockK)), 2);
   __m512 acc[G][MR][kNtVecs];
   for (auto& block : acc)
     for (auto& row : block)
@@ -293,7 +295,7 @@ void nt16_blocks(const Problem& p, int64_t n0, int64_t k0, const uint16_t* xb, i
       __m512bh wv[kNtVecs];
       for (int v = 0; v < kNtVecs; ++v) {
         const uint16_t* src = p.line(n0 + 16 * v, line);
-        _mm_prefetch(reinterpret_cast<const char*>(src + ahead), _MM_HINT_T2);
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<intptr_t>(src) + ahead), _MM_HINT_T2);
         _mm_prefetch(reinterpret_cast<const char*>(src + 32 * kNt16L1Lines), _MM_HINT_T0);
         wv[v] = as_bh(_mm512_loadu_si512(src));
       }
@@ -313,7 +315,7 @@ void nt16_blocks(const Problem& p, int64_t n0, int64_t k0, const uint16_t* xb, i
       }
 }
 
-using Nt16BlocksFn = void (*)(const Problem&, int64_t, int64_t, const uint16_t*, int64_t, float*, bool);
+using Nt16BlocksFn = void (*)(const Problem&, int64_t, int64_t, const uint16_t*, int64_t, float*, bool, intptr_t);
 constexpr Nt16BlocksFn kNt16Blocks[4][kNtGroupMaxM + 1] = {{nullptr, nullptr, nullptr},
                                                           {nullptr, nt16_blocks<1, 1>, nt16_blocks<1, 2>},
                                                           {nullptr, nt16_blocks<2, 1>, nt16_blocks<2, 2>},
@@ -336,6 +338,7 @@ void linear_nt(const Problem& p, OutT* y) {
   }
   const int64_t per_pass = nt_rows_per_pass(p.m);
   const __m512 no_scales[kNtVecs] = {};
+  const fp8e::NextWeight next = fp8e::take_next_weight();
   at::parallel_for(0, cdiv(p.n, kNtRows), 1, [&](int64_t begin, int64_t end) {
     auto pad = alloc_buffer<uint16_t>(kNtRows * kBlockK);
     auto wt = alloc_buffer<float>(kNtGroup * kWtFloats);
@@ -344,12 +347,16 @@ void linear_nt(const Problem& p, OutT* y) {
       const int64_t n0 = t * kNtRows;
       int64_t k0 = 0;
       if (p.m <= kNtMaxRows && p.grouped(n0) && p.grouped(n0 + 16)) {
+        // the next task's lines into L2, or in the thread's last the start of its share of the next weight (next_weight.h)
+        const char* pf = t + 1 == end ? next.share(kNtRows) : nullptr;
+        const intptr_t ahead = pf == nullptr ? kNtRows * p.k * 2
+                                             : reinterpret_cast<intptr_t>(pf) - reinterpret_cast<intptr_t>(p.line(n0, 0));
         // at a row or two two blocks a call (three for the last rather than leave one alone), above one at a time
         const int64_t blocks = cdiv(p.k, kBlockK);
         for (int64_t b = 0; b < blocks;) {
           const int64_t g = p.m > kNtGroupMaxM ? 1 : blocks - b == 3 ? 3 : std::min<int64_t>(2, blocks - b);
           (p.m > kNtGroupMaxM ? kNt16Block[p.m] : kNt16Blocks[g][p.m])(p, n0, b * kBlockK, x.get() + b * kBlockK,
-                                                                       kpad, tot.get(), b == 0);
+                                                                       kpad, tot.get(), b == 0, ahead);
           b += g;
         }
         nt_write(p.m, p.n, n0, p.bias, tot.get(), y);

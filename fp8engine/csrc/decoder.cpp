@@ -24,6 +24,8 @@
 #include <tuple>
 #include <vector>
 
+#include "next_weight.h"
+
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
@@ -90,7 +92,9 @@ struct Proj {
   OptTensor scale, bias, scale_rows, lora_a, lora_b, lora_segments;
   bool ue8m0 = false;
 
-  at::Tensor operator()(const Ops& ops, const at::Tensor& x, const ProjPath& path, bool lora) const {
+  // next: the projection the layer runs after this one (its weight's start is prefetched: next_weight.h).
+  at::Tensor operator()(const Ops& ops, const at::Tensor& x, const ProjPath& path, bool lora, const Proj* next) const {
+    const fp8e::NextWeightScope hint(next != nullptr ? &next->weight : nullptr);
     at::Tensor y = scale ? ops.fp8_linear.call(x, weight, *scale, bias, ue8m0, scale_rows, path.batch_invariant,
                                                path.fp8_gemm, path.nt16)
                          : path.bf16_kernel ? ops.bf16_linear.call(x, weight, bias, path.batch_invariant, false,
@@ -171,7 +175,7 @@ class DecoderPlan : public torch::CustomClassHolder {
         ops.rms_norm_out.call(x, std::nullopt, l.input_norm, eps_, h, std::nullopt);
         residual = x;
       }
-      const at::Tensor qkv = l.qkv(ops, h, path, lora);
+      const at::Tensor qkv = l.qkv(ops, h, path, lora, &l.o);
       at::Tensor q = qkv.narrow(-1, 0, q_size).reshape({t, heads_, head_dim_});
       at::Tensor k = qkv.narrow(-1, q_size, kv_size).reshape({t, kv_heads_, head_dim_});
       const at::Tensor v = qkv.narrow(-1, q_size + kv_size, kv_size).reshape({t, kv_heads_, head_dim_}).contiguous();
@@ -188,13 +192,13 @@ class DecoderPlan : public torch::CustomClassHolder {
       ops.write_kv.call(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
       const at::Tensor attn = ops.attention.call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                                  attn_scale_, k_scale, v_scale, q_scale, partition_);
-      const at::Tensor o = l.o(ops, attn.reshape({t, -1}), path, lora);
+      const at::Tensor o = l.o(ops, attn.reshape({t, -1}), path, lora, &l.gate_up);
       ops.rms_norm_out.call(o, *residual, l.post_norm, eps_, h, res);
       residual = res;
-      const at::Tensor gate_up = l.gate_up(ops, h, path, lora);
+      const at::Tensor gate_up = l.gate_up(ops, h, path, lora, &l.down);
       if (!act.defined()) act = at::empty({t, gate_up.size(1) / 2}, x.options());
       ops.silu_and_mul_out.call(gate_up, act);
-      x = l.down(ops, act, path, lora);
+      x = l.down(ops, act, path, lora, i + 1 < n ? &layers_[i + 1].qkv : nullptr);
     }
     return {x, *residual};
   }

@@ -19,6 +19,7 @@
 #include "amx.h"
 #include "e4m3.h"
 #include "linear_common.h"
+#include "next_weight.h"
 
 namespace {
 
@@ -873,11 +874,12 @@ constexpr int64_t nt16_line_of(int64_t j) { return (j & 0x11) | ((j >> 3) & 1) <
 // without taking the weight's pairs apart, but took 1.2x the time of this at one row, 2x at six, on the Xeon.)
 template <int G, int MR, bool kTiles = false>
 void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_t b0, const uint16_t* xb,
-                 int64_t ldx, const float* sx, int64_t sx_ld, const __m512 (*sw)[kNtVecs], float* tot, bool first) {
+                 int64_t ldx, const float* sx, int64_t sx_ld, const __m512 (*sw)[kNtVecs], float* tot, bool first,
+                 intptr_t ahead) {
   static_assert(kNtVecs == 2, "a task is two groups");
   const E4m3ToBf16 cvt = cvt_ref;
   const uint8_t* base[kNtVecs] = {p.w + n0 * p.k + b0 * kBlock * 16, p.w + (n0 + 16) * p.k + b0 * kBlock * 16};
-  const int64_t ahead = kNtRows * p.k, last_cols = std::min(kBlock, p.k - (b0 + G - 1) * kBlock);
+  const int64_t last_cols = std::min(kBlock, p.k - (b0 + G - 1) * kBlock);
   const int64_t last_lines = last_cols / 4, last_slot_pairs = cdiv(last_cols, 64) * 16;
   __m512 acc[G][MR][kNtVecs], even[G][MR][kNtVecs], odd[G][MR][kNtVecs];  // even, odd: kTiles' step chains
   for (int g = 0; g < G; ++g)
@@ -893,7 +895,7 @@ void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_
         w[v][0] = w[v][1] = _mm512_setzero_si512();
         if (!last || line < last_lines) {
           const uint8_t* src = base[v] + g * kBlock * 16 + 64 * line;
-          _mm_prefetch(reinterpret_cast<const char*>(src + ahead), _MM_HINT_T2);
+          _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<intptr_t>(src) + ahead), _MM_HINT_T2);
           cvt(_mm512_loadu_si512(src), w[v][0], w[v][1]);
         }
       }
@@ -936,7 +938,7 @@ void nt16_blocks(const Problem& p, const E4m3ToBf16& cvt_ref, int64_t n0, int64_
 }
 
 using Nt16BlocksFn = void (*)(const Problem&, const E4m3ToBf16&, int64_t, int64_t, const uint16_t*, int64_t,
-                              const float*, int64_t, const __m512 (*)[kNtVecs], float*, bool);
+                              const float*, int64_t, const __m512 (*)[kNtVecs], float*, bool, intptr_t);
 constexpr int kNt16MaxG = kNtGroup + 1;  // a K of 4 whole blocks and a partial one (576) goes in one call
 constexpr Nt16BlocksFn kNt16Blocks[kNt16MaxG + 1][kNtGroupMaxM + 1] = {
     {nullptr, nullptr, nullptr},
@@ -966,9 +968,13 @@ constexpr Nt16BlocksFn kNt16TileBlock[kTilesNtMaxM + 1] = {
 
 // A task of two nt16 groups at up to kNtMaxRows rows (kTilesNtMaxM in the tiles' order): every K block through
 // nt16_blocks, at a row or two kNtGroup at a time (the last call takes one more rather than leave one block alone
-// on its two chains; kTilesGroup in the tiles' order), above one at a time.
+// on its two chains; kTilesGroup in the tiles' order), above one at a time. Its lines prefetch the next task's
+// into L2, or where `next` is given (a thread's last task: next_weight.h) the bytes as far into `next`.
 template <bool kTiles = false, typename OutT>
-void nt16_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* tot, OutT* y) {
+void nt16_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* tot, OutT* y,
+               const char* next = nullptr) {
+  const intptr_t ahead = next == nullptr ? kNtRows * p.k
+                                         : reinterpret_cast<intptr_t>(next) - reinterpret_cast<intptr_t>(p.w + n0 * p.k);
   for (int64_t b = 0; b < p.nkb;) {
     const int64_t left = p.nkb - b;
     const int g = p.m > kNtGroupMaxM              ? 1
@@ -979,7 +985,7 @@ void nt16_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64
     for (int i = 0; i < g; ++i) nt_scales(p, n0, b + i, sw[i]);
     const Nt16BlocksFn blocks = kTiles ? (p.m > kNtGroupMaxM ? kNt16TileBlock[p.m] : kNt16TileBlocks[g][p.m])
                                        : (p.m > kNtGroupMaxM ? kNt16Block[p.m] : kNt16Blocks[g][p.m]);
-    blocks(p, cvt, n0, b, x.x.get() + b * kBlock, x.kp, x.scale.get() + b, p.nkb, sw, tot, b == 0);
+    blocks(p, cvt, n0, b, x.x.get() + b * kBlock, x.kp, x.scale.get() + b, p.nkb, sw, tot, b == 0, ahead);
     b += g;
   }
   nt_write(p.m, p.n, n0, p.bias, tot, y);
@@ -987,8 +993,9 @@ void nt16_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64
 
 // wt holds kNtGroup blocks' room (nt_blocks takes whole K blocks kNtGroup at a time at one or two rows).
 template <typename OutT>
-void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* wt, float* tot, OutT* y) {
-  if (p.m <= kNtMaxRows && p.grouped(n0) && p.grouped(n0 + 16)) return nt16_task(p, cvt, x, n0, tot, y);
+void nt_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* wt, float* tot, OutT* y,
+             const char* next = nullptr) {
+  if (p.m <= kNtMaxRows && p.grouped(n0) && p.grouped(n0 + 16)) return nt16_task(p, cvt, x, n0, tot, y, next);
   const int64_t per_pass = nt_rows_per_pass(p.m);
   int64_t b = 0;
   if (p.m <= kNtGroupMaxM)
@@ -1024,15 +1031,17 @@ bool tiles_nt_takes(const Problem& p) { return p.m <= kTilesNtMaxM && p.nt16 && 
 template <bool kTiles = false, typename T>
 void linear_nt(const Problem& p, const T* xin, bool ue8m0, T* y) {
   const RowsBf16 x = quantize_rows(xin, p.m, p.k, p.nkb, ue8m0);
+  const NextWeight next = take_next_weight();
   at::parallel_for(0, cdiv(p.n, kNtRows), 1, [&](int64_t begin, int64_t end) {
     const E4m3ToBf16 cvt;
     auto wt = kTiles ? nullptr : alloc_buffer<float>(kNtGroup * kNtWtFloats);
     auto tot = alloc_buffer<float>(p.m * kNtRows);
     for (int64_t t = begin; t < end; ++t) {
+      const char* pf = t + 1 == end ? next.share(kNtRows) : nullptr;
       if constexpr (kTiles) {
-        nt16_task<true>(p, cvt, x, t * kNtRows, tot.get(), y);
+        nt16_task<true>(p, cvt, x, t * kNtRows, tot.get(), y, pf);
       } else {
-        nt_task(p, cvt, x, t * kNtRows, wt.get(), tot.get(), y);
+        nt_task(p, cvt, x, t * kNtRows, wt.get(), tot.get(), y, pf);
       }
     }
   });
