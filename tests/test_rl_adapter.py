@@ -17,7 +17,8 @@ from fp8engine import EngineConfig, SamplingParams
 from fp8engine.outputs import RequestOutput
 from fp8engine.rl import RolloutBatch, RolloutClient, RolloutEngine, response_logprobs
 from fp8engine.rl.batch import Sample, collate, micro_batches
-from fp8engine.rl.sync import buckets, named_tensors
+from fp8engine.rl.sync import buckets, named_tensors, synced_dtype
+from tests.checkpoints import perturbed_state, prequantized_items
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -147,6 +148,37 @@ def test_buckets_respect_the_byte_size_and_cast():
     out = list(buckets(items, bucket_bytes=45, dtype=torch.bfloat16))
     assert [[name for name, _ in b] for b in out] == [["w0", "w1"], ["w2", "w3"], ["w4", "steps"]]
     assert out[0][0][1].dtype == torch.bfloat16 and out[2][1][1].dtype == torch.int64
+
+
+def test_a_sync_casts_floats_but_not_fp8_codes_or_scales():
+    codes = torch.tensor([[0x38, 0xB8]], dtype=torch.uint8).view(torch.float8_e4m3fn)  # 1.0, -1.0
+    scales = torch.tensor([[1 / 3]], dtype=torch.float32)
+    items = [("model.layers.0.mlp.up_proj.weight", codes), ("model.layers.0.mlp.up_proj.weight_scale_inv", scales),
+             ("model.layers.0.self_attn.k_scale", torch.tensor(0.1)), ("model.norm.weight", torch.ones(2)),
+             ("steps", torch.tensor([3]))]
+    (out,) = buckets(items, bucket_bytes=1 << 20, dtype=torch.bfloat16, device=None)
+    assert [t.dtype for _, t in out] == [torch.float8_e4m3fn, torch.float32, torch.float32, torch.bfloat16,
+                                         torch.int64]
+    assert [synced_dtype(name, t, torch.bfloat16) for name, t in items] == [t.dtype for _, t in out]
+    assert torch.equal(out[0][1].view(torch.uint8), codes.view(torch.uint8)) and torch.equal(out[1][1], scales)
+    assert [t.dtype for _, t in next(buckets(items, 1 << 20, None))] == [t.dtype for _, t in items]
+
+
+def test_a_pre_quantized_fp8_state_syncs_as_it_is_with_a_sync_dtype(tiny_qwen3_dir):
+    """A trainer that holds its weights as FP8 (E4M3 codes + float32 block scales) syncs them with the default
+    sync dtype: they arrive as they are, as a direct update_weights copies them (cast to bfloat16 the codes read as
+    their unscaled values and the update was refused: a `_scale_inv` without its float8 weight)."""
+    items = prequantized_items(perturbed_state(tiny_qwen3_dir, seed=3))
+    config = EngineConfig(model=tiny_qwen3_dir, quantization="fp8", kv_cache_memory_bytes=SMALL_KV)
+    synced, direct = RolloutEngine(config, sync_dtype=torch.bfloat16), RolloutEngine(config)
+    report = synced.sync_weights(dict(items), weight_version=1)
+    direct.engine.update_weights(items)
+    assert report.num_tensors == len(items) == 2 * (7 * 2 + 4) + 3  # 2 layers of 7 pre-quantized projections
+    assert report.num_bytes == sum(t.nbytes for _, t in items)  # every tensor in its own dtype: none is float32
+    ours, theirs = dict(synced.engine.named_parameters()), dict(direct.engine.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, param in ours.items():
+        assert torch.equal(param.reshape(-1).view(torch.uint8), theirs[name].reshape(-1).view(torch.uint8)), name
 
 
 def test_collate_pads_exactly():

@@ -54,7 +54,7 @@ from fp8engine.config import EngineConfig
 from fp8engine.engine import LLMEngine
 from fp8engine.entrypoints.async_engine import AsyncEngine, EnginePaused
 from fp8engine.outputs import RequestOutput
-from fp8engine.rl.sync import buckets
+from fp8engine.rl.sync import buckets, cast_for_sync
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights import tensor_handles
 from fp8engine.weights.dist_update import (
@@ -473,13 +473,13 @@ def shared_bucket(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | N
     themselves would move their storage into shared memory in place, with a copy: FSDP2 on one rank yields its own
     parameters, which would then live in /dev/shm.)
 
-    dtype: floating-point tensors are cast to it on the way (the engine's model dtype). veRL's FSDP2 yields its
-    float32 master weights while its forward, and so the logprobs a rollout is compared with, computes with them
-    cast to its param_dtype (bfloat16): an FP8 engine fed the float32 values quantized a policy the trainer never
-    computes with, and veRL's rollout_probs_diff_mean grew with every step (0.026 / 0.050 / 0.077) where, fed the
-    bfloat16 cast, it stays at the FP8 floor (docs/integrations.md). The cast also halves the bytes handed over."""
-    cast = [(name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() and tensor.element_size() > 1
-             else tensor) for name, tensor in bucket]
+    dtype: floating-point tensors are cast to it on the way (the engine's model dtype), where rl.sync.cast_for_sync
+    casts. veRL's FSDP2 yields its float32 master weights while its forward, and so the logprobs a rollout is
+    compared with, computes with them cast to its param_dtype (bfloat16): an FP8 engine fed the float32 values
+    quantized a policy the trainer never computes with, and veRL's rollout_probs_diff_mean grew with every step
+    (0.026 / 0.050 / 0.077) where, fed the bfloat16 cast, it stays at the FP8 floor (docs/integrations.md). The cast
+    also halves the bytes handed over."""
+    cast = [(name, cast_for_sync(name, tensor, dtype)) for name, tensor in bucket]
     starts, at = [], 0
     for _, tensor in cast:
         at = -(-at // 16) * 16  # each tensor starts aligned, whatever the dtypes before it
@@ -560,7 +560,7 @@ class FP8EngineCheckpointEngine(CheckpointEngine):
         device = "cuda" if place["backend"] == "nccl" else "cpu"
         num_bytes = num_buckets = 0
         try:
-            for bucket in self._buckets(weights):
+            for bucket in buckets(weights, self.bucket_size, self.dtype, device=None):  # on the trainer's device
                 broadcast_header(group, {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype)
                                  for _, t in bucket], "shapes": [list(t.shape) for _, t in bucket], "last": False},
                                  device)
@@ -571,22 +571,6 @@ class FP8EngineCheckpointEngine(CheckpointEngine):
             torch.distributed.destroy_process_group(group)
         return {"fp8engine/sync_bytes": num_bytes, "fp8engine/sync_buckets": num_buckets,
                 "fp8engine/send_seconds": time.perf_counter() - start}
-
-    def _buckets(self, weights):
-        """(name, tensor) pairs in buckets of about bucket_size bytes, floats cast to dtype, where they are."""
-        bucket, size = [], 0
-        for name, tensor in weights:
-            tensor = tensor.detach()
-            if self.dtype is not None and tensor.is_floating_point() and tensor.element_size() > 1:
-                tensor = tensor.to(self.dtype)
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > self.bucket_size:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor.contiguous()))
-            size += nbytes
-        if bucket:
-            yield bucket
 
     def receive_weights(self, global_steps: int | None = None) -> dict[str, Any]:
         """The rollout side's part: where its engine joins the group (FP8EngineRollout.update_weights hands it to

@@ -50,6 +50,7 @@ from fp8engine.rl.sync import (
     check_version,
     named_tensors,
     peft_adapter,
+    synced_dtype,
 )
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights.default_model import default_model_path
@@ -184,8 +185,7 @@ class RolloutClient:
         """sync_weights over the group: the server is told the names, dtypes and shapes (after the cast), then
         receives the broadcast while this thread sends it, a bucket of copies at a time."""
         items = list(named_tensors(source))  # one pass: for an FSDP model each pass is a collective gather
-        specs = [(name, self.sync_dtype if self.sync_dtype is not None and t.is_floating_point() else t.dtype,
-                  list(t.shape)) for name, t in items]
+        specs = [(name, synced_dtype(name, t, self.sync_dtype), list(t.shape)) for name, t in items]
         names, dtypes, shapes = (list(x) for x in zip(*specs)) if specs else ([], [], [])
         num_bytes = num_buckets = 0
         with ThreadPoolExecutor(1, thread_name_prefix="fp8engine-sync") as pool:

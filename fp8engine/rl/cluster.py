@@ -66,6 +66,7 @@ from fp8engine.rl.sync import (
     check_version,
     named_tensors,
     peft_adapter,
+    synced_dtype,
 )
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.weights import dist_update
@@ -507,7 +508,7 @@ class RolloutCluster:
     def _stage_distributed(self, items: Iterable[tuple[str, torch.Tensor]], members: list[_Member]
                            ) -> tuple[list, int, int, int]:
         items = list(items)
-        names, dtypes, shapes = dist_update.tensor_specs((name, self._sync_spec(t)) for name, t in items)
+        names, dtypes, shapes = dist_update.tensor_specs((name, self._sync_spec(name, t)) for name, t in items)
         group = self._open_group(members)
         calls = [(m, m.actor.stage_distributed.remote(names, dtypes, shapes)) for m in members]
         num_bytes, num_buckets = 0, 0
@@ -522,10 +523,9 @@ class RolloutCluster:
         self._settle(calls, members)
         return [], num_bytes, len(items), num_buckets
 
-    def _sync_spec(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _sync_spec(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A meta tensor with the dtype and shape `tensor` travels with."""
-        dtype = self.sync_dtype if self.sync_dtype is not None and tensor.is_floating_point() else tensor.dtype
-        return torch.empty(tensor.shape, dtype=dtype, device="meta")
+        return torch.empty(tensor.shape, dtype=synced_dtype(name, tensor, self.sync_dtype), device="meta")
 
     def _settle(self, calls: list, members: list[_Member]) -> None:
         """Wait for staging calls. A replica that died is dropped; any refusal discards what every

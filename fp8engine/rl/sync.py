@@ -10,6 +10,7 @@ from torch import nn
 DEFAULT_BUCKET_BYTES = 256 << 20
 WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 TIED_PAIR = ("lm_head.weight", "model.embed_tokens.weight")
+SCALE_SUFFIXES = ("_scale_inv", ".k_scale", ".v_scale", ".q_scale")  # kept in their dtype by a sync (cast_for_sync)
 
 SyncDtype = torch.dtype | Literal["auto"] | None
 Bucket = list[tuple[str, torch.Tensor]]
@@ -76,17 +77,18 @@ def peft_adapter(model) -> tuple[dict[str, torch.Tensor], dict[str, float]] | No
 
 
 def buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-            dtype: torch.dtype | None) -> Iterator[Bucket]:
+            dtype: torch.dtype | None, device: str | None = "cpu") -> Iterator[Bucket]:
     """Group tensors into buckets of about `bucket_bytes` (one tensor larger than that is its own).
 
-    Each tensor is detached, cast to `dtype` if floating (None keeps it), moved to the CPU and
-    made contiguous as its bucket fills, so a consumer that sends each bucket before taking the
-    next holds one bucket of copies at a time.
+    Each tensor is detached, cast to `dtype` where cast_for_sync casts (None keeps every dtype),
+    moved to `device` (None: where it is) and made contiguous as its bucket fills, so a consumer
+    that sends each bucket before taking the next holds one bucket of copies at a time.
     """
     bucket: Bucket = []
     size = 0
     for name, tensor in items:
-        tensor = _prepare(tensor, dtype)
+        tensor = cast_for_sync(name, tensor.detach(), dtype)
+        tensor = (tensor if device is None else tensor.to(device)).contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -120,8 +122,16 @@ def _strip(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
-def _prepare(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    tensor = tensor.detach()
-    if dtype is not None and tensor.is_floating_point():
-        tensor = tensor.to(dtype)
-    return tensor.to("cpu").contiguous()
+def synced_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `tensor` travels in with sync dtype `dtype`: floating tensors cast to it, except what a cast would
+    spoil: pre-quantized FP8 codes (1-byte floats: cast, they read as their unscaled E4M3 values) and the scales
+    beside them and the KV cache's (`*_scale_inv`, `*.k_scale` / `v_scale` / `q_scale`: float32 values a bfloat16
+    cast would round). Every sync path casts by it, and the broadcast paths announce it to the receiver."""
+    if dtype is None or not tensor.is_floating_point() or tensor.element_size() == 1 or name.endswith(SCALE_SUFFIXES):
+        return tensor.dtype
+    return dtype
+
+
+def cast_for_sync(name: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` in synced_dtype (itself where that is its dtype)."""
+    return tensor.to(synced_dtype(name, tensor, dtype))
