@@ -77,7 +77,8 @@ class RolloutClient:
     api_key: bearer token; the RL endpoints (/update_weights, /pause, /resume, /stats) need the
     server's admin key when it has one (the admin key is accepted everywhere).
     bucket_bytes: body size of one /update_weights bucket (bytes, default 256 MiB).
-    sync_dtype: floating tensors are cast to this before a sync; "auto" = bfloat16 (half the
+    sync_dtype: floating tensors are cast to this before a sync (pre-quantized FP8 codes and the
+    scales keep theirs: rl.sync.synced_dtype); "auto" = bfloat16 (half the
     bytes of float32; an FP8 server then quantizes the BF16 values), None = keep the trainer's
     dtype. tokenizer: a tokenizer or a path for AutoTokenizer, used to turn text and chat prompts
     into token ids and to pad; default: the bundled default model's. timeout: seconds per HTTP

@@ -52,7 +52,8 @@ class RolloutEngine:
 
     Same methods as `RolloutClient` (HTTP), so a trainer switches with one line.
     bucket_bytes: size of one weight-sync bucket (bytes, default 256 MiB).
-    sync_dtype: floating tensors are cast to this before a sync; "auto" = None = the trainer's
+    sync_dtype: floating tensors are cast to this before a sync (pre-quantized FP8 codes and the
+        scales keep theirs: rl.sync.synced_dtype); "auto" = None = the trainer's
         dtype as is (in process nothing is transferred, and the engine rounds or quantizes each
         tensor once, into its own buffers; bf16/fp16/fp32 are all accepted).
     """
