@@ -291,13 +291,30 @@ def test_server_info_carries_vllms_config_beside_sglangs_keys(client):
     assert config["parallel_config"]["data_parallel_size"] == 1 and config["parallel_config"]["world_size"] == 1
     assert config["cache_config"]["num_gpu_blocks"] == client.get("/stats").json()["num_kv_blocks_total"] == 512
     text = client.get("/server_info").json()["vllm_config"]  # vLLM's default format: one string
-    assert "model_config.logprobs_mode='raw_logprobs'" in text and "cache_config.block_size=16" in text
+    assert "dtype=torch.bfloat16, max_seq_len=" in text and "device_config=cpu" in text
     bad = client.get("/server_info", params={"config_format": "yaml"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "config_format"
     assert ServerSettings(logprobs_mode="processed_logprobs").vllm_logprobs_mode == "processed_logprobs"
     with pytest.raises(ValueError, match="logprobs_mode must be one of raw, processed, raw_logprobs, "
                                          "processed_logprobs, got 'raw_logits'"):
         ServerSettings(logprobs_mode="raw_logits")
+
+
+def test_server_info_is_a_part_of_vllms_recorded_one(client):
+    """Every key of our /server_info's vllm_config is one of vLLM 0.32's at the same path, and the text format's
+    names are vLLM's, in its order (tests/fixtures/vllm/server_info*.json); values where the two servers agree."""
+    theirs = json.loads((FIXTURES / "server_info.json").read_text())["response"]["vllm_config"]
+    ours = client.get("/server_info", params={"config_format": "json"}).json()["vllm_config"]
+    assert _missing_keys(ours, theirs) == []
+    for section, key in (("model_config", "dtype"), ("model_config", "max_logprobs"), ("model_config", "quantization"),
+                         ("device_config", "device"), ("parallel_config", "world_size"),
+                         ("scheduler_config", "runner_type"), ("scheduler_config", "enable_chunked_prefill"),
+                         ("cache_config", "num_cpu_blocks")):
+        assert ours[section][key] == theirs[section][key], (section, key)
+    recorded = json.loads((FIXTURES / "server_info_text.json").read_text())["response"]["vllm_config"]
+    their_keys = [part.split("=", 1)[0] for part in recorded.split(", ") if "=" in part]
+    our_keys = [part.split("=", 1)[0] for part in client.get("/server_info").json()["vllm_config"].split(", ")]
+    assert [k for k in their_keys if k in our_keys] == our_keys
 
 
 def test_tokens_as_token_ids_keep_tokens_of_the_same_text_apart(client, prompt, tokenizer):

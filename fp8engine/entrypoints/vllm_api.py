@@ -308,12 +308,24 @@ class VllmRoutes:
         asks it first."""
         query = validate(ServerInfoQuery, dict(request.query_params))
         config = self._vllm_config(await self.engine.stats())
-        if query.config_format == "text":
-            config = ", ".join(f"{key}={value!r}" for key, value in _flat(config))
+        if query.config_format == "text":  # VllmConfig's str(): its flat names, in its order, for what we have
+            m, c = config["model_config"], config["cache_config"]
+            p, spec = config["parallel_config"], config["speculative_config"]
+            spec = spec and "SpeculativeConfig(" + ", ".join(f"{k}={v!r}" for k, v in spec.items()) + ")"
+            config = ", ".join(f"{key}={value}" for key, value in (
+                ("model", repr(m["model"])), ("speculative_config", spec), ("tokenizer", repr(m["tokenizer"])),
+                ("dtype", m["dtype"]), ("max_seq_len", m["max_model_len"]),
+                ("tensor_parallel_size", p["tensor_parallel_size"]), ("pipeline_parallel_size", 1),
+                ("data_parallel_size", 1), ("quantization", m["quantization"]), ("enforce_eager", m["enforce_eager"]),
+                ("kv_cache_dtype", c["cache_dtype"]), ("device_config", config["device_config"]["device"]),
+                ("seed", m["seed"]), ("served_model_name", m["served_model_name"]),
+                ("enable_prefix_caching", c["enable_prefix_caching"]),
+                ("enable_chunked_prefill", config["scheduler_config"]["enable_chunked_prefill"])))
         return {**await self.server.sglang.get_server_info(), "vllm_config": config}
 
     def _vllm_config(self, stats: EngineStats) -> dict:
-        """The fields of vLLM's VllmConfig (its JSON dump's names) that describe this engine."""
+        """The fields of vLLM's VllmConfig (its JSON dump's names, each one vLLM 0.32 has: tests/fixtures/vllm/
+        server_info.json) that describe this engine."""
         llm, settings = self.engine.engine, self.server.settings
         c = llm.config
         fp8_kv = c.kv_cache_dtype != "auto"
@@ -322,7 +334,7 @@ class VllmRoutes:
                              "tokenizer": llm.model_dir, "dtype": f"torch.{c.dtype}", "seed": c.seed,
                              "max_model_len": self.server.max_model_len, "quantization": c.quantization,
                              "max_logprobs": MAX_LOGPROBS, "logprobs_mode": settings.vllm_logprobs_mode,
-                             "enforce_eager": c.enforce_eager, "runner_type": "generate"},
+                             "enforce_eager": c.enforce_eager, "runner": "generate"},
             "cache_config": {"block_size": c.block_size, "cache_dtype": c.kv_cache_dtype if fp8_kv else "auto",
                              "enable_prefix_caching": c.enable_prefix_caching,
                              "num_gpu_blocks": stats.num_kv_blocks_total, "num_cpu_blocks": None},
@@ -330,7 +342,7 @@ class VllmRoutes:
                                 "data_parallel_size": 1, "world_size": c.tensor_parallel_size,
                                 "enable_expert_parallel": c.expert_parallel},
             "scheduler_config": {"max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
-                                 "max_model_len": self.server.max_model_len},
+                                 "enable_chunked_prefill": True, "runner_type": "generate"},
             "device_config": {"device": stats.device},
             "lora_config": None if c.max_lora_rank == 0 else {"max_lora_rank": c.max_lora_rank, "max_loras": 1},
             "speculative_config": None if c.speculative is None else {
@@ -453,15 +465,6 @@ class VllmRoutes:
                 "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,
                 "output_mode": "tokens", "stream": body.stream, "stream_options": None, "cache_salt": None,
                 "priority": 0, "kv_transfer_params": None, "ec_transfer_params": None}
-
-
-def _flat(config: dict, prefix: str = ""):
-    """(dotted key, value) of a nested dict's leaves."""
-    for key, value in config.items():
-        if isinstance(value, dict):
-            yield from _flat(value, f"{prefix}{key}.")
-        else:
-            yield prefix + key, value
 
 
 def _top_k(k: int | None) -> int | None:
