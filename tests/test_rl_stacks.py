@@ -27,13 +27,15 @@ from starlette.testclient import TestClient
 from fp8engine.bench.serve_load import serving
 from fp8engine.entrypoints.server import ServerSettings, create_app
 from fp8engine.entrypoints.vllm_api import _checksums
-from fp8engine.entrypoints.weight_transfer import packed_chunks
+from fp8engine.entrypoints.weight_transfer import TransferInit, _join, packed_chunks
 from fp8engine.weights import pynccl
 from fp8engine.weights.dist_update import free_port
 from tests.checkpoints import perturbed_state
 from tests.conftest import make_engine
 from tests.prompts import RAW
 from tests.tiny_models import tiny_dir  # noqa: F401 (a fixture)
+
+UNIQUE_ID_B64 = base64.b64encode(bytes(range(128))).decode()  # an NCCL unique id as vLLM's JAX trainers send it
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path.home() / ".cache/fp8engine/baselines/vllm-venv/bin/python"  # make bench-baselines builds it
@@ -147,7 +149,15 @@ def test_vllm_bad_input_names_it(client):
                               ("/weight_checker", {"action": "compare"}, "baseline"),
                               ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1",
                                                                               "master_port": 1, "rank_offset": 2,
-                                                                              "world_size": 2}}, "rank_offset")]:
+                                                                              "world_size": 2}}, "rank_offset")] + [
+            ("/init_weight_transfer_engine", {"init_info": {"rank_offset": 1, "world_size": 2} | extra}, param)
+            for extra, param in [({}, "master_address"), ({"master_port": 1}, "master_address"),
+                                 ({"nccl_unique_id_b64": UNIQUE_ID_B64, "master_address": "h", "master_port": 1},
+                                  "nccl_unique_id_b64"),
+                                 ({"nccl_unique_id_b64": base64.urlsafe_b64encode(b"\xff" * 128).decode()},
+                                  "nccl_unique_id_b64"),
+                                 ({"nccl_unique_id_b64": base64.b64encode(b"x" * 64).decode()}, "128 bytes"),
+                                 ({"nccl_unique_id_b64": UNIQUE_ID_B64}, "needs an engine on CUDA")]]:
         reply = client.post(path, json=body) if body is not None else client.post(path)
         assert reply.status_code == 400, (path, reply.text)
         assert param in reply.json()["error"]["message"], (path, reply.json())
@@ -433,6 +443,16 @@ def test_vllm_own_trainer_side_sends_weights_equal_to_update_weights(tiny_qwen3_
         assert [calls[k][0] for k in ("init", "start", "update", "finish")] == [200] * 4, calls
         got = httpx.post(url + "/weight_checker", json={"action": "checksum"}).json()["checksums"]
         assert got == _checksums(reference)
+
+
+def test_an_nccl_unique_id_sent_out_of_band_opens_the_communicator_without_a_store(monkeypatch):
+    """vLLM's nccl_unique_id_b64 (JAX trainers mint the id and send it): the engine's rank opens its NCCL
+    communicator from those bytes, with no TCP store to join (NcclComm stood in for: no GPU here)."""
+    opened = []
+    monkeypatch.setattr(pynccl, "NcclComm", lambda *args: opened.append(args) or "comm")
+    init = TransferInit(nccl_unique_id_b64=UNIQUE_ID_B64, rank_offset=1, world_size=3)
+    assert _join(init, torch.device("cuda", 0)) == (None, "comm")
+    assert opened == [(bytes(range(128)), 1, 3, torch.device("cuda", 0))]
 
 
 def test_nccl_unique_id_is_read_from_vllms_pickle_and_nothing_else(monkeypatch):

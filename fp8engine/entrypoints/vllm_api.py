@@ -5,9 +5,10 @@ VLLM_SERVER_DEV_MODE=1): what SkyRL and prime-rl call.
        {"status": "paused"}; a JSON body {"mode"} is our own /pause (default "wait"), see server.py
   POST /resume {"status": "resumed"}, GET /is_paused {"is_paused"}, POST /abort_requests {"request_ids"} (empty or
        missing: every request) {"status": "aborted", "aborted": n}
-  POST /init_weight_transfer_engine {"init_info": {"master_address", "master_port", "rank_offset", "world_size",
-       "packed", "packed_buffer_size_bytes", "packed_num_buffers"}}, /start_weight_update, /update_weights
-       {"update_info": {"names", "dtype_names", "shapes"}} (one or a list), /finish_weight_update {"weight_version"},
+  POST /init_weight_transfer_engine {"init_info": {"master_address", "master_port" | "nccl_unique_id_b64" (CUDA),
+       "rank_offset", "world_size", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}}, /start_weight_update,
+       /update_weights {"update_info": {"names", "dtype_names", "shapes"}} (one or a list), /finish_weight_update
+       {"weight_version"},
        /shutdown_weight_transfer_engine: vLLM's NCCL weight-transfer engine, trainer-facing (weight_transfer.py)
   POST /update_weight_version {"new_version"}, GET /weight_info {"weight_version"}, POST /weight_checker
        {"action": "checksum" | "compare", "baseline"}, GET /get_world_size {"world_size"}

@@ -19,6 +19,7 @@ update_info answers 400 and drops the staged update; the engine keeps its weight
 """
 
 import asyncio
+import base64
 import datetime
 import math
 
@@ -39,17 +40,19 @@ TIMEOUT_S = 300.0  # as vLLM's StatelessProcessGroup store
 
 
 class TransferInit(_Request):
-    """init_info of POST /init_weight_transfer_engine (vLLM's NCCLWeightTransferInitInfo)."""
+    """init_info of POST /init_weight_transfer_engine (vLLM's NCCLWeightTransferInitInfo): one rendezvous, the
+    trainer's TCP store (master_address + master_port) or an NCCL unique id it minted out of band and sends here
+    (nccl_unique_id_b64, standard base64 of ncclGetUniqueId's 128 bytes: torch-free trainers such as JAX ones; the
+    ranks then meet in ncclCommInitRank alone, so the trainer joins while this request waits; CUDA only)."""
 
-    master_address: str
-    master_port: int = Field(ge=1, le=65535)
+    master_address: str | None = None
+    master_port: int | None = Field(None, ge=1, le=65535)
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
     packed: bool = False
     packed_buffer_size_bytes: int = Field(DEFAULT_PACKED_BUFFER_SIZE_BYTES, gt=0)
     packed_num_buffers: int = Field(DEFAULT_PACKED_NUM_BUFFERS, ge=1)
-    nccl_unique_id_b64: None = Field(None, description="a unique id minted out of band (JAX trainers): not "
-                                                       "implemented, use master_address and master_port")
+    nccl_unique_id_b64: str | None = None
     timeout_s: float = Field(TIMEOUT_S, gt=0)  # our extension: the rendezvous's and each broadcast's limit
 
     @model_validator(mode="after")
@@ -57,7 +60,29 @@ class TransferInit(_Request):
         if self.rank_offset >= self.world_size:
             raise ValueError(f"rank_offset: {self.rank_offset} is not a rank of a group of world_size "
                              f"{self.world_size}")
+        by_store = self.master_address is not None or self.master_port is not None
+        if self.nccl_unique_id_b64 and by_store:
+            raise ValueError("nccl_unique_id_b64: give it or master_address and master_port, not both")
+        if not self.nccl_unique_id_b64 and (self.master_address is None or self.master_port is None):
+            raise ValueError(f"master_address: a rendezvous needs master_address and master_port (or "
+                             f"nccl_unique_id_b64); got master_address={self.master_address!r}, "
+                             f"master_port={self.master_port!r}")
+        if self.nccl_unique_id_b64:
+            self.unique_id()
         return self
+
+    def unique_id(self) -> bytes | None:
+        """nccl_unique_id_b64's 128 bytes (None without it); ValueError naming it when it is not that."""
+        if not self.nccl_unique_id_b64:
+            return None
+        try:
+            raw = base64.b64decode(self.nccl_unique_id_b64, validate=True)
+        except (ValueError, TypeError):
+            raise ValueError("nccl_unique_id_b64 is not standard base64 (URL-safe base64 is not accepted)") from None
+        if len(raw) != pynccl.UNIQUE_ID_BYTES:
+            raise ValueError(f"nccl_unique_id_b64 must decode to {pynccl.UNIQUE_ID_BYTES} bytes (ncclGetUniqueId's), "
+                             f"got {len(raw)}")
+        return raw
 
 
 class TransferUpdate(_Request):
@@ -101,11 +126,16 @@ class WeightTransfer:
             raise ApiError(409, "the weight-transfer engine is already initialized; POST "
                                 "/shutdown_weight_transfer_engine first", code="already_initialized")
         device = self.engine.engine.runner.device
+        if init_info.nccl_unique_id_b64 and device.type != "cuda":
+            raise ApiError(400, f"nccl_unique_id_b64: an NCCL unique id needs an engine on CUDA; this one runs on "
+                                f"{device.type}: rendezvous with master_address and master_port (gloo)",
+                           param="init_info")
         try:
             self.store, self.group = await asyncio.to_thread(_join, init_info, device)
         except (RuntimeError, ValueError, OSError) as exc:  # torch's DistError, timeouts; NCCL's library, errors
-            raise ApiError(500, f"could not join the trainer's weight-transfer group at "
-                                f"{init_info.master_address}:{init_info.master_port}: {exc}",
+            where = ("by its NCCL unique id" if init_info.nccl_unique_id_b64
+                     else f"at {init_info.master_address}:{init_info.master_port}")
+            raise ApiError(500, f"could not join the trainer's weight-transfer group {where}: {exc}",
                            code="rendezvous_failed") from None
         self.init_info = init_info
 
@@ -202,10 +232,15 @@ def packed_chunks(specs: list[tuple[str, torch.dtype, list[int]]], buffer_size: 
     return chunks
 
 
-def _join(init_info: TransferInit, device: torch.device) -> tuple[dist.Store, dist.ProcessGroup | pynccl.NcclComm]:
+def _join(init_info: TransferInit, device: torch.device
+          ) -> tuple[dist.Store | None, dist.ProcessGroup | pynccl.NcclComm]:
     """Join the trainer's store as rank rank_offset, then the data plane on it, and do the warm-up all-reduce: on
     CPU a gloo group on the store; on CUDA an NCCL communicator from the unique id the trainer published there
-    (vLLM's PyNccl handshake, weights/pynccl.py; not yet run on a GPU)."""
+    (vLLM's PyNccl handshake, weights/pynccl.py; not yet run on a GPU), or from the one init_info carries (no
+    store)."""
+    unique_id = init_info.unique_id()
+    if unique_id is not None:
+        return None, pynccl.NcclComm(unique_id, init_info.rank_offset, init_info.world_size, device)
     timeout = datetime.timedelta(seconds=init_info.timeout_s)
     store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size, is_master=False,
                           timeout=timeout, use_libuv=False)

@@ -32,10 +32,13 @@ NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, to
 NCCL_SUM = 0  # ncclRedOp_t
 
 
+UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
+
+
 class UniqueId(ctypes.Structure):
     """NCCL's ncclUniqueId, laid out as vLLM's struct is (the two pickle to the same bytes)."""
 
-    _fields_ = [("internal", ctypes.c_byte * 128)]
+    _fields_ = [("internal", ctypes.c_byte * UNIQUE_ID_BYTES)]
 
 
 class _UniqueIdUnpickler(pickle.Unpickler):
