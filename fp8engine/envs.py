@@ -48,6 +48,9 @@ VARIABLES = (
            "invariant, the same bits either way; plain, rows take the gemv at 1-4 rows (another summation order)"),
     EnvVar("FP8ENGINE_FUSED_DECODER", "1", ("0", "1"),
            "0: never run the decoder layers as one C++ call (DecoderPlan); the Python layers run instead"),
+    EnvVar("FP8ENGINE_PREFETCH_NEXT", "1", ("0", "1"),
+           "0: the decoder plan does not name each projection's successor to its kernel, whose threads then do not "
+           "prefetch their first share of the next weight (csrc/next_weight.h; an A/B switch: the same bits)"),
     EnvVar("FP8ENGINE_CUDA_FUSION", "1", ("0", "1"),
            "0: on CUDA, the decoder layers run unfused (torch ops for RMSNorm, RoPE and SiLU, an activation-quant "
            "launch before each FP8 GEMM) instead of the fused kernels of kernels/fused_triton.py (an A/B switch)"),

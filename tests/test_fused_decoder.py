@@ -85,8 +85,9 @@ def test_fused_layers_match_when_batch_invariant(tiny_dir, mode):  # noqa: F811
     assert run(engine, fused=False) == fused
 
 
-def test_default_model_decode_matches(default_dir):
-    """The default model: hidden 576 (partial FP8 blocks, per-shard scale rows for q/k/v), tied head."""
+def test_default_model_decode_matches(default_dir, monkeypatch):
+    """The default model: hidden 576 (partial FP8 blocks, per-shard scale rows for q/k/v), tied head; and the same
+    bits without the plan's next-weight prefetch (FP8ENGINE_PREFETCH_NEXT=0)."""
     engine = make_engine(quantization="fp8")
     calls = counting(engine)
     one = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=5, logprobs=0)]
@@ -94,6 +95,8 @@ def test_default_model_decode_matches(default_dir):
     # the prefill and 5 decode steps; a tied embedding in the nt16 layout is looked up in Python (layout.embedding)
     assert calls == {"forward" if engine.runner.model.model.embed_tokens.in_layout else "forward_tokens": 6}
     assert run(engine, False, PROMPTS[:1], one) == fused
+    monkeypatch.setenv("FP8ENGINE_PREFETCH_NEXT", "0")
+    assert run(make_engine(quantization="fp8"), True, PROMPTS[:1], one) == fused
 
 
 def test_calibration_takes_the_python_layers(tiny_dir):  # noqa: F811
@@ -146,10 +149,10 @@ def test_plan_checks_its_inputs():
     cos = torch.zeros(8, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="32 tensors per layer expected, got 3"):
         torch.classes.fp8engine.DecoderPlan([None] * 3, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False, False,
-                                            ["avx512", "avx512"])
+                                            ["avx512", "avx512"], True)
     with pytest.raises(RuntimeError, match="a layer norm weight is missing"):
         torch.classes.fp8engine.DecoderPlan([None] * 32, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False, False,
-                                            ["avx512", "avx512"])
+                                            ["avx512", "avx512"], True)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp8-linear"])

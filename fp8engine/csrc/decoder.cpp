@@ -82,6 +82,7 @@ struct ProjPath {
   const std::string& fp8_gemm;
   const std::string& bf16_gemm;
   bool bf16_kernel;
+  bool prefetch_next;  // each projection names the next one's weight to its kernel (next_weight.h)
 };
 
 // One projection as layers/linear.py calls it: FP8 (weight E4M3 + block scales, optional row -> scale-row map)
@@ -92,9 +93,10 @@ struct Proj {
   OptTensor scale, bias, scale_rows, lora_a, lora_b, lora_segments;
   bool ue8m0 = false;
 
-  // next: the projection the layer runs after this one (its weight's start is prefetched: next_weight.h).
+  // next: the projection the layer runs after this one, whose weight's start the kernel prefetches (next_weight.h)
+  // where path.prefetch_next.
   at::Tensor operator()(const Ops& ops, const at::Tensor& x, const ProjPath& path, bool lora, const Proj* next) const {
-    const fp8e::NextWeightScope hint(next != nullptr ? &next->weight : nullptr);
+    const fp8e::NextWeightScope hint(path.prefetch_next && next != nullptr ? &next->weight : nullptr);
     at::Tensor y = scale ? ops.fp8_linear.call(x, weight, *scale, bias, ue8m0, scale_rows, path.batch_invariant,
                                                path.fp8_gemm, path.nt16)
                          : path.bf16_kernel ? ops.bf16_linear.call(x, weight, bias, path.batch_invariant, false,
@@ -121,9 +123,10 @@ constexpr int64_t kPerLayer = 32;
 class DecoderPlan : public torch::CustomClassHolder {
  public:
   DecoderPlan(std::vector<OptTensor> tensors, at::Tensor cos, at::Tensor sin, std::vector<int64_t> dims, double eps,
-              double attn_scale, bool ue8m0, bool batch_invariant, bool nt16, std::vector<std::string> gemms)
+              double attn_scale, bool ue8m0, bool batch_invariant, bool nt16, std::vector<std::string> gemms,
+              bool prefetch_next)
       : cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), attn_scale_(attn_scale),
-        batch_invariant_(batch_invariant), nt16_(nt16) {
+        batch_invariant_(batch_invariant), nt16_(nt16), prefetch_next_(prefetch_next) {
     TORCH_CHECK(gemms.size() == 2, "DecoderPlan: gemms [fp8, bf16] expected");
     fp8_gemm_ = gemms[0], bf16_gemm_ = gemms[1];
     TORCH_CHECK(tensors.size() % kPerLayer == 0 && !tensors.empty(), "DecoderPlan: ", kPerLayer,
@@ -159,7 +162,7 @@ class DecoderPlan : public torch::CustomClassHolder {
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == 2 * n && static_cast<int64_t>(scales.size()) == 3 * n,
                 "DecoderPlan.forward: ", 2 * n, " caches and ", 3 * n, " scales expected");
     const Ops& ops = get_ops();
-    const ProjPath path{batch_invariant_, nt16_, fp8_gemm_, bf16_gemm_, bf16_kernel};
+    const ProjPath path{batch_invariant_, nt16_, fp8_gemm_, bf16_gemm_, bf16_kernel, prefetch_next_};
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     // The norms and the activation write into buffers every layer reuses (h: a norm's output, res: the residual
     // stream, updated in place from the second norm on, act: SiLU-and-mul's output), which saves each op its
@@ -228,6 +231,7 @@ class DecoderPlan : public torch::CustomClassHolder {
   double eps_ = 0, attn_scale_ = 0;
   bool batch_invariant_ = false;
   bool nt16_ = false;
+  bool prefetch_next_ = true;
   std::string fp8_gemm_, bf16_gemm_;
 };
 
@@ -247,7 +251,7 @@ bool decoder_plan_supported() {
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.class_<DecoderPlan>("DecoderPlan")
       .def(torch::init<std::vector<OptTensor>, at::Tensor, at::Tensor, std::vector<int64_t>, double, double, bool,
-                       bool, bool, std::vector<std::string>>())
+                       bool, bool, std::vector<std::string>, bool>())
       .def("num_layers", &DecoderPlan::num_layers)
       .def("forward", &DecoderPlan::forward)
       .def("forward_tokens", &DecoderPlan::forward_tokens);

@@ -8,7 +8,7 @@
 // decode of the default model, hint against none in alternating rounds of one process: full-fp8 1.04x, with the FP8
 // head 1.00-1.09x (median of 6 runs 1.05x), fp8-linear 1.04x, bf16 1.03x, full-fp8-bi 1.03x, the same tokens;
 // prefetching two tasks ahead gained no more, three lost. A hint moves no arithmetic: a wrong one costs the
-// prefetched lines, nothing else.
+// prefetched lines, nothing else. FP8ENGINE_PREFETCH_NEXT=0 builds plans that give none (an A/B switch).
 
 #pragma once
 

@@ -13,6 +13,7 @@ Whether the plan may be built at all is the kernel set's `decoder_plan` (FP8ENGI
 
 import torch
 
+from fp8engine import envs
 from fp8engine.model_executor.kernel_set import KernelSet
 from fp8engine.model_executor.kernels import bf16_linear_cpu
 from fp8engine.model_executor.layers.attention import AttentionMetadata
@@ -45,7 +46,7 @@ class FusedDecoder:
             tensors, first.rotary.cos, first.rotary.sin,
             [first.num_heads, first.num_kv_heads, first.head_dim, kernels.attention_partition],
             layers[0].input_layernorm.eps, first.attn.scale, scale_fmt == "ue8m0", kernels.batch_invariant, nt16,
-            list(kernels.gemms))
+            list(kernels.gemms), envs.flag("FP8ENGINE_PREFETCH_NEXT"))
         self.attn = [layer.self_attn.attn for layer in layers]
         norm = model.model.norm  # its tensors and the embedding's, held like the layers' (updated in place)
         self.embed, self.norm_weight, self.norm_eps = model.model.embed_tokens.weight, norm.weight, norm.eps
