@@ -347,10 +347,11 @@ void linear_nt(const Problem& p, OutT* y) {
       const int64_t n0 = t * kNtRows;
       int64_t k0 = 0;
       if (p.m <= kNtMaxRows && p.grouped(n0) && p.grouped(n0 + 16)) {
-        // the next task's lines into L2, or in the thread's last the start of its share of the next weight (next_weight.h)
+        // the next task's lines into L2, or in the thread's last its first share of the next weight (next_weight.h)
         const char* pf = t + 1 == end ? next.share(kNtRows) : nullptr;
         const intptr_t ahead = pf == nullptr ? kNtRows * p.k * 2
-                                             : reinterpret_cast<intptr_t>(pf) - reinterpret_cast<intptr_t>(p.line(n0, 0));
+                                             : reinterpret_cast<intptr_t>(pf) -
+                                                   reinterpret_cast<intptr_t>(p.line(n0, 0));
         // at a row or two two blocks a call (three for the last rather than leave one alone), above one at a time
         const int64_t blocks = cdiv(p.k, kBlockK);
         for (int64_t b = 0; b < blocks;) {

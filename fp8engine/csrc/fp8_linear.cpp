@@ -973,8 +973,9 @@ constexpr Nt16BlocksFn kNt16TileBlock[kTilesNtMaxM + 1] = {
 template <bool kTiles = false, typename OutT>
 void nt16_task(const Problem& p, const E4m3ToBf16& cvt, const RowsBf16& x, int64_t n0, float* tot, OutT* y,
                const char* next = nullptr) {
-  const intptr_t ahead = next == nullptr ? kNtRows * p.k
-                                         : reinterpret_cast<intptr_t>(next) - reinterpret_cast<intptr_t>(p.w + n0 * p.k);
+  const intptr_t ahead = next == nullptr
+                             ? kNtRows * p.k
+                             : reinterpret_cast<intptr_t>(next) - reinterpret_cast<intptr_t>(p.w + n0 * p.k);
   for (int64_t b = 0; b < p.nkb;) {
     const int64_t left = p.nkb - b;
     const int g = p.m > kNtGroupMaxM              ? 1
