@@ -125,7 +125,13 @@ def test_pause_blocks_rollouts_until_resume(cluster):
     assert cluster.rollout(PROMPTS[:2], sampling_params=GREEDY).batch_size == 2
 
 
-def test_sleep_and_wake_reach_every_replica(cluster):
+def test_sleep_and_wake_reach_every_replica(cluster, reference, default_dir):
+    # weights the object store keeps, whatever the tests before left (a distributed sync keeps none), for the
+    # replica added below to take
+    state = perturbed_state(default_dir, seed=15)
+    version = cluster.weight_version + 1
+    cluster.sync_weights(state, weight_version=version)
+    reference.sync_weights(state, weight_version=version)
     before = cluster.rollout(PROMPTS[:2], sampling_params=GREEDY).response_ids
     reports = cluster.sleep(1, ["kv_cache"])
     assert [r.tags for r in reports] == [["kv_cache"]] * 2
@@ -135,10 +141,13 @@ def test_sleep_and_wake_reach_every_replica(cluster):
     assert torch.equal(cluster.rollout(PROMPTS[:2], sampling_params=GREEDY).response_ids, before)
     # a replica added while the cluster sleeps sleeps too, and wakes with the others
     cluster.sleep(1, ["kv_cache"])
-    cluster.remove_replica(1)  # room for one more on this 2-CPU Ray
-    added = cluster.add_replica()
-    assert ray.get(added.get_stats.remote()).sleeping == {"kv_cache": 1}
-    assert [r.tags for r in cluster.wake_up()] == [["kv_cache"]] * 2
+    try:
+        cluster.remove_replica(1)  # room for one more on this 2-CPU Ray
+        added = cluster.add_replica()
+        assert ray.get(added.get_stats.remote()).sleeping == {"kv_cache": 1}
+    finally:  # the next tests take a cluster that is awake
+        woken = cluster.wake_up()
+    assert [r.tags for r in woken] == [["kv_cache"]] * 2
     assert torch.equal(cluster.rollout(PROMPTS[:2], sampling_params=GREEDY).response_ids, before)
 
 
