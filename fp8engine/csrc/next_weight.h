@@ -5,10 +5,12 @@
 // 3.0-3.6 (2 threads of a Zen 4). decoder.cpp names each projection's successor (NextWeightScope), and the nt16
 // kernels (FP8 and BF16), in each thread's last task, prefetch into L2 the first task that thread takes of it, if
 // the next call splits its tasks as this one does (at::parallel_for's static split over the same threads). Batch-1
-// decode of the default model, hint against none in alternating rounds of one process: full-fp8 1.04x, with the FP8
-// head 1.00-1.09x (median of 6 runs 1.05x), fp8-linear 1.04x, bf16 1.03x, full-fp8-bi 1.03x, the same tokens;
-// prefetching two tasks ahead gained no more, three lost. A hint moves no arithmetic: a wrong one costs the
-// prefetched lines, nothing else. FP8ENGINE_PREFETCH_NEXT=0 builds plans that give none (an A/B switch).
+// decode of the default model, hint against none: in alternating rounds of one process (a temporary switch)
+// full-fp8 1.04x, with the FP8 head 1.00-1.09x (median of 6 runs 1.05x), fp8-linear 1.04x, bf16 1.03x, full-fp8-bi
+// 1.03x; as separate engines taking turns (benchmarks/decode_side_by_side.py, FP8ENGINE_PREFETCH_NEXT=0 for none,
+// 3 runs) full-fp8-head 1.00 / 1.03 / 1.02x, fp8-linear 1.06 / 1.01 / 1.01x; 8 sequences 0.99-1.01x; the same
+// tokens. Prefetching two tasks ahead gained no more, three lost. A hint moves no arithmetic: a wrong one costs the
+// prefetched lines, nothing else.
 
 #pragma once
 
