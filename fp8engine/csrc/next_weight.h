@@ -2,7 +2,8 @@
 //
 // A call's threads each begin on a share of the weight that no prefetch has asked for: at one row, the default
 // model's 120 FP8 projections from DRAM took ~4.3 ms of kernel time where the same bytes as two long calls took
-// 3.0-3.6 (2 threads of a Zen 4). decoder.cpp names each projection's successor (NextWeightScope), and the nt16
+// 3.0-3.6 (2 threads of a Zen 4; the rest of the difference is each call's fork and its threads waiting for each
+// other at its end). decoder.cpp names each projection's successor (NextWeightScope), and the nt16
 // kernels (FP8 and BF16), in each thread's last task, prefetch into L2 the first task that thread takes of it, if
 // the next call splits its tasks as this one does (at::parallel_for's static split over the same threads). Batch-1
 // decode of the default model, hint against none: in alternating rounds of one process (a temporary switch)
