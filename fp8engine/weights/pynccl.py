@@ -30,8 +30,6 @@ VLLM_UNIQUE_ID = ("vllm.distributed.device_communicators.pynccl_wrapper", "ncclU
 NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
                torch.float32: 7, torch.float64: 8, torch.bfloat16: 9, torch.float8_e4m3fn: 10}  # ncclDataType_t
 NCCL_SUM = 0  # ncclRedOp_t
-
-
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 
 
@@ -83,8 +81,8 @@ class NcclComm:
     rank 0. Collectives run on the device's current stream and are waited for."""
 
     def __init__(self, unique_id: bytes, rank: int, world_size: int, device: torch.device):
-        if len(unique_id) != ctypes.sizeof(UniqueId):
-            raise ValueError(f"an NCCL unique id has {ctypes.sizeof(UniqueId)} bytes, got {len(unique_id)}")
+        if len(unique_id) != UNIQUE_ID_BYTES:
+            raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
         self.lib = ctypes.CDLL(library_path())
         self.lib.ncclGetErrorString.restype = ctypes.c_char_p
         self.device = torch.device(device)
