@@ -93,8 +93,8 @@ class EngineConfig:
                                            "> 1 starts that many - 1 worker processes beside the engine's, each "
                                            "holding a shard of the weights and of the KV cache (docs/scale-out.md)")
     expert_parallel: bool = _option(False, "MoE with tensor_parallel_size > 1: whole experts per rank (num_experts / "
-                                           "T each), the router on every rank; needed for MoE models (split experts "
-                                           "are not built)")
+                                           "T each), the router on every rank; without it every expert's "
+                                           "intermediate rows are split over the ranks, as a dense MLP's")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
     load_format: str = _option("auto", "auto (the model directory's safetensors) or dummy (seeded random weights "
                                        "from its config.json alone: for benchmarks of a model's shape)", LOAD_FORMATS)

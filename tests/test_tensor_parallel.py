@@ -16,13 +16,15 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+import transformers
 from safetensors.torch import save_file
 
 from benchmarks.gpu_engine import random_adapter
 from checkpoints import perturbed_state, write_checkpoint
 from conftest import make_engine
 from fp8engine import SamplingParams
-from fp8engine.model_executor.tensor_parallel import fixed_order_sum, library_sum, oversubscribed
+from fp8engine.model_executor.tensor_parallel import (check_shardable, fixed_order_sum, library_sum, oversubscribed,
+                                                      vocab_rows)
 from fp8engine.weights.dist_update import free_port, init_process_group, tensor_specs
 from tiny_models import save_tiny
 
@@ -131,8 +133,8 @@ def test_moe_experts_whole_on_each_rank(tmp_path, tokenizer):
     rank sums its experts, then the ranks are added: another order than one rank's). FP8: an expert held by rank 1
     reads back as T = 1's, bit for bit."""
     model = save_tiny("qwen3_moe", tmp_path / "moe", tokenizer, **TP2_SHAPE, head_dim=64)
-    with pytest.raises(ValueError, match="expert_parallel=True"):
-        make_engine(model, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"model\.layers\.\*\.mlp\.experts\.\*\.down_proj has 64 inputs, 32 per rank"):
+        make_engine(model, quantization="fp8", tensor_parallel_size=2)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, logprobs_mode="raw", return_routed_experts=True)
     outs = []
     for t in (1, 2):
@@ -160,6 +162,49 @@ def test_moe_experts_whole_on_each_rank(tmp_path, tokenizer):
         fp8[1].shutdown()
 
 
+def test_moe_experts_split_over_the_ranks(tmp_path, tokenizer):
+    """Qwen3-MoE without expert parallelism: every expert's intermediate rows split over the ranks (gate and up
+    column-parallel, down row-parallel), the router on both. float32: T = 1's tokens, logprobs and routed experts;
+    FP8: per-expert and stacked weights read back as T = 1's bit for bit; an update from transformers' in-memory
+    names (stacked experts) equals T = 1's, and a NaN in rank 1's rows of a stacked tensor changes nothing."""
+    model = save_tiny("qwen3_moe", tmp_path / "moe", tokenizer, **TP2_SHAPE, head_dim=64, moe_intermediate_size=256)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, logprobs_mode="raw", return_routed_experts=True)
+    outs = []
+    for t in (1, 2):
+        engine = make_engine(model, dtype="float32", num_kv_blocks=32, tensor_parallel_size=t)
+        outs.append(engine.generate(PROMPTS, params))
+        engine.shutdown()
+    assert _tokens(outs[0]) == _tokens(outs[1])
+    for a, b in zip(*outs):
+        assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
+        assert torch.equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+    fp8 = [make_engine(model, quantization="fp8", num_kv_blocks=32, tensor_parallel_size=t) for t in (1, 2)]
+    try:
+        experts = fp8[1].runner.model.model.layers[1].mlp.experts
+        assert experts.tp_inter == (0, 256) and tuple(experts.down_proj.shape) == (16, 256, 128)
+        names = ["model.layers.1.mlp.experts.15.down_proj.weight", "model.layers.2.mlp.experts.3.up_proj.weight",
+                 "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+        for name in names:
+            assert torch.equal(fp8[1].get_weights_by_name(name), fp8[0].get_weights_by_name(name)), name
+        hf = {n: p.detach() * 1.5 for n, p in transformers.AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.bfloat16).named_parameters() if ".mlp.experts." in n}
+        assert "model.layers.0.mlp.experts.gate_up_proj" in hf  # [E, 2I, H], no .weight
+        before = fp8[1].get_weights_by_name(names[2])
+        bad = hf[names[2]].clone()
+        bad[3, 256 + 200, 7] = float("nan")  # expert 3's up row 200 of 256: rank 1's half
+        with pytest.raises(ValueError, match="model.layers.0.mlp.experts.3.up_proj.weight.*NaN"):
+            fp8[1].update_weights({**hf, names[2]: bad})
+        assert torch.equal(fp8[1].get_weights_by_name(names[2]), before)
+        for engine in fp8:
+            engine.update_weights(hf)
+        for name in names:
+            assert torch.equal(fp8[1].get_weights_by_name(name), fp8[0].get_weights_by_name(name)), name
+        assert not torch.equal(fp8[1].get_weights_by_name(names[2]), before)
+        assert len(fp8[1].runner.weight_names) == len(fp8[0].runner.weight_names)
+    finally:
+        fp8[1].shutdown()
+
+
 def test_fp8_weights_kv_scales_and_logprobs_match_one_rank(fp8_pair, fp32_pair):
     one, two = _reloaded(*fp8_pair)
     outs = [e.generate(PROMPTS, GREEDY) for e in (one, two)]  # the first forward calibrates the KV scales
@@ -179,6 +224,30 @@ def test_fp8_weights_kv_scales_and_logprobs_match_one_rank(fp8_pair, fp32_pair):
     gap = {name: [abs(x - y) for x, y in zip(reported, [lp for s in e.score(PROMPTS, responses, GREEDY) for lp in s])]
            for name, e in (("tp2", two), ("fp32", fp32_pair[0]))}
     assert max(gap["tp2"]) < max(gap["fp32"]) and sum(gap["tp2"]) < sum(gap["fp32"]) / 2
+
+
+def test_the_lm_head_splits_the_vocabulary_and_gives_one_ranks_logits_bitwise(fp32_pair, fp8_pair, tmp_path,
+                                                                               tokenizer):
+    """Column-parallel LM head: each rank computes its half of the vocabulary's logits (an untied head holds only
+    those rows; a tied one reads them from the embedding, and with lm_head_fp8 quantizes its own copy of them) and
+    rank 0 gathers them; on the same hidden rows they equal T = 1's bit for bit, in float32, BF16 and FP8."""
+    vocab = len(tokenizer)
+    tied = save_tiny("qwen2-tied", tmp_path / "tied", tokenizer, **TP2_SHAPE)
+    extra = [[make_engine(tied, num_kv_blocks=16, tensor_parallel_size=t, **options) for t in (1, 2)]
+             for options in (dict(), dict(quantization="fp8", lm_head_fp8=True))]
+    try:
+        for one, two in [fp32_pair, fp8_pair, *extra]:
+            assert two.runner.model.lm_head.vocab_rows == (0, vocab // 2, vocab)
+            hidden = torch.randn(5, 256, generator=torch.Generator().manual_seed(0)).to(two.runner.dtype)
+            logits = two.runner.head_logits(hidden)
+            assert logits.shape == (5, vocab) and torch.equal(logits, one.runner.head_logits(hidden))
+        for one, two in (fp8_pair, extra[1]):  # an untied BF16 head, a tied FP8 one: this rank's rows only
+            assert tuple(two.runner.model.lm_head.weight.shape) == (vocab // 2, 256)
+        (one, two) = _reloaded(*fp8_pair)
+        assert torch.equal(two.get_weights_by_name("lm_head.weight"), one.get_weights_by_name("lm_head.weight"))
+    finally:
+        for _, two in extra:
+            two.shutdown()
 
 
 def test_fp8_update_equals_a_fresh_engine_and_a_bad_shard_changes_nothing(fp8_pair, tp2_dir, tmp_path):
@@ -351,6 +420,17 @@ def _alive(pid: int) -> bool:
 def test_a_shape_the_ranks_cannot_split_names_the_layer(options, message):
     with pytest.raises(ValueError, match=message):
         make_engine(**options)
+
+
+def test_the_vocabulary_splits_in_whole_blocks_and_every_rank_gets_rows():
+    from transformers import Qwen2Config
+    assert [vocab_rows(151936, 8, r) for r in (0, 1, 7)] == [(0, 19072), (19072, 38144), (133504, 151936)]
+    assert [vocab_rows(49152, 2, r) for r in (0, 1)] == [(0, 24576), (24576, 49152)]
+    cfg = Qwen2Config(vocab_size=300, **TP2_SHAPE)
+    check_shardable(cfg, 2, fp8=True, expert_parallel=False)  # 256 + 44 rows
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 with vocab_size=300: lm_head splits the vocabulary "
+                                         "in whole 128-row blocks, 128 a rank, and rank 3 would hold none"):
+        check_shardable(Qwen2Config(vocab_size=300, **TP4_SHAPE), 4, fp8=False, expert_parallel=False)
 
 
 def test_ranks_that_would_share_cores_are_told_how_many_threads_to_take():

@@ -39,14 +39,14 @@ class PromptLogits:
     PROMPT_LOGITS_BYTES of float32 logits: 2 GiB of hidden rows' logits would otherwise be one tensor for an
     8,192-token chunk of a 128K vocabulary, with log_softmax's copy beside it)."""
 
-    def __init__(self, model, hidden: torch.Tensor, vocab_size: int):
-        self.model, self.hidden = model, hidden
+    def __init__(self, logits, hidden: torch.Tensor, vocab_size: int):
+        self.logits, self.hidden = logits, hidden  # logits: ModelRunner.head_logits
         self.rows = max(1, PROMPT_LOGITS_BYTES // (4 * vocab_size))
 
     def chunks(self, start: int, stop: int):
         """(offset from start, float32 logits of rows offset+start ..) over rows start..stop-1, in order."""
         for i in range(start, stop, self.rows):
-            yield i - start, self.model.compute_logits(self.hidden[i:min(stop, i + self.rows)]).float()
+            yield i - start, self.logits(self.hidden[i:min(stop, i + self.rows)]).float()
 
 
 def _exclusive(method):
@@ -83,7 +83,8 @@ class ModelRunner:
         if config.tensor_parallel_size > 1:
             tensor_parallel.check_shardable(self.hf_config, config.tensor_parallel_size, config.quantization == "fp8",
                                             config.expert_parallel)
-            model_config = tensor_parallel.local_config(self.hf_config, config.tensor_parallel_size)
+            model_config = tensor_parallel.local_config(self.hf_config, config.tensor_parallel_size,
+                                                        config.expert_parallel)
         self.tp_leader = tensor_parallel.Leader(config, model_dir) if config.tensor_parallel_size > 1 and tp is None \
             else None
         self.tp = self.tp_leader.group if self.tp_leader is not None else tp
@@ -112,7 +113,7 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = cls(model_config, make_linear, self.max_model_len, **extra)
             if self.tp is not None:
-                tensor_parallel.shard_model(self.model, self.hf_config, self.tp)
+                tensor_parallel.shard_model(self.model, self.hf_config, self.tp, config.expert_parallel)
         # before loading: the loader's targets are views of the tensors' final homes
         self.weight_buffers = _weight_buffers(self.model)  # LoRA's A and B: weights, though buffers
         self.home = None if self.device.type != "cpu" else host_memory.rehome(
@@ -459,6 +460,11 @@ class ModelRunner:
         target = resolve(self.model, hf_name)
         if self.tp_leader is not None and target.kind == "elsewhere":  # an expert another rank holds
             return next(part for _, part in self.tp_leader.call("read", hf_name) if part is not None)
+        if self.tp_leader is not None and target.kind == "split" and any(p.tp is not None for _, p in target.parts):
+            out = torch.empty(target.shape, dtype=self.dtype)  # split experts, stacked: each one gathered by its name
+            for index, part in target.parts:
+                out[index] = self.read_weight(part.name)
+            return out
         mine = read(target, self.dtype)
         if self.tp_leader is None or target.tp is None:
             return mine
@@ -604,7 +610,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         hidden = self.forward_detached([0] * n)
         sampled = self.model.compute_logits(hidden[:min(n, self.config.max_num_seqs)])
-        prompt = next(PromptLogits(self.model, hidden, self.vocab_size).chunks(0, n))[1]
+        prompt = next(PromptLogits(self.head_logits, hidden, self.vocab_size).chunks(0, n))[1]
         torch.log_softmax(prompt, dim=-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -656,17 +662,33 @@ class ModelRunner:
         with self._following():
             input_ids, positions, meta, sample_rows = self._tensors(flat)
             hidden = self.model(input_ids, positions, meta)
-        logits = None
-        if len(sample_rows):  # every row of a decode step samples: its hidden states as they are
-            logits = self.model.compute_logits(hidden if len(sample_rows) == len(hidden) else hidden[sample_rows])
-        prompt_logits = {seq_id: PromptLogits(self.model, hidden[rows], self.vocab_size)
+            logits = self._sampled_logits(hidden, sample_rows)
+        prompt_logits = {seq_id: PromptLogits(self.head_logits, hidden[rows], self.vocab_size)
                          for seq_id, rows in prompt_rows.items()} if prompt_rows else {}  # rows: slices of the step
         return StepOutput(logits, prompt_logits)
 
-    def forward_flat(self, flat: tuple) -> torch.Tensor:
-        """A tensor-parallel worker's step: the forward of the flat inputs rank 0 sent (its logits are rank 0's)."""
-        input_ids, positions, meta, _ = self._tensors(flat)
-        return self.model(input_ids, positions, meta)
+    def _sampled_logits(self, hidden: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor | None:
+        """The LM head over a step's rows to sample (every row of a decode step: its hidden states as they are);
+        tensor-parallel ranks each compute their vocabulary rows' share (None on the workers)."""
+        if not len(sample_rows):
+            return None
+        return self.model.compute_logits(hidden if len(sample_rows) == len(hidden) else hidden[sample_rows])
+
+    @_exclusive
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over hidden rows outside a step's forward (prompt logprobs, scoring: PromptLogits); with
+        tensor parallelism the workers are sent the rows and each computes its vocabulary rows' share."""
+        if self.tp_leader is not None:
+            self.tp_leader.send("head_logits", hidden.clone())  # a copy: pickling a view would send its whole base
+        with self._following():
+            return self.model.compute_logits(hidden)
+
+    def forward_flat(self, flat: tuple) -> None:
+        """A tensor-parallel worker's step: the forward of the flat inputs rank 0 sent, and its share of the rows to
+        sample's logits (which rank 0 gathers)."""
+        input_ids, positions, meta, sample_rows = self._tensors(flat)
+        self._sampled_logits(self.model(input_ids, positions, meta), sample_rows)
 
     def _flatten(self, scheduled: list[ScheduledSeq]) -> tuple[tuple, dict[int, slice]]:
         """The step's inputs as lists (what rank 0 sends tensor-parallel workers), and the prompt rows by sequence."""

@@ -6,15 +6,18 @@ call by call: rank 0 sends each step's flat inputs to every worker as one messag
 and the ranks meet inside the forward in the all-reduces of a gloo process group with its own TCP store and name
 ("tp"), never the default group (a trainer's FSDP group in the same process stays its own).
 
-Sharding (Megatron's): q/k/v and gate/up are column-parallel (heads, KV heads, intermediate split), o_proj and down_proj
-row-parallel with their partial sums all-reduced, so the KV cache is sharded by KV head (a KV head is replicated on
-T / KV ranks where T exceeds them). The embedding and the norms are replicated: a lookup has no arithmetic to share
-and stays exact. The LM head runs on rank 0 whole: the sampler, prompt logprobs and scoring read its logits there,
-every logit is the same dot product as at T = 1, and no gather of vocabulary slices is needed (its weight is held
-by every rank; a column-parallel head would save that memory). In FP8 a row-parallel layer's ranks must split its
-input at 128-column block boundaries (each 1 x 128 activation group lives on one rank); a column shard may start
-inside a 128-row block and then keeps that block's scale (layers/linear.py), so every rank's codes and scales are
-a slice of the T = 1 engine's.
+Sharding (Megatron's): q/k/v and gate/up are column-parallel (heads, KV heads, intermediate split), o_proj and
+down_proj row-parallel with their partial sums all-reduced, so the KV cache is sharded by KV head (a KV head is
+replicated on T / KV ranks where T exceeds them). A MoE block's experts are split the same way (each expert's
+intermediate rows), or with expert_parallel go whole to the ranks; the router runs on every rank. The embedding and
+the norms are replicated: a lookup has no arithmetic to share and stays exact (a vocabulary-parallel embedding would
+add an all-reduce a step; a tied head reads its rows from this copy). The LM head is column-parallel over the
+vocabulary: each rank computes the logits of its rows (whole 128-row blocks, vocab_rows; an untied head holds only
+them, a tied one reads them from the embedding) from the final hidden rows every rank holds alike, and rank 0 gathers
+them for the sampler, prompt logprobs and scoring; every logit is the same dot product as at T = 1. In FP8 a
+row-parallel layer's ranks must split its input at 128-column block boundaries (each 1 x 128 activation group lives on one
+rank); a column shard may start inside a 128-row block and then keeps that block's scale (layers/linear.py), so every
+rank's codes and scales are a slice of the T = 1 engine's.
 
 With batch_invariant the partial sums are gathered and added in rank order (fixed_order_sum): gloo's ring starts each
 segment of a message at another rank and places the segment boundaries by the message size, i.e. by the batch, so
@@ -24,6 +27,7 @@ its sums change with the batch (library_sum).
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import pickle
@@ -61,12 +65,20 @@ def group_name(port: int) -> str:
 def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool) -> None:
     """ValueError naming the layer and the constraint when `size` ranks cannot split this model."""
     experts = getattr(cfg, "num_experts", 0) or 0
-    if experts and not expert_parallel:
-        raise ValueError(f"tensor_parallel_size={size}: a MoE model's experts go whole to the ranks "
-                         f"(expert_parallel=True); splitting each expert is not built")
-    if experts % size:
+    if experts and expert_parallel and experts % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide num_experts={experts}: "
-                         f"model.layers.*.mlp.experts go whole to the ranks")
+                         f"model.layers.*.mlp.experts go whole to the ranks (expert_parallel=True)")
+    if experts and not expert_parallel:
+        moe = cfg.moe_intermediate_size
+        if moe % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide moe_intermediate_size={moe}: "
+                             f"model.layers.*.mlp.experts split each expert's intermediate rows over the ranks "
+                             f"(or take expert_parallel=True: whole experts a rank)")
+        if fp8 and (moe // size) % BLOCK:
+            raise ValueError(f"tensor_parallel_size={size} with quantization='fp8': "
+                             f"model.layers.*.mlp.experts.*.down_proj has {moe} inputs, {moe // size} per rank, not "
+                             f"whole {BLOCK}-wide FP8 blocks (a row-parallel layer's ranks split its input at block "
+                             f"boundaries); take expert_parallel=True (whole experts a rank), or another size")
     if cfg.model_type not in MODEL_TYPES:
         raise ValueError(f"tensor_parallel_size={size}: model_type {cfg.model_type!r} is not sharded yet (tensor "
                          f"parallelism covers {list(MODEL_TYPES)})")
@@ -81,6 +93,10 @@ def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool) -> None:
     if inter % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={inter}: "
                          f"model.layers.*.mlp.gate_up_proj and down_proj split it over the ranks")
+    vocab = cfg.vocab_size
+    if vocab_rows(vocab, size, size - 1)[0] >= vocab:
+        raise ValueError(f"tensor_parallel_size={size} with vocab_size={vocab}: lm_head splits the vocabulary in whole "
+                         f"{BLOCK}-row blocks, {per_rank_vocab(vocab, size)} a rank, and rank {size - 1} would hold none")
     for name, k in (("self_attn.o_proj", heads * d), ("mlp.down_proj", inter)):
         if fp8 and (k // size) % BLOCK:
             raise ValueError(f"tensor_parallel_size={size} with quantization='fp8': model.layers.*.{name} has {k} "
@@ -89,17 +105,32 @@ def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool) -> None:
                              f"groups end); choose a size that makes {k} / size a multiple of {BLOCK}, or run BF16")
 
 
-def local_config(cfg, size: int):
-    """A copy of the model config with one rank's share of the heads, KV heads and intermediate size."""
+def vocab_rows(vocab: int, size: int, rank: int) -> tuple[int, int]:
+    """The vocabulary rows (start, stop) of rank's LM head shard: whole 128-row blocks (an FP8 head's scales and
+    an nt16 head's 16-row groups stay whole), the last rank the rest."""
+    per = per_rank_vocab(vocab, size)
+    return min(vocab, rank * per), min(vocab, (rank + 1) * per)
+
+
+def per_rank_vocab(vocab: int, size: int) -> int:
+    """Vocabulary rows a rank's LM head shard holds (the last rank's may be fewer): V / T rounded up to a block."""
+    return -(-vocab // size // BLOCK) * BLOCK
+
+
+def local_config(cfg, size: int, expert_parallel: bool):
+    """A copy of the model config with one rank's share of the heads, KV heads and intermediate sizes (a MoE
+    model's experts': split unless expert parallel)."""
     local = copy.copy(cfg)
     local.head_dim = head_dim(cfg)
     local.num_attention_heads = cfg.num_attention_heads // size
     local.num_key_value_heads = max(1, cfg.num_key_value_heads // size)
     local.intermediate_size = cfg.intermediate_size // size
+    if getattr(cfg, "num_experts", 0) and not expert_parallel:
+        local.moe_intermediate_size = cfg.moe_intermediate_size // size
     return local
 
 
-def shard_model(model, cfg, group: "TPGroup") -> None:
+def shard_model(model, cfg, group: "TPGroup", expert_parallel: bool) -> None:
     """Tells each decoder layer's linears where this rank's rows or columns sit in the full weights (before they
     load); the row-parallel ones reduce their partial sums over the group."""
     size, rank = group.size, group.rank
@@ -111,13 +142,19 @@ def shard_model(model, cfg, group: "TPGroup") -> None:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj.shard_for_tp(rows=[(q0, heads * d), (kv_head * d, kv * d), (kv_head * d, kv * d)])
         attn.o_proj.shard_for_tp(cols=(q0, heads * d), reduce=group.all_reduce)
-        if hasattr(mlp, "experts"):  # expert parallelism: whole experts, the router on every rank
-            per_rank = cfg.num_experts // size
-            mlp.experts.keep_experts(rank * per_rank, per_rank)
+        if hasattr(mlp, "experts"):  # the router on every rank; whole experts, or a slice of every expert
+            if expert_parallel:
+                per_rank = cfg.num_experts // size
+                mlp.experts.keep_experts(rank * per_rank, per_rank)
+            else:
+                mlp.experts.split_experts(rank * (cfg.moe_intermediate_size // size), cfg.moe_intermediate_size)
             mlp.reduce = group.all_reduce
             continue
         mlp.gate_up_proj.shard_for_tp(rows=[(i0, inter), (i0, inter)])
         mlp.down_proj.shard_for_tp(cols=(i0, inter), reduce=group.all_reduce)
+    model.lm_head.shard_vocab(*vocab_rows(cfg.vocab_size, size, rank))
+    model.vocab_gather = functools.partial(group.gather_vocab, per_rank=per_rank_vocab(cfg.vocab_size, size),
+                                           vocab=cfg.vocab_size)
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -145,7 +182,8 @@ def fixed_order(config: EngineConfig) -> bool:
 
 
 class TPGroup:
-    """This rank's place in the tensor-parallel group and its collectives; seconds: time spent in all_reduce."""
+    """This rank's place in the tensor-parallel group and its collectives; seconds: time spent in all_reduce and
+    the LM head's gather."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int, size: int, fixed_order: bool):
         self.group, self.rank, self.size, self.fixed_order = group, rank, size, fixed_order
@@ -157,6 +195,21 @@ class TPGroup:
         out = fixed_order_sum(self.group, self.size, y) if self.fixed_order else library_sum(self.group, y)
         self.seconds += time.perf_counter() - start
         return out
+
+    def gather_vocab(self, local: torch.Tensor, per_rank: int, vocab: int) -> torch.Tensor | None:
+        """The LM head's logits: each rank's [rows, its vocabulary rows] side by side on rank 0 ([rows, vocab]);
+        None on the other ranks."""
+        start = time.perf_counter()
+        if local.shape[-1] < per_rank:  # the last rank's rows (a gather takes one size from every rank)
+            local = torch.nn.functional.pad(local, (0, per_rank - local.shape[-1]))
+        local = local.contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(local, parts, dst=0, group=self.group)
+        self.seconds += time.perf_counter() - start
+        if parts is None:
+            return None
+        logits = torch.cat(parts, dim=-1)
+        return logits if logits.shape[-1] == vocab else logits[..., :vocab].contiguous()
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)

@@ -58,6 +58,10 @@ class Worker:
         with self._calibrating(live):
             self.runner.forward_flat(flat)
 
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor) -> None:
+        self.runner.model.compute_logits(hidden)
+
     def forward_detached(self, token_ids: list[int], live: list[int] | None) -> None:
         with self._calibrating(live):
             self.runner.forward_detached(token_ids)

@@ -156,7 +156,9 @@ def _resolve(model: torch.nn.Module, name: str) -> Target:
     param = getattr(module, attr, None)
     if not isinstance(param, torch.Tensor):
         raise ValueError(f"unknown weight name {name!r}: {module_path!r} has no tensor {attr!r}")
-    return Target(name, "dense", param.data, matrix=param if param.dim() == 2 else None)
+    rows = getattr(module, "row_slices", {}).get(attr)  # a tensor-parallel rank's rows (an untied LM head's)
+    tp = None if rows is None else TPSlice((rows[2], *param.shape[1:]), slice(rows[0], rows[1]))
+    return Target(name, "dense", param.data, matrix=param if param.dim() == 2 else None, tp=tp)
 
 
 _OWNERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module]]" = weakref.WeakKeyDictionary()

@@ -27,23 +27,41 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(nn.Module):
     """Logits in the model dtype, or float32 (kernels.lm_head_fp32: every product and sum in float32, from a
-    float32 input); shares its weight with the embedding when the model ties them."""
+    float32 input); shares its weight with the embedding when the model ties them.
+
+    Tensor parallelism (shard_vocab): a rank's head computes the logits of its rows of the vocabulary only; a tied
+    head reads those rows of the replicated embedding (a view taken per call: the embedding's storage moves to the
+    engine's own mapping after the model is built), an untied one holds just them."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, kernels: KernelSet,
                  tied_to: VocabEmbedding | None = None):
         super().__init__()
+        self.__dict__["tied_to"] = tied_to  # not a submodule: the embedding is the model's, named there
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype),
                                        requires_grad=False)
         self.kernels = kernels
+        self.vocab_rows: tuple[int, int, int] | None = None  # (start, stop, full vocabulary) of a rank's rows
+        self.row_slices: dict[str, tuple[int, int, int]] = {}  # the loader's TPSlice of an untied rank's weight
+
+    def shard_vocab(self, start: int, stop: int) -> None:
+        """Tensor parallelism: this rank computes the logits of vocabulary rows start .. stop - 1 (before the
+        weights load)."""
+        full = self.weight.shape[0]
+        self.vocab_rows = (start, stop, full)
+        if self.tied_to is None:
+            self.weight = nn.Parameter(self.weight.new_empty(stop - start, self.weight.shape[1]), requires_grad=False)
+            self.row_slices = {"weight": self.vocab_rows}
 
     @property
     def fp32(self) -> bool:
         return self.kernels.lm_head_fp32
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tied_to is not None and self.vocab_rows is not None:
+            return self.kernels.lm_head(hidden, self.tied_to.weight[self.vocab_rows[0]:self.vocab_rows[1]])
         return self.kernels.lm_head(hidden, self.weight)
 
 
@@ -57,3 +75,13 @@ class FP8LMHead(Linear):
     def __init__(self, hidden_size: int, vocab_size: int, dtype: torch.dtype, kernels: KernelSet,
                  scale_fmt: str | None = None):
         super().__init__(hidden_size, [vocab_size], dtype, kernels, fp8=True, scale_fmt=scale_fmt)
+        self.vocab_rows: tuple[int, int, int] | None = None
+
+    def shard_vocab(self, start: int, stop: int) -> None:
+        """Tensor parallelism: this rank holds the codes and scales of vocabulary rows start .. stop - 1 (a column
+        shard: whole 128-row blocks where start is a block boundary, as tensor_parallel.vocab_rows makes it)."""
+        full = self.out_features
+        self.vocab_rows = (start, stop, full)
+        self.shard_sizes, self.out_features = [stop - start], stop - start
+        self.weight = nn.Parameter(self.weight.new_empty(stop - start, self.in_features), requires_grad=False)
+        self.shard_for_tp(rows=[(start, full)])

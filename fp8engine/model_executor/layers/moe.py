@@ -32,6 +32,8 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.kernels, self.is_fp8, self.scale_fmt, self.dtype = kernels, fp8, scale_fmt, dtype
         self.first, self.num_local = 0, num_experts  # expert parallelism: this rank's experts (keep_experts)
+        # tensor parallelism over each expert (split_experts): (this rank's first intermediate row, the full size)
+        self.tp_inter: tuple[int, int] | None = None
         self._allocate()
 
     def _allocate(self) -> None:
@@ -52,6 +54,23 @@ class FusedMoE(nn.Module):
         load); the others' contributions are another rank's, added by the block's all-reduce."""
         self.first, self.num_local = first, count
         self._allocate()
+
+    def split_experts(self, start: int, full: int) -> None:
+        """Tensor parallelism without expert parallelism: this rank holds intermediate rows start .. start +
+        intermediate_size of every expert (gate and up column-parallel, down row-parallel: its partial sums are
+        added by the block's all-reduce); start and the size are whole 128-row blocks in FP8 (check_shardable)."""
+        self.tp_inter = (start, full)
+
+    def _tp(self, proj: str, scales: bool) -> TPSlice | None:
+        """Where one expert's projection (or its scale grid) sits in the full HF tensor of a split expert."""
+        if self.tp_inter is None:
+            return None
+        (start, full), i, h = self.tp_inter, self.intermediate_size, self.hidden_size
+        if scales:
+            start, i, full, h = start // BLOCK, cdiv(i, BLOCK), cdiv(full, BLOCK), cdiv(h, BLOCK)
+        if proj == "down_proj":
+            return TPSlice((h, full), None, slice(start, start + i))
+        return TPSlice((full, h), slice(start, start + i))
 
     def is_local(self, expert: int) -> bool:
         return self.first <= expert < self.first + self.num_local
@@ -94,35 +113,40 @@ class FusedMoE(nn.Module):
                 and parts[1] in PROJECTIONS and parts[2] in ("weight", "weight_scale_inv")):
             if not self.is_local(int(parts[0])):
                 return Target(name, "elsewhere", torch.empty(0))
-            weight, scale = self.shard_views(int(parts[0]), parts[1])
-            if parts[2] == "weight" and self.is_fp8:
-                matrix, row0 = self.fp8_matrix(int(parts[0]), parts[1])
-                return Target(name, "fp8_weight", weight, scale, self.scale_fmt, matrix=matrix, row0=row0)
             if parts[2] == "weight":
-                return Target(name, "dense", weight)
+                return self._expert_target(name, int(parts[0]), parts[1])
             if self.is_fp8:
-                return Target(name, "fp8_scale", scale)
+                return Target(name, "fp8_scale", self.shard_views(int(parts[0]), parts[1])[1],
+                              tp=self._tp(parts[1], scales=True))
         raise ValueError(f"unknown weight name {name!r}: the MoE experts ({self.num_experts}, "
                          f"{'FP8' if self.is_fp8 else 'unquantized'}) have no {rest!r}")
 
+    def _expert_target(self, name: str, expert: int, proj: str) -> Target:
+        """One expert's projection weight (expert: its global index)."""
+        weight, scale = self.shard_views(expert, proj)
+        tp = self._tp(proj, scales=False)
+        if self.is_fp8:
+            matrix, row0 = self.fp8_matrix(expert, proj)
+            return Target(name, "fp8_weight", weight, scale, self.scale_fmt, matrix=matrix, row0=row0, tp=tp)
+        return Target(name, "dense", weight, tp=tp)
+
     def _stacked_target(self, name: str, attr: str) -> Target:
-        """transformers 5's stacked [E, 2I, H] / [E, H, I] tensor: one copy, or per expert and shard into FP8."""
+        """transformers 5's stacked [E, 2I, H] / [E, H, I] tensor: one copy, or per expert and shard (into FP8, or
+        a split expert's rows or columns)."""
         stacked = getattr(self, attr)
-        full = (self.num_experts, *stacked.shape[1:])
-        if not self.is_fp8:
+        i = self.intermediate_size if self.tp_inter is None else self.tp_inter[1]
+        full = (self.num_experts, 2 * i, self.hidden_size) if attr == "gate_up_proj" else (
+            self.num_experts, self.hidden_size, i)
+        if not self.is_fp8 and self.tp_inter is None:
             tp = None if full == tuple(stacked.shape) else TPSlice(full, self.local)
             return Target(name, "dense", stacked.data, tp=tp)
         prefix = name.removesuffix(attr)
         projs = ("down_proj",) if attr == "down_proj" else ("gate_proj", "up_proj")
-        i = self.intermediate_size
         parts = []
         for e in range(self.first, self.first + self.num_local):
             for shard, proj in enumerate(projs):
-                weight, scale = self.shard_views(e, proj)
                 index = (e,) if attr == "down_proj" else (e, slice(shard * i, (shard + 1) * i))
-                matrix, row0 = self.fp8_matrix(e, proj)
-                parts.append((index, Target(f"{prefix}{e}.{proj}.weight", "fp8_weight", weight, scale,
-                                            self.scale_fmt, matrix=matrix, row0=row0)))
+                parts.append((index, self._expert_target(f"{prefix}{e}.{proj}.weight", e, proj)))
         return Target(name, "split", stacked.data, parts=parts, tp=TPSlice(full, self.local))
 
     # ------------------------------------------------------------------ compute

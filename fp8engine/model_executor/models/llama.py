@@ -189,6 +189,9 @@ class LlamaForCausalLM(nn.Module):
         # the decoder layers in one C++ call, with the embedding lookup and final norm unless the head is float32
         # (model_executor/fused_decoder.py), set by the runner
         self.fused = None
+        # tensor parallelism: each rank's head computes its vocabulary rows' logits, which this puts side by side on
+        # rank 0 (tensor_parallel.shard_model; None on the other ranks)
+        self.vocab_gather = None
 
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
@@ -232,8 +235,9 @@ class LlamaForCausalLM(nn.Module):
             return norm.forward_float32(x, residual)
         return norm.kernels.norm_quant(x, residual, norm.weight, norm.eps, False, True)[3]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden)
+        return logits if self.vocab_gather is None else self.vocab_gather(logits)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
