@@ -751,3 +751,19 @@ def test_speculative_runs_beside_each_mode_with_its_counters(tmp_path, capsys):
     assert "spec_acceptance" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["bench", "--workload", "decode", "--speculative", "eagle"])
+
+
+@pytest.mark.parametrize("name, cls, layers", [("qwen3.5-2b-shape", "Qwen3_5ForCausalLM", 24),
+                                               ("qwen3.5-35b-a3b-4l-shape", "Qwen3_5MoeForCausalLM", 4),
+                                               ("qwen3-0.6b-shape", "Qwen3ForCausalLM", 28)])
+def test_every_named_shape_writes_a_config_the_engine_builds(name, cls, layers):
+    """--model NAME: the shape's config.json and tokenizer (nothing downloaded), and the engine's class for it."""
+    from transformers import AutoConfig
+
+    from fp8engine.bench import model_shapes
+    from fp8engine.model_executor.models import model_class
+    cfg = AutoConfig.from_pretrained(model_shapes.shape_path(name))
+    assert (model_class(cfg).__name__, cfg.num_hidden_layers, cfg.vocab_size) == (cls, layers, 49152)
+    if name == "qwen3.5-35b-a3b-4l-shape":  # the released block's experts and layer types
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.layer_types[3]) == (
+            256, 8, 512, "full_attention")

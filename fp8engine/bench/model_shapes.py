@@ -4,6 +4,10 @@ vocabulary is that tokenizer's 49,152, so the LM head is a smaller share of a st
 
 qwen3.5-2b-shape: Qwen3.5-2B's published sizes (24 layers: 18 Gated DeltaNet + 6 gated attention, hidden 2048, MLP
 6144, 8 query / 2 KV heads of 256, 16 / 16 linear heads of 128, tied embeddings; 248,320 tokens released).
+qwen3.5-35b-a3b-4l-shape: one block of Qwen3.5-35B-A3B (Qwen3.6-35B-A3B's too): its per-layer sizes (hidden 2048;
+256 experts of 512, top-8 + a shared expert of 512; 16 / 32 linear heads of 128; 16 query / 2 KV heads of 256) with 4
+layers (3 Gated DeltaNet + 1 gated attention) of its 40, so a CPU holds it (3.3 B parameters: 6.6 GB BF16); untied,
+as released (248,320 tokens there).
 qwen3-0.6b-shape: Qwen3-0.6B's (28 layers, hidden 1024, MLP 3072, 16 query / 8 KV heads of 128, q/k norms, tied
 embeddings; 151,936 tokens released), a dense model two or four tensor-parallel ranks split (docs/scale-out.md)."""
 
@@ -19,6 +23,14 @@ SHAPES = {  # name -> (transformers config class, its sizes)
         linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=True,
         rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
         architectures=["Qwen3_5ForCausalLM"])),
+    "qwen3.5-35b-a3b-4l-shape": ("Qwen3_5MoeTextConfig", dict(
+        hidden_size=2048, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256,
+        num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
+        architectures=["Qwen3_5MoeForCausalLM"])),
     "qwen3-0.6b-shape": ("Qwen3Config", dict(
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
         head_dim=128, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
