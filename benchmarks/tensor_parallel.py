@@ -75,8 +75,10 @@ def update_seconds(engine: LLMEngine, name: str) -> float:
     torch.set_num_threads(CONFIGS[name][1])
     model = engine.runner.model
     gen = torch.Generator().manual_seed(1)
-    state = {n: torch.randn(resolve(model, n).shape, generator=gen).to(torch.bfloat16) * 0.02
-             for n in expected_names(model)}
+    shapes = {n: resolve(model, n).shape for n in expected_names(model)}
+    for n in engine.runner.weight_names:  # every rank's: another expert-parallel rank's experts too
+        shapes.setdefault(n, engine.get_weights_by_name(n).shape)
+    state = {n: torch.randn(shape, generator=gen).to(torch.bfloat16) * 0.02 for n, shape in shapes.items()}
     start = time.perf_counter()
     engine.update_weights(state)
     return time.perf_counter() - start
@@ -101,9 +103,9 @@ def main() -> None:
     if unknown := set(names) - set(CONFIGS):
         parser.error(f"--configs: unknown {sorted(unknown)}; choose from {list(CONFIGS)}")
     if args.updates_only:
-        for name in ("T=1", "T=2 fixed"):
+        for name in names:
             engine = build(name, args.model, quantization)
-            print(f"{name:14} update_weights s: " + " ".join(f"{update_seconds(engine, name):.2f}" for _ in range(3)))
+            print(f"{name:20} update_weights s: " + " ".join(f"{update_seconds(engine, name):.2f}" for _ in range(3)))
             engine.shutdown()
         return
     batches = [int(b) for b in args.batches.split(",")]
@@ -126,12 +128,12 @@ def main() -> None:
     updates = {name: update_seconds(engine, name) for name, engine in engines.items()}
     report = {"machine": machine_info(), "model": args.model, "quantization": args.quantization, "rows": {}}
     print(f"{args.model}, {args.quantization}, on {machine_words(report['machine'])}, {args.rounds} rounds (median)")
-    print(f"{'':14}" + "".join(f"{job:>22}" for job in jobs) + f"{'update_weights s':>18}")
+    print(f"{'':20}" + "".join(f"{job:>22}" for job in jobs) + f"{'update_weights s':>18}")
     for name in names:
         row = {job: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for job, runs in results[name].items()}
         report["rows"][name] = row | {"update_weights_seconds": updates[name]}
         cells = "".join(f"{row[job]['tok_s']:>10.1f} tok/s {row[job]['collective_share']:>4.0%} ar" for job in jobs)
-        print(f"{name:14}{cells}{updates[name]:>18.2f}")
+        print(f"{name:20}{cells}{updates[name]:>18.2f}")
     for engine in engines.values():
         engine.shutdown()
     if args.json:

@@ -19,6 +19,7 @@ LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE = (None, "ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_LORA_RANK = 256
+MAX_STATE_FRACTION = 0.75  # of the KV budget, for running sequences' GDN states; snapshots up to 1/8 more
 
 
 def _option(default, help: str, choices: tuple | None = None, unit: str | None = None):
@@ -59,6 +60,11 @@ class EngineConfig:
               f"{DEFAULT_GPU_KV_FRACTION:.0%} of the free memory on CUDA left by the weights and a profiled "
               f"max_num_batched_tokens step (or set num_kv_blocks)", unit="bytes")
     num_kv_blocks: int | None = _option(None, "KV cache size in blocks, instead of a budget in bytes")
+    state_memory_fraction: float = _option(0.5, "hybrid models (Qwen3.5, Qwen3-Next): the share of "
+                                                "kv_cache_memory_bytes that running sequences' fixed-size GDN "
+                                                "states may take (more sequences wait for a slot; prefix-cache "
+                                                "snapshots take up to an eighth more, the KV blocks the rest), "
+                                                f"in (0, {MAX_STATE_FRACTION}]")
     max_num_seqs: int = _option(256, "most sequences running in one step")
     max_num_batched_tokens: int = _option(8192, "token budget of one step (prefill chunks and decodes "
                                                 "together)")
@@ -121,6 +127,10 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be an integer in [0, {MAX_LORA_RANK}], got {self.max_lora_rank!r}")
         if self.kv_cache_memory_bytes is not None and self.num_kv_blocks is not None:
             raise ValueError("set at most one of kv_cache_memory_bytes and num_kv_blocks")
+        if not (isinstance(self.state_memory_fraction, (int, float)) and not isinstance(self.state_memory_fraction, bool)
+                and 0 < self.state_memory_fraction <= MAX_STATE_FRACTION):
+            raise ValueError(f"state_memory_fraction must be a number in (0, {MAX_STATE_FRACTION}] (snapshots take "
+                             f"up to 1/8 more and the KV cache needs the rest), got {self.state_memory_fraction!r}")
         if not self.kv_scale_margin >= 1.0:
             raise ValueError(f"kv_scale_margin must be >= 1.0, got {self.kv_scale_margin}")
         if self.model != "default" and not os.path.isdir(self.model):

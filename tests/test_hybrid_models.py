@@ -83,6 +83,23 @@ def test_state_pool_is_counted_in_the_kv_budget_and_given_back(tiny_dir):
     assert spec.get_stats().num_kv_blocks_total == ((4 << 20) - (8 * 3 + 8) * 53760) // kv_block
 
 
+@pytest.mark.parametrize("fraction, running", [(0.25, 4), (0.5, 9), (0.75, 14)])
+def test_the_share_of_the_budget_for_running_states_is_an_option(tiny_dir, fraction, running):
+    """state_memory_fraction of a 1 MiB budget in 53,760-byte states: that many sequences run at once; snapshots
+    (an eighth: 2) and KV blocks share the rest."""
+    engine = make_engine(tiny_dir("qwen3_5"), dtype="bfloat16", max_num_seqs=64, kv_cache_memory_bytes=1 << 20,
+                         state_memory_fraction=fraction)
+    stats = engine.get_stats()
+    assert (stats.num_state_slots_total, engine.runner.num_state_snapshots) == (running, 2)
+    assert stats.num_kv_blocks_total == ((1 << 20) - (running + 2) * 53760) // engine.runner.kv_bytes_per_block()
+
+
+@pytest.mark.parametrize("fraction", [0, 0.8, -0.5, True, "half"])
+def test_a_state_share_outside_its_range_is_refused(tiny_dir, fraction):
+    with pytest.raises(ValueError, match=r"state_memory_fraction must be a number in \(0, 0.75\]"):
+        make_engine(tiny_dir("qwen3_5"), dtype="bfloat16", state_memory_fraction=fraction)
+
+
 @pytest.mark.parametrize("arch,mode", [("qwen3_5", "bf16"), ("qwen3_5", "full-fp8"), ("qwen3_5_moe", "fp8-linear"),
                                        ("qwen3_next", "fp8-linear")])
 def test_a_request_does_not_depend_on_its_batch_chunking_or_preemption(arch, mode, tiny_dir):

@@ -6,7 +6,7 @@ qwen3.5-2b-shape: Qwen3.5-2B's published sizes (24 layers: 18 Gated DeltaNet + 6
 6144, 8 query / 2 KV heads of 256, 16 / 16 linear heads of 128, tied embeddings; 248,320 tokens released).
 qwen3.5-35b-a3b-4l-shape: one block of Qwen3.5-35B-A3B (Qwen3.6-35B-A3B's too): its per-layer sizes (hidden 2048;
 256 experts of 512, top-8 + a shared expert of 512; 16 / 32 linear heads of 128; 16 query / 2 KV heads of 256) with 4
-layers (3 Gated DeltaNet + 1 gated attention) of its 40, so a CPU holds it (3.3 B parameters: 6.6 GB BF16); untied,
+layers (3 Gated DeltaNet + 1 gated attention) of its 40, so a CPU holds it (3.6 B parameters: 7.1 GB BF16); untied,
 as released (248,320 tokens there).
 qwen3-0.6b-shape: Qwen3-0.6B's (28 layers, hidden 1024, MLP 3072, 16 query / 8 KV heads of 128, q/k norms, tied
 embeddings; 151,936 tokens released), a dense model two or four tensor-parallel ranks split (docs/scale-out.md)."""

@@ -224,8 +224,8 @@ class ModelRunner:
 
     def _state_slots(self) -> tuple[int, int]:
         """(slots for running sequences, snapshot slots) of a hybrid model, (0, 0) otherwise: a slot for each of
-        max_num_seqs, up to half the KV budget (more sequences wait for a slot), and as many snapshots (with prefix
-        caching), up to an eighth of it. The KV blocks get the rest."""
+        max_num_seqs, up to state_memory_fraction of the KV budget (half by default; more sequences wait for a
+        slot), and as many snapshots (with prefix caching), up to an eighth of it. The KV blocks get the rest."""
         if not self.gdn_layers:
             return 0, 0
         per, seqs = self.state_bytes_per_slot() * (1 + self.spec_states_per_slot), self.config.max_num_seqs
@@ -235,7 +235,8 @@ class ModelRunner:
             budget = DEFAULT_CPU_KV_BYTES
         if budget is None:
             return seqs, snapshots
-        return min(seqs, max(1, budget // 2 // per)), min(snapshots, budget // 8 // self.state_bytes_per_slot())
+        running = int(budget * self.config.state_memory_fraction) // per
+        return min(seqs, max(1, running)), min(snapshots, budget // 8 // self.state_bytes_per_slot())
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -468,7 +469,7 @@ class ModelRunner:
         mine = read(target, self.dtype)
         if self.tp_leader is None or target.tp is None:
             return mine
-        out = torch.empty(target.shape, dtype=self.dtype)
+        out = torch.empty(target.shape, dtype=mine.dtype)  # a scale grid stays float32
         for tp, part in [(target.tp, mine)] + self.tp_leader.call("read", hf_name):
             out[(tp.rows or slice(None),) + ((tp.cols,) if tp.cols is not None else ())] = part
         return out
@@ -609,7 +610,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         hidden = self.forward_detached([0] * n)
-        sampled = self.model.compute_logits(hidden[:min(n, self.config.max_num_seqs)])
+        sampled = self.head_logits(hidden[:min(n, self.config.max_num_seqs)])
         prompt = next(PromptLogits(self.head_logits, hidden, self.vocab_size).chunks(0, n))[1]
         torch.log_softmax(prompt, dim=-1)
         torch.cuda.synchronize(self.device)

@@ -64,12 +64,15 @@ def group_name(port: int) -> str:
 # ------------------------------------------------------------------------------------------------ sharding
 def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool) -> None:
     """ValueError naming the layer and the constraint when `size` ranks cannot split this model."""
+    if cfg.model_type not in MODEL_TYPES:
+        raise ValueError(f"tensor_parallel_size={size}: model_type {cfg.model_type!r} is not sharded yet (tensor "
+                         f"parallelism covers {list(MODEL_TYPES)})")
     experts = getattr(cfg, "num_experts", 0) or 0
     if experts and expert_parallel and experts % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide num_experts={experts}: "
                          f"model.layers.*.mlp.experts go whole to the ranks (expert_parallel=True)")
     if experts and not expert_parallel:
-        moe = cfg.moe_intermediate_size
+        moe = cfg.moe_intermediate_size  # every model type above with experts has it
         if moe % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide moe_intermediate_size={moe}: "
                              f"model.layers.*.mlp.experts split each expert's intermediate rows over the ranks "
@@ -79,9 +82,6 @@ def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool) -> None:
                              f"model.layers.*.mlp.experts.*.down_proj has {moe} inputs, {moe // size} per rank, not "
                              f"whole {BLOCK}-wide FP8 blocks (a row-parallel layer's ranks split its input at block "
                              f"boundaries); take expert_parallel=True (whole experts a rank), or another size")
-    if cfg.model_type not in MODEL_TYPES:
-        raise ValueError(f"tensor_parallel_size={size}: model_type {cfg.model_type!r} is not sharded yet (tensor "
-                         f"parallelism covers {list(MODEL_TYPES)})")
     heads, kv, inter, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, head_dim(cfg)
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide num_attention_heads={heads}: "

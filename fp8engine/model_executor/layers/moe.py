@@ -197,7 +197,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, kernels,
                                 fp8, scale_fmt)
         self.routed: torch.Tensor | None = None
-        self.reduce = None  # expert parallelism: adds the ranks' partial sums (each over its experts)
+        self.reduce = None  # tensor parallelism: adds the ranks' partial sums (over its experts, or its slices)
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
         ids, weights = route(self.gate(x), self.top_k, self.normalize)

@@ -190,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         # (model_executor/fused_decoder.py), set by the runner
         self.fused = None
         # tensor parallelism: each rank's head computes its vocabulary rows' logits, which this puts side by side on
-        # rank 0 (tensor_parallel.shard_model; None on the other ranks)
+        # rank 0 (tensor_parallel.shard_model; it returns None on the other ranks)
         self.vocab_gather = None
 
     @staticmethod

@@ -203,6 +203,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         else:
             self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, make_linear.kernels, tied_to=tied)
         self.fused = None  # no C++ decoder plan for hybrid layers
+        self.vocab_gather = None  # tensor parallelism (refused for hybrids today): as LlamaForCausalLM's
 
     def make_mlp(self, cfg, layer_idx: int, make_linear: LinearFactory) -> nn.Module:
         return MLP(cfg.hidden_size, cfg.intermediate_size, make_linear)
@@ -220,8 +221,9 @@ class Qwen3_5ForCausalLM(nn.Module):
             return self.model.norm.forward_float32(x, residual)
         return self.model.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden)
+        return logits if self.vocab_gather is None else self.vocab_gather(logits)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers if not layer.is_linear]
