@@ -36,6 +36,7 @@ from fp8engine.weights.loader import expected_names, resolve
 MODELS = {  # --model: its directory, and whether it is a shape (load_format dummy) or a checkpoint
     "qwen3-0.6b-shape": (lambda: model_shapes.shape_path("qwen3-0.6b-shape"), "dummy"),
     "tiny-qwen3-moe": (tiny_moe_path, "auto"),  # the bench's MoE: 64 experts, top-8, I = 256 (split: 128 a rank)
+    "qwen3.5-2b-shape": (lambda: model_shapes.shape_path("qwen3.5-2b-shape"), "dummy"),  # GDN heads split
 }
 CONFIGS = {  # name: (tensor_parallel_size, threads of each rank, FP8ENGINE_TP_ALL_REDUCE, FP8ENGINE_FUSED_DECODER,
     #                expert_parallel)

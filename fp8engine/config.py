@@ -127,8 +127,8 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be an integer in [0, {MAX_LORA_RANK}], got {self.max_lora_rank!r}")
         if self.kv_cache_memory_bytes is not None and self.num_kv_blocks is not None:
             raise ValueError("set at most one of kv_cache_memory_bytes and num_kv_blocks")
-        if not (isinstance(self.state_memory_fraction, (int, float)) and not isinstance(self.state_memory_fraction, bool)
-                and 0 < self.state_memory_fraction <= MAX_STATE_FRACTION):
+        share = self.state_memory_fraction
+        if not (isinstance(share, (int, float)) and not isinstance(share, bool) and 0 < share <= MAX_STATE_FRACTION):
             raise ValueError(f"state_memory_fraction must be a number in (0, {MAX_STATE_FRACTION}] (snapshots take "
                              f"up to 1/8 more and the KV cache needs the rest), got {self.state_memory_fraction!r}")
         if not self.kv_scale_margin >= 1.0:

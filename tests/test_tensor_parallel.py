@@ -205,6 +205,74 @@ def test_moe_experts_split_over_the_ranks(tmp_path, tokenizer):
         fp8[1].shutdown()
 
 
+# a hybrid Qwen3.5 that two ranks split in FP8: 2 / 4 linear heads of 64 (out_proj's 256 inputs: 128 a rank)
+HYBRID_TP2 = dict(TP2_SHAPE, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                  linear_value_head_dim=64)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_models_split_their_gdn_heads_over_the_ranks(tmp_path, tokenizer, arch):
+    """Qwen3.5 (GDN layers + gated attention; MoE with a shared expert): each rank holds whole key and value heads
+    of every GDN layer (in_proj_qkv's q, k and v rows, the conv's channels, dt_bias / A_log sliced; out_proj
+    row-parallel) and its state pool for them. float32: T = 1's tokens, logprobs and routed experts; the weights
+    read back (gathered) equal T = 1's; update_weights from transformers' in-memory names equals T = 1's update."""
+    extra = dict(moe_intermediate_size=256, shared_expert_intermediate_size=256) if arch == "qwen3_5_moe" else {}
+    model = save_tiny(arch, tmp_path / arch, tokenizer, **HYBRID_TP2, **extra)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, logprobs_mode="raw",
+                            return_routed_experts=arch == "qwen3_5_moe")
+    engines = [make_engine(model, dtype="float32", num_kv_blocks=32, tensor_parallel_size=t) for t in (1, 2)]
+    try:
+        one, two = engines
+        stats = [e.get_stats() for e in engines]
+        assert stats[1].num_state_slots_total == stats[0].num_state_slots_total
+        assert stats[1].state_bytes_per_sequence * 2 == stats[0].state_bytes_per_sequence  # half the heads a rank
+        outs = [e.generate(PROMPTS, params) for e in engines]
+        assert _tokens(outs[0]) == _tokens(outs[1])
+        for a, b in zip(*outs):
+            assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
+            if arch == "qwen3_5_moe":
+                assert torch.equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+        # greedy forks: each a copy of the prompt's state slot (sampled ones differ on this near-uniform random
+        # model: a 1e-6 change of the logits moves the seeded draw)
+        forks = SamplingParams(n=3, temperature=0.0, max_tokens=6)
+        assert _tokens(one.generate(PROMPTS[:2], forks)) == _tokens(two.generate(PROMPTS[:2], forks))
+        names = ["model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.1.linear_attn.conv1d.weight",
+                 "model.layers.2.linear_attn.A_log", "model.layers.0.linear_attn.out_proj.weight",
+                 "model.layers.3.self_attn.q_proj.weight"]
+        names += (["model.layers.1.mlp.shared_expert.down_proj.weight", "model.layers.2.mlp.experts.gate_up_proj"]
+                  if arch == "qwen3_5_moe" else ["model.layers.1.mlp.gate_proj.weight"])
+        for name in names:
+            assert torch.equal(two.get_weights_by_name(name), one.get_weights_by_name(name)), name
+        hf = {n: p.detach() * 1.25 for n, p in transformers.AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.float32).named_parameters()}
+        for engine in engines:
+            engine.update_weights(hf)
+        for name in names:
+            assert torch.equal(two.get_weights_by_name(name), one.get_weights_by_name(name)), name
+        assert _tokens(one.generate(PROMPTS, params)) == _tokens(two.generate(PROMPTS, params))
+    finally:
+        engines[1].shutdown()
+
+
+def test_an_fp8_hybrid_model_splits_in_whole_blocks_and_reads_back_as_one_rank(tmp_path, tokenizer):
+    model = save_tiny("qwen3_5", tmp_path / "hybrid", tokenizer, **HYBRID_TP2)
+    engines = [make_engine(model, quantization="fp8", kv_cache_dtype="fp8_e4m3", num_kv_blocks=32,
+                           tensor_parallel_size=t) for t in (1, 2)]
+    try:
+        for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.1.linear_attn.in_proj_z.weight",
+                     "model.layers.2.linear_attn.out_proj.weight", "model.layers.3.self_attn.o_proj.weight",
+                     "model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv"):
+            assert torch.equal(engines[1].get_weights_by_name(name), engines[0].get_weights_by_name(name)), name
+        outs = [e.generate(PROMPTS, GREEDY) for e in engines]  # the first forward calibrates the KV scales
+        assert all(len(o.outputs[0].token_ids) == 10 for out in outs for o in out)
+        scales = [e.get_stats().kv_scales for e in engines]
+        assert list(scales[1]) == list(scales[0]) == ["model.layers.3.self_attn"]
+    finally:
+        engines[1].shutdown()
+    with pytest.raises(ValueError, match=r"max_lora_rank > 0: LoRA on a hybrid model \(qwen3_5_text\)"):
+        make_engine(model, tensor_parallel_size=2, max_lora_rank=8)
+
+
 def test_fp8_weights_kv_scales_and_logprobs_match_one_rank(fp8_pair, fp32_pair):
     one, two = _reloaded(*fp8_pair)
     outs = [e.generate(PROMPTS, GREEDY) for e in (one, two)]  # the first forward calibrates the KV scales
@@ -431,6 +499,13 @@ def test_the_vocabulary_splits_in_whole_blocks_and_every_rank_gets_rows():
     with pytest.raises(ValueError, match="tensor_parallel_size=4 with vocab_size=300: lm_head splits the vocabulary "
                                          "in whole 128-row blocks, 128 a rank, and rank 3 would hold none"):
         check_shardable(Qwen2Config(vocab_size=300, **TP4_SHAPE), 4, fp8=False, expert_parallel=False)
+
+
+def test_a_model_type_not_sharded_yet_is_named():
+    from transformers import Qwen3NextConfig
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_next' is not sharded yet \(tensor parallelism covers "
+                                         r"\['llama', 'qwen2', 'qwen3', 'qwen3_moe', 'qwen3_5_text', 'qwen3_5_moe_text'\]"):
+        check_shardable(Qwen3NextConfig(), 2, fp8=False, expert_parallel=False)
 
 
 def test_ranks_that_would_share_cores_are_told_how_many_threads_to_take():

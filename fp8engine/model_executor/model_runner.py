@@ -82,7 +82,7 @@ class ModelRunner:
         model_config = self.hf_config
         if config.tensor_parallel_size > 1:
             tensor_parallel.check_shardable(self.hf_config, config.tensor_parallel_size, config.quantization == "fp8",
-                                            config.expert_parallel)
+                                            config.expert_parallel, lora=config.max_lora_rank > 0)
             model_config = tensor_parallel.local_config(self.hf_config, config.tensor_parallel_size,
                                                         config.expert_parallel)
         self.tp_leader = tensor_parallel.Leader(config, model_dir) if config.tensor_parallel_size > 1 and tp is None \
@@ -295,9 +295,13 @@ class ModelRunner:
             layer.conv_state, layer.rec_state = states[0][i], states[1][i]
         return states
 
+    @_exclusive
     def apply_state_ops(self, ops: tuple[list[tuple[int, int]], list[int]]) -> None:
-        """The scheduler's pending state-slot copies (forks), then its zeroings (fresh slots)."""
+        """The scheduler's pending state-slot copies (forks, prefix hits), then its zeroings (fresh slots); on every
+        tensor-parallel rank (each holds its heads' states)."""
         copies, zeros = ops
+        if (copies or zeros) and self.tp_leader is not None:
+            self.tp_leader.send("apply_state_ops", ops)
         if copies:
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
@@ -459,19 +463,17 @@ class ModelRunner:
     def read_weight(self, hf_name: str) -> torch.Tensor:
         """Weight hf_name in the model dtype and the HF shape (FP8 dequantized), gathered from every rank's slice."""
         target = resolve(self.model, hf_name)
-        if self.tp_leader is not None and target.kind == "elsewhere":  # an expert another rank holds
-            return next(part for _, part in self.tp_leader.call("read", hf_name) if part is not None)
-        if self.tp_leader is not None and target.kind == "split" and any(p.tp is not None for _, p in target.parts):
-            out = torch.empty(target.shape, dtype=self.dtype)  # split experts, stacked: each one gathered by its name
-            for index, part in target.parts:
-                out[index] = self.read_weight(part.name)
-            return out
-        mine = read(target, self.dtype)
-        if self.tp_leader is None or target.tp is None:
-            return mine
-        out = torch.empty(target.shape, dtype=mine.dtype)  # a scale grid stays float32
-        for tp, part in [(target.tp, mine)] + self.tp_leader.call("read", hf_name):
-            out[(tp.rows or slice(None),) + ((tp.cols,) if tp.cols is not None else ())] = part
+        if self.tp_leader is None:
+            return read(target, self.dtype)
+        mine = tensor_parallel.pieces(target, self.dtype)
+        if mine and all(tp is None for _, tp, _ in mine):  # every rank holds all of it
+            return mine[0][2]
+        held = mine + [piece for theirs in self.tp_leader.call("read", hf_name) for piece in theirs]
+        if target.kind == "elsewhere":  # an expert another rank holds whole
+            return held[0][2]
+        out = torch.empty(target.shape, dtype=held[0][2].dtype)  # a scale grid stays float32
+        for index, tp, part in held:
+            out[index][(tp.rows or slice(None),) + ((tp.cols,) if tp.cols is not None else ())] = part
         return out
 
     @_exclusive

@@ -9,15 +9,16 @@ and the ranks meet inside the forward in the all-reduces of a gloo process group
 Sharding (Megatron's): q/k/v and gate/up are column-parallel (heads, KV heads, intermediate split), o_proj and
 down_proj row-parallel with their partial sums all-reduced, so the KV cache is sharded by KV head (a KV head is
 replicated on T / KV ranks where T exceeds them). A MoE block's experts are split the same way (each expert's
-intermediate rows), or with expert_parallel go whole to the ranks; the router runs on every rank. The embedding and
-the norms are replicated: a lookup has no arithmetic to share and stays exact (a vocabulary-parallel embedding would
-add an all-reduce a step; a tied head reads its rows from this copy). The LM head is column-parallel over the
-vocabulary: each rank computes the logits of its rows (whole 128-row blocks, vocab_rows; an untied head holds only
-them, a tied one reads them from the embedding) from the final hidden rows every rank holds alike, and rank 0 gathers
-them for the sampler, prompt logprobs and scoring; every logit is the same dot product as at T = 1. In FP8 a
-row-parallel layer's ranks must split its input at 128-column block boundaries (each 1 x 128 activation group lives on one
-rank); a column shard may start inside a 128-row block and then keeps that block's scale (layers/linear.py), so every
-rank's codes and scales are a slice of the T = 1 engine's.
+intermediate rows), or with expert_parallel go whole to the ranks; the router runs on every rank. A hybrid's GDN
+layers split whole key and value heads (layers/gated_delta.py), and with them the state pool. The embedding and the
+norms are replicated: a lookup has no arithmetic to share and stays exact (a vocabulary-parallel embedding would add
+an all-reduce a step; a tied head reads its rows from this copy). The LM head is column-parallel over the vocabulary:
+each rank computes the logits of its rows (whole 128-row blocks, vocab_rows; an untied head holds only them, a tied
+one reads them from the embedding) from the final hidden rows every rank holds alike, and rank 0 gathers them for the
+sampler, prompt logprobs and scoring; every logit is the same dot product as at T = 1. In FP8 a row-parallel layer's
+ranks must split its input at 128-column block boundaries (each 1 x 128 activation group lives on one rank); a column
+shard may start inside a 128-row block and then keeps that block's scale (layers/linear.py), so every rank's codes and
+scales are a slice of the T = 1 engine's.
 
 With batch_invariant the partial sums are gathered and added in rank order (fixed_order_sum): gloo's ring starts each
 segment of a message at another rank and places the segment boundaries by the message size, i.e. by the batch, so
@@ -47,10 +48,12 @@ from fp8engine import envs
 from fp8engine.config import EngineConfig
 from fp8engine.model_executor.models.llama import head_dim
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, free_port, init_process_group
-from fp8engine.weights.loader import SKIPPED_KINDS, Target, TPSlice
+from fp8engine.weights.loader import SKIPPED_KINDS, Target, TPSlice, read
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # full-attention models: the ones sharded so far
+# the model types sharded so far: full attention, and Qwen3.5's hybrids (dense and MoE; their vision-language
+# wrappers load as these text configs); Qwen3-Next's fused GDN projections are not
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text")
 READY_TIMEOUT_S = 120.0  # a worker's start (interpreter, torch, fp8engine) before it joins the group
 DEATH_WAIT_S = 5.0  # after a failed collective, how long rank 0 waits for a worker's exit status
 logger = logging.getLogger(__name__)
@@ -62,11 +65,14 @@ def group_name(port: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ sharding
-def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool) -> None:
+def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool, lora: bool = False) -> None:
     """ValueError naming the layer and the constraint when `size` ranks cannot split this model."""
     if cfg.model_type not in MODEL_TYPES:
         raise ValueError(f"tensor_parallel_size={size}: model_type {cfg.model_type!r} is not sharded yet (tensor "
                          f"parallelism covers {list(MODEL_TYPES)})")
+    if lora and getattr(cfg, "linear_num_key_heads", None):
+        raise ValueError(f"tensor_parallel_size={size} with max_lora_rank > 0: LoRA on a hybrid model "
+                         f"({cfg.model_type}) is not sharded yet; run it on one rank, or without LoRA")
     experts = getattr(cfg, "num_experts", 0) or 0
     if experts and expert_parallel and experts % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide num_experts={experts}: "
@@ -82,7 +88,7 @@ def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool) -> None:
                              f"model.layers.*.mlp.experts.*.down_proj has {moe} inputs, {moe // size} per rank, not "
                              f"whole {BLOCK}-wide FP8 blocks (a row-parallel layer's ranks split its input at block "
                              f"boundaries); take expert_parallel=True (whole experts a rank), or another size")
-    heads, kv, inter, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, head_dim(cfg)
+    heads, kv, inter, d = cfg.num_attention_heads, cfg.num_key_value_heads, _dense_inter(cfg), head_dim(cfg)
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide num_attention_heads={heads}: "
                          f"model.layers.*.self_attn.qkv_proj and o_proj split whole heads over the ranks")
@@ -93,11 +99,26 @@ def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool) -> None:
     if inter % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={inter}: "
                          f"model.layers.*.mlp.gate_up_proj and down_proj split it over the ranks")
+    row_parallel = [("self_attn.o_proj", heads * d), ("mlp.down_proj", inter)]
+    if getattr(cfg, "linear_num_key_heads", None):  # a hybrid's GDN layers: whole key and value heads a rank
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        if hk % size or hv % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide linear_num_key_heads={hk} and "
+                             f"linear_num_value_heads={hv}: model.layers.*.linear_attn splits whole heads over "
+                             f"the ranks")
+        row_parallel.append(("linear_attn.out_proj", hv * cfg.linear_value_head_dim))
+    shared = getattr(cfg, "shared_expert_intermediate_size", 0) or 0
+    if shared:
+        if shared % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide shared_expert_intermediate_size="
+                             f"{shared}: model.layers.*.mlp.shared_expert splits it over the ranks")
+        row_parallel.append(("mlp.shared_expert.down_proj", shared))
     vocab = cfg.vocab_size
     if vocab_rows(vocab, size, size - 1)[0] >= vocab:
-        raise ValueError(f"tensor_parallel_size={size} with vocab_size={vocab}: lm_head splits the vocabulary in whole "
-                         f"{BLOCK}-row blocks, {per_rank_vocab(vocab, size)} a rank, and rank {size - 1} would hold none")
-    for name, k in (("self_attn.o_proj", heads * d), ("mlp.down_proj", inter)):
+        raise ValueError(f"tensor_parallel_size={size} with vocab_size={vocab}: lm_head splits the vocabulary in "
+                         f"whole {BLOCK}-row blocks, {per_rank_vocab(vocab, size)} a rank, and rank {size - 1} "
+                         f"would hold none")
+    for name, k in row_parallel:
         if fp8 and (k // size) % BLOCK:
             raise ValueError(f"tensor_parallel_size={size} with quantization='fp8': model.layers.*.{name} has {k} "
                              f"inputs, {k // size} per rank, not whole {BLOCK}-wide FP8 blocks (a row-parallel "
@@ -124,37 +145,63 @@ def local_config(cfg, size: int, expert_parallel: bool):
     local.head_dim = head_dim(cfg)
     local.num_attention_heads = cfg.num_attention_heads // size
     local.num_key_value_heads = max(1, cfg.num_key_value_heads // size)
-    local.intermediate_size = cfg.intermediate_size // size
+    if getattr(cfg, "intermediate_size", None):
+        local.intermediate_size = cfg.intermediate_size // size
     if getattr(cfg, "num_experts", 0) and not expert_parallel:
         local.moe_intermediate_size = cfg.moe_intermediate_size // size
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        local.shared_expert_intermediate_size = cfg.shared_expert_intermediate_size // size
+    if getattr(cfg, "linear_num_key_heads", None):  # GDN: its q, k and v rows a slice each (GatedDeltaNet.tp_size)
+        local.linear_num_key_heads = cfg.linear_num_key_heads // size
+        local.linear_num_value_heads = cfg.linear_num_value_heads // size
+        local.tp_size = size
     return local
+
+
+def _dense_inter(cfg) -> int:
+    """A dense MLP's intermediate size (0 where every layer is MoE and the config has none)."""
+    return getattr(cfg, "intermediate_size", 0) or 0
 
 
 def shard_model(model, cfg, group: "TPGroup", expert_parallel: bool) -> None:
     """Tells each decoder layer's linears where this rank's rows or columns sit in the full weights (before they
     load); the row-parallel ones reduce their partial sums over the group."""
     size, rank = group.size, group.rank
-    heads, kv, inter, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, head_dim(cfg)
-    q0 = rank * (heads // size) * d
+    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
     kv_head = rank * (kv // size) if kv >= size else rank // (size // kv)
-    i0 = rank * (inter // size)
+    # gated attention (Qwen3.5): q_proj's rows are [q | gate] per head, twice a head's q rows
+    q_rows = 2 if getattr(model, "hybrid", False) else 1
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj.shard_for_tp(rows=[(q0, heads * d), (kv_head * d, kv * d), (kv_head * d, kv * d)])
-        attn.o_proj.shard_for_tp(cols=(q0, heads * d), reduce=group.all_reduce)
+        if getattr(layer, "is_linear", False):
+            layer.linear_attn.shard_for_tp(rank, size, group.all_reduce)
+        else:
+            q0 = rank * (heads // size) * d
+            attn = layer.self_attn
+            attn.qkv_proj.shard_for_tp(rows=[(q_rows * q0, q_rows * heads * d), (kv_head * d, kv * d),
+                                             (kv_head * d, kv * d)])
+            attn.o_proj.shard_for_tp(cols=(q0, heads * d), reduce=group.all_reduce)
+        mlp = layer.mlp
         if hasattr(mlp, "experts"):  # the router on every rank; whole experts, or a slice of every expert
             if expert_parallel:
                 per_rank = cfg.num_experts // size
                 mlp.experts.keep_experts(rank * per_rank, per_rank)
             else:
                 mlp.experts.split_experts(rank * (cfg.moe_intermediate_size // size), cfg.moe_intermediate_size)
+            if hasattr(mlp, "shared_expert"):  # split as a dense MLP; its partial sums join the block's
+                _shard_mlp(mlp.shared_expert, rank, size, cfg.shared_expert_intermediate_size, None)
             mlp.reduce = group.all_reduce
             continue
-        mlp.gate_up_proj.shard_for_tp(rows=[(i0, inter), (i0, inter)])
-        mlp.down_proj.shard_for_tp(cols=(i0, inter), reduce=group.all_reduce)
+        _shard_mlp(mlp, rank, size, cfg.intermediate_size, group.all_reduce)
     model.lm_head.shard_vocab(*vocab_rows(cfg.vocab_size, size, rank))
     model.vocab_gather = functools.partial(group.gather_vocab, per_rank=per_rank_vocab(cfg.vocab_size, size),
                                            vocab=cfg.vocab_size)
+
+
+def _shard_mlp(mlp, rank: int, size: int, inter: int, reduce) -> None:
+    """A dense MLP's gate/up column-parallel and down row-parallel (reduce: None where the caller adds)."""
+    i0 = rank * (inter // size)
+    mlp.gate_up_proj.shard_for_tp(rows=[(i0, inter), (i0, inter)])
+    mlp.down_proj.shard_for_tp(cols=(i0, inter), reduce=reduce)
 
 
 # ------------------------------------------------------------------------------------------------ collectives
@@ -235,6 +282,17 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ update slices
 Region = tuple[slice | None, slice | None] | str | None  # (rows, columns) of a full tensor; "all"; None: nothing
+
+
+def pieces(target: Target, dtype: torch.dtype) -> list[tuple[tuple, TPSlice | None, torch.Tensor]]:
+    """What a rank holds of a target, for get_weights_by_name to gather: (index into the full tensor, where in that
+    the rank's rows and columns sit or None, the values) per piece; a split target whose parts are slices (a GDN
+    layer's in_proj_qkv, a split expert's stacked tensor) one per part, another rank's expert none."""
+    if target.kind in SKIPPED_KINDS:
+        return []
+    if target.kind == "split" and any(part.tp is not None for _, part in target.parts):
+        return [(index, part.tp, read(part, dtype)) for index, part in target.parts]
+    return [((), target.tp, read(target, dtype))]
 
 
 def update_region(target: Target, dtype: torch.dtype) -> Region:

@@ -23,7 +23,7 @@ from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.model_executor.tensor_parallel import TPGroup, fixed_order, group_name, post, receive
 from fp8engine.weights import updater
 from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup, init_process_group
-from fp8engine.weights.loader import read, resolve
+from fp8engine.weights.loader import resolve
 
 
 class Worker:
@@ -68,6 +68,9 @@ class Worker:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.runner.copy_blocks(copies)
+
+    def apply_state_ops(self, ops: tuple[list[tuple[int, int]], list[int]]) -> None:
+        self.runner.apply_state_ops(ops)
 
     def kv_scales_set(self, scales: list[tuple[float, float, float]], live: list[int]) -> None:
         self.live = live
@@ -167,9 +170,8 @@ class Worker:
     def weight_names(self) -> list[str]:
         return self.runner.weight_names
 
-    def read(self, hf_name: str):
-        target = resolve(self.runner.model, hf_name)
-        return target.tp, None if target.kind == "elsewhere" else read(target, self.runner.dtype)
+    def read(self, hf_name: str) -> list:
+        return tensor_parallel.pieces(resolve(self.runner.model, hf_name), self.runner.dtype)
 
 
 REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "plan_update", "join_update_group",

@@ -29,6 +29,7 @@ from fp8engine.model_executor.kernels.gated_delta_ref import (
     recurrent_gated_delta_ref,
 )
 from fp8engine.model_executor.layers.linear import Linear
+from fp8engine.weights.quant import BLOCK
 
 Projection = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
 Mode = Literal["recurrent", "chunked"]
@@ -177,7 +178,12 @@ class GatedDeltaNet(nn.Module):
     were split into steps) steps every token too, otherwise prefill takes the chunked form on its absolute grid.
 
     fused_names: Qwen3-Next's checkpoint layout (`in_proj_qkvz`, `in_proj_ba`, grouped per key head): the loader
-    reaches this module through `hf_target` and regroups them into the split projections."""
+    reaches this module through `hf_target` and regroups them into the split projections.
+
+    Tensor parallelism (cfg.tp_size > 1, this rank's heads in cfg; shard_for_tp): whole key and value heads a rank.
+    in_proj_qkv then holds q, k and v as three shards (each rank's q, k and v rows are three slices of HF's
+    tensor), in_proj_z, in_proj_a, in_proj_b, the conv's channels, dt_bias and A_log this rank's heads' rows,
+    out_proj their columns (row-parallel); the gated norm's weight is per head dim, so every rank holds it."""
 
     def __init__(self, cfg, make_linear, recurrent: bool, fused_names: bool = False, chunk_size: int = 64):
         super().__init__()
@@ -194,7 +200,10 @@ class GatedDeltaNet(nn.Module):
         dtype, kernels = make_linear.dtype, make_linear.kernels
         self.gdn_kernel = kernels.gdn_recurrent  # every token of prefill and decode through it, exact or not
         hidden = cfg.hidden_size
-        self.in_proj_qkv = make_linear(hidden, [self.conv_dim])
+        self.tp_size = getattr(cfg, "tp_size", 1)
+        self.tp_rank = 0
+        self.in_proj_qkv = make_linear(hidden, [self.conv_dim] if self.tp_size == 1 else
+                                       [self.key_dim, self.key_dim, self.value_dim])
         self.in_proj_z = make_linear(hidden, [self.value_dim])
         self.in_proj_b = Linear(hidden, [self.num_v_heads], dtype, kernels)
         self.in_proj_a = Linear(hidden, [self.num_v_heads], dtype, kernels)
@@ -208,6 +217,62 @@ class GatedDeltaNet(nn.Module):
         if fused_names:
             self.hf_names = self._fused_hf_names
             self.hf_target = self._fused_hf_target
+        elif self.tp_size > 1:
+            self.hf_target = self._tp_hf_target
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def shard_for_tp(self, rank: int, size: int, reduce) -> None:
+        """This rank's heads' rows of the projections (before the weights load); out_proj's partial sums added over
+        the ranks by `reduce`."""
+        self.tp_rank = rank
+        k0, v0, h0 = rank * self.key_dim, rank * self.value_dim, rank * self.num_v_heads
+        k_full, v_full, h_full = self.key_dim * size, self.value_dim * size, self.num_v_heads * size
+        self.in_proj_qkv.shard_for_tp(rows=[(k0, k_full), (k0, k_full), (v0, v_full)])
+        self.in_proj_z.shard_for_tp(rows=[(v0, v_full)])
+        self.in_proj_a.shard_for_tp(rows=[(h0, h_full)])
+        self.in_proj_b.shard_for_tp(rows=[(h0, h_full)])
+        self.out_proj.shard_for_tp(cols=(v0, v_full), reduce=reduce)
+
+    def _tp_hf_target(self, name: str, rest: str):
+        """A tensor-parallel rank's targets: in_proj_qkv and the conv weight split into their q, k and v slices,
+        the per-head vectors sliced, the norm whole."""
+        from fp8engine.weights import loader
+        size, rank = self.tp_size, self.tp_rank
+        sizes = [self.key_dim, self.key_dim, self.value_dim]  # this rank's rows of q, k, v
+        fulls = [n * size for n in sizes]
+        starts = [sum(fulls[:i]) for i in range(3)]  # where q, k and v start in HF's rows
+        if rest in ("in_proj_qkv.weight", "in_proj_qkv.weight_scale_inv"):
+            attr = rest.split(".", 1)[1]
+            if attr == "weight_scale_inv":
+                if any(n % BLOCK for n in fulls):
+                    raise ValueError(f"weight {name!r}: q, k and v of {fulls} rows are not whole {BLOCK}-row "
+                                     f"blocks, so a tensor-parallel rank cannot take their scales apart")
+                fulls, starts = [n // BLOCK for n in fulls], [n // BLOCK for n in starts]
+            parts = [((slice(start, start + full),), loader._linear_target(name, self.in_proj_qkv, shard, attr))
+                     for shard, (start, full) in enumerate(zip(starts, fulls))]
+            cols = self.in_proj_qkv.in_features if attr == "weight" else -(-self.in_proj_qkv.in_features // BLOCK)
+            dtype = self.dt_bias.dtype if attr == "weight" else torch.float32
+            view = torch.empty((), dtype=dtype).expand(sum(fulls), cols)  # the shape a check compares, no storage
+            return loader.Target(name, "split", view, parts=parts)
+        if rest == "conv1d.weight":
+            weight, parts, local = self.conv1d.weight.data, [], 0
+            for n, full, start in zip(sizes, fulls, starts):
+                tp = loader.TPSlice((full, *weight.shape[1:]), slice(rank * n, (rank + 1) * n))
+                parts.append(((slice(start, start + full),),
+                              loader.Target(name, "dense", weight[local:local + n], tp=tp)))
+                local += n
+            view = torch.empty((), dtype=weight.dtype).expand(sum(fulls), *weight.shape[1:])
+            return loader.Target(name, "split", view, parts=parts)
+        if rest in ("dt_bias", "A_log"):
+            tensor = getattr(self, rest).data
+            n = tensor.shape[0]
+            return loader.Target(name, "dense", tensor, tp=loader.TPSlice((n * size,), slice(rank * n, (rank + 1) * n)))
+        if rest == "norm.weight":
+            return loader.Target(name, "dense", self.norm.weight.data)
+        module, _, attr = rest.partition(".")
+        if module in ("in_proj_z", "in_proj_a", "in_proj_b", "out_proj") and attr:
+            return loader._linear_target(name, getattr(self, module), 0, attr)
+        raise ValueError(f"unknown weight name {name!r}: a GDN layer has no {rest!r}")
 
     def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of one sequence's state in this layer: the conv inputs and the recurrent state."""

@@ -200,8 +200,12 @@ class SparseMoeBlock(nn.Module):
         self.reduce = None  # tensor parallelism: adds the ranks' partial sums (over its experts, or its slices)
 
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
+        y = self.partial(x, meta)
+        return y if self.reduce is None else self.reduce(y)
+
+    def partial(self, x: torch.Tensor, meta) -> torch.Tensor:
+        """This rank's share of the block's output (all of it on one rank)."""
         ids, weights = route(self.gate(x), self.top_k, self.normalize)
         if self.routed is not None:
             self.routed[meta.slot_mapping] = ids.to(self.routed.dtype)
-        y = self.experts(x, ids, weights)
-        return y if self.reduce is None else self.reduce(y)
+        return self.experts(x, ids, weights)

@@ -137,8 +137,10 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, make_linear)
         self.shared_expert_gate = Linear(cfg.hidden_size, [1], make_linear.dtype, make_linear.kernels)
 
-    def forward(self, x: torch.Tensor, meta) -> torch.Tensor:
-        routed = super().forward(x, meta)
+    def partial(self, x: torch.Tensor, meta) -> torch.Tensor:
+        """The routed experts' share and the shared expert's, scaled (under tensor parallelism each rank's slice of
+        both, added over the ranks by the block's reduce)."""
+        routed = super().partial(x, meta)
         shared = self.shared_expert(x, meta)
         gate = sigmoid(self.shared_expert_gate(x).float()).to(x.dtype)
         return routed + gate * shared
