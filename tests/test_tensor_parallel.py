@@ -127,6 +127,21 @@ def test_lora_on_column_and_row_parallel_layers(tp2_dir):
         engines[1].shutdown()
 
 
+def _float32_moe_matches_one_rank(model: str, **options) -> None:
+    """A MoE model in float32 at T = 2 (options: how its experts are placed) gives T = 1's greedy tokens, its
+    logprobs within 1e-4 and its routed experts."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, logprobs_mode="raw", return_routed_experts=True)
+    outs = []
+    for t in (1, 2):
+        engine = make_engine(model, dtype="float32", num_kv_blocks=32, tensor_parallel_size=t, **options)
+        outs.append(engine.generate(PROMPTS, params))
+        engine.shutdown()
+    assert _tokens(outs[0]) == _tokens(outs[1])
+    for a, b in zip(*outs):
+        assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
+        assert torch.equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+
+
 def test_moe_experts_whole_on_each_rank(tmp_path, tokenizer):
     """Qwen3-MoE with expert parallelism: 8 of 16 experts a rank, the router on both, the partial sums (each rank's
     experts' weighted outputs) all-reduced. float32: T = 1's tokens, logprobs and routed experts; not bitwise (each
@@ -135,16 +150,7 @@ def test_moe_experts_whole_on_each_rank(tmp_path, tokenizer):
     model = save_tiny("qwen3_moe", tmp_path / "moe", tokenizer, **TP2_SHAPE, head_dim=64)
     with pytest.raises(ValueError, match=r"model\.layers\.\*\.mlp\.experts\.\*\.down_proj has 64 inputs, 32 per rank"):
         make_engine(model, quantization="fp8", tensor_parallel_size=2)
-    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, logprobs_mode="raw", return_routed_experts=True)
-    outs = []
-    for t in (1, 2):
-        engine = make_engine(model, dtype="float32", num_kv_blocks=32, tensor_parallel_size=t, expert_parallel=True)
-        outs.append(engine.generate(PROMPTS, params))
-        engine.shutdown()
-    assert _tokens(outs[0]) == _tokens(outs[1])
-    for a, b in zip(*outs):
-        assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
-        assert torch.equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+    _float32_moe_matches_one_rank(model, expert_parallel=True)
     fp8 = [make_engine(model, quantization="fp8", num_kv_blocks=32, tensor_parallel_size=t, expert_parallel=True)
            for t in (1, 2)]
     try:
@@ -168,16 +174,7 @@ def test_moe_experts_split_over_the_ranks(tmp_path, tokenizer):
     FP8: per-expert and stacked weights read back as T = 1's bit for bit; an update from transformers' in-memory
     names (stacked experts) equals T = 1's, and a NaN in rank 1's rows of a stacked tensor changes nothing."""
     model = save_tiny("qwen3_moe", tmp_path / "moe", tokenizer, **TP2_SHAPE, head_dim=64, moe_intermediate_size=256)
-    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, logprobs_mode="raw", return_routed_experts=True)
-    outs = []
-    for t in (1, 2):
-        engine = make_engine(model, dtype="float32", num_kv_blocks=32, tensor_parallel_size=t)
-        outs.append(engine.generate(PROMPTS, params))
-        engine.shutdown()
-    assert _tokens(outs[0]) == _tokens(outs[1])
-    for a, b in zip(*outs):
-        assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
-        assert torch.equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+    _float32_moe_matches_one_rank(model)
     fp8 = [make_engine(model, quantization="fp8", num_kv_blocks=32, tensor_parallel_size=t) for t in (1, 2)]
     try:
         experts = fp8[1].runner.model.model.layers[1].mlp.experts
@@ -504,7 +501,8 @@ def test_the_vocabulary_splits_in_whole_blocks_and_every_rank_gets_rows():
 def test_a_model_type_not_sharded_yet_is_named():
     from transformers import Qwen3NextConfig
     with pytest.raises(ValueError, match=r"model_type 'qwen3_next' is not sharded yet \(tensor parallelism covers "
-                                         r"\['llama', 'qwen2', 'qwen3', 'qwen3_moe', 'qwen3_5_text', 'qwen3_5_moe_text'\]"):
+                                         r"\['llama', 'qwen2', 'qwen3', 'qwen3_moe', 'qwen3_5_text', "
+                                         r"'qwen3_5_moe_text'\]"):
         check_shardable(Qwen3NextConfig(), 2, fp8=False, expert_parallel=False)
 
 
