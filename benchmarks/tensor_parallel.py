@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (issue 65): T = 2, one thread a rank, against T = 1 with two threads in one process (the
-same cores), on the bench's `--model qwen3-0.6b-shape` (Qwen3-0.6B's sizes, seeded random weights: load_format dummy)
-or `--model tiny-qwen3-moe` (the moe workload's model: 64 experts, top-8).
+same cores), on the bench's `--model qwen3-0.6b-shape` (Qwen3-0.6B's sizes, seeded random weights: load_format dummy),
+`--model tiny-qwen3-moe` (the moe workload's model: 64 experts, top-8) or `--model qwen3.5-2b-shape` (a hybrid: its
+GDN heads split too).
 
 Per configuration, rounds alternating (each engine warmed up on every batch it is timed on): decode tok/s at each
 batch (random prompts of --input-len tokens, --output-len greedy tokens), the rl-short workload (32 chat prompts x 4

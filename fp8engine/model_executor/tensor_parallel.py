@@ -145,7 +145,7 @@ def local_config(cfg, size: int, expert_parallel: bool):
     local.head_dim = head_dim(cfg)
     local.num_attention_heads = cfg.num_attention_heads // size
     local.num_key_value_heads = max(1, cfg.num_key_value_heads // size)
-    if getattr(cfg, "intermediate_size", None):
+    if _dense_inter(cfg):
         local.intermediate_size = cfg.intermediate_size // size
     if getattr(cfg, "num_experts", 0) and not expert_parallel:
         local.moe_intermediate_size = cfg.moe_intermediate_size // size
@@ -169,15 +169,14 @@ def shard_model(model, cfg, group: "TPGroup", expert_parallel: bool) -> None:
     size, rank = group.size, group.rank
     heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim(cfg)
     kv_head = rank * (kv // size) if kv >= size else rank // (size // kv)
-    # gated attention (Qwen3.5): q_proj's rows are [q | gate] per head, twice a head's q rows
-    q_rows = 2 if getattr(model, "hybrid", False) else 1
+    q0 = rank * (heads // size) * d
     for layer in model.model.layers:
         if getattr(layer, "is_linear", False):
             layer.linear_attn.shard_for_tp(rank, size, group.all_reduce)
         else:
-            q0 = rank * (heads // size) * d
             attn = layer.self_attn
-            attn.qkv_proj.shard_for_tp(rows=[(q_rows * q0, q_rows * heads * d), (kv_head * d, kv * d),
+            q_rows = attn.qkv_proj.shard_sizes[0]  # this rank's q rows ([q | gate] per head in gated attention)
+            attn.qkv_proj.shard_for_tp(rows=[(rank * q_rows, size * q_rows), (kv_head * d, kv * d),
                                              (kv_head * d, kv * d)])
             attn.o_proj.shard_for_tp(cols=(q0, heads * d), reduce=group.all_reduce)
         mlp = layer.mlp

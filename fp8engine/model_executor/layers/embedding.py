@@ -44,7 +44,6 @@ class LMHead(nn.Module):
                                        requires_grad=False)
         self.kernels = kernels
         self.vocab_rows: tuple[int, int, int] | None = None  # (start, stop, full vocabulary) of a rank's rows
-        self.row_slices: dict[str, tuple[int, int, int]] = {}  # the loader's TPSlice of an untied rank's weight
 
     def shard_vocab(self, start: int, stop: int) -> None:
         """Tensor parallelism: this rank computes the logits of vocabulary rows start .. stop - 1 (before the
@@ -53,7 +52,12 @@ class LMHead(nn.Module):
         self.vocab_rows = (start, stop, full)
         if self.tied_to is None:
             self.weight = nn.Parameter(self.weight.new_empty(stop - start, self.weight.shape[1]), requires_grad=False)
-            self.row_slices = {"weight": self.vocab_rows}
+
+    @property
+    def row_slices(self) -> dict[str, tuple[int, int, int]]:
+        """The loader's TPSlice of a rank's own weight: an untied head's vocabulary rows (a tied one's name is the
+        embedding's, which every rank holds whole)."""
+        return {"weight": self.vocab_rows} if self.tied_to is None and self.vocab_rows is not None else {}
 
     @property
     def fp32(self) -> bool:

@@ -205,7 +205,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         else:
             self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, make_linear.kernels, tied_to=tied)
         self.fused = None  # no C++ decoder plan for hybrid layers
-        self.vocab_gather = None  # tensor parallelism (refused for hybrids today): as LlamaForCausalLM's
+        self.vocab_gather = None  # tensor parallelism: as LlamaForCausalLM's (tensor_parallel.shard_model)
 
     def make_mlp(self, cfg, layer_idx: int, make_linear: LinearFactory) -> nn.Module:
         return MLP(cfg.hidden_size, cfg.intermediate_size, make_linear)
