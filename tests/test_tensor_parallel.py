@@ -23,8 +23,9 @@ from benchmarks.gpu_engine import random_adapter
 from checkpoints import perturbed_state, write_checkpoint
 from conftest import make_engine
 from fp8engine import SamplingParams
-from fp8engine.model_executor.tensor_parallel import (check_shardable, fixed_order_sum, library_sum, oversubscribed,
-                                                      vocab_rows)
+from fp8engine.model_executor.models import MODEL_REGISTRY
+from fp8engine.model_executor.tensor_parallel import (MODEL_TYPES, check_shardable, fixed_order_sum, library_sum,
+                                                      oversubscribed, vocab_rows)
 from fp8engine.weights.dist_update import free_port, init_process_group, tensor_specs
 from tiny_models import save_tiny
 
@@ -207,16 +208,18 @@ HYBRID_TP2 = dict(TP2_SHAPE, head_dim=64, linear_num_key_heads=2, linear_num_val
                   linear_value_head_dim=64)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_hybrid_models_split_their_gdn_heads_over_the_ranks(tmp_path, tokenizer, arch):
-    """Qwen3.5 (GDN layers + gated attention; MoE with a shared expert): each rank holds whole key and value heads
-    of every GDN layer (in_proj_qkv's q, k and v rows, the conv's channels, dt_bias / A_log sliced; out_proj
-    row-parallel) and its state pool for them. float32: T = 1's tokens, logprobs and routed experts; the weights
-    read back (gathered) equal T = 1's; update_weights from transformers' in-memory names equals T = 1's update."""
-    extra = dict(moe_intermediate_size=256, shared_expert_intermediate_size=256) if arch == "qwen3_5_moe" else {}
+    """Qwen3.5 (GDN layers + gated attention; MoE with a shared expert) and Qwen3-Next (its GDN projections fused
+    per key head; a dense MLP in layer 1): each rank holds whole key and value heads of every GDN layer (in_proj_qkv's
+    q, k and v rows, the conv's channels, dt_bias / A_log sliced; out_proj row-parallel) and its state pool for them.
+    float32: T = 1's tokens, logprobs and routed experts; the weights read back (gathered) equal T = 1's;
+    update_weights from transformers' in-memory names equals T = 1's update."""
+    moe = arch != "qwen3_5"
+    extra = dict(moe_intermediate_size=256, shared_expert_intermediate_size=256) if moe else {}
     model = save_tiny(arch, tmp_path / arch, tokenizer, **HYBRID_TP2, **extra)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, logprobs_mode="raw",
-                            return_routed_experts=arch == "qwen3_5_moe")
+                            return_routed_experts=moe)
     engines = [make_engine(model, dtype="float32", num_kv_blocks=32, tensor_parallel_size=t) for t in (1, 2)]
     try:
         one, two = engines
@@ -227,17 +230,22 @@ def test_hybrid_models_split_their_gdn_heads_over_the_ranks(tmp_path, tokenizer,
         assert _tokens(outs[0]) == _tokens(outs[1])
         for a, b in zip(*outs):
             assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
-            if arch == "qwen3_5_moe":
+            if moe:
                 assert torch.equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
         # greedy forks: each a copy of the prompt's state slot (sampled ones differ on this near-uniform random
         # model: a 1e-6 change of the logits moves the seeded draw)
         forks = SamplingParams(n=3, temperature=0.0, max_tokens=6)
         assert _tokens(one.generate(PROMPTS[:2], forks)) == _tokens(two.generate(PROMPTS[:2], forks))
-        names = ["model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.1.linear_attn.conv1d.weight",
-                 "model.layers.2.linear_attn.A_log", "model.layers.0.linear_attn.out_proj.weight",
-                 "model.layers.3.self_attn.q_proj.weight"]
-        names += (["model.layers.1.mlp.shared_expert.down_proj.weight", "model.layers.2.mlp.experts.gate_up_proj"]
-                  if arch == "qwen3_5_moe" else ["model.layers.1.mlp.gate_proj.weight"])
+        gdn = (["in_proj_qkvz.weight", "in_proj_ba.weight"] if arch == "qwen3_next" else
+               ["in_proj_qkv.weight", "in_proj_b.weight"])
+        names = [f"model.layers.0.linear_attn.{gdn[0]}", f"model.layers.2.linear_attn.{gdn[1]}",
+                 "model.layers.1.linear_attn.conv1d.weight", "model.layers.2.linear_attn.A_log",
+                 "model.layers.0.linear_attn.out_proj.weight", "model.layers.3.self_attn.q_proj.weight"]
+        names += {"qwen3_5": ["model.layers.1.mlp.gate_proj.weight"],
+                  "qwen3_5_moe": ["model.layers.1.mlp.shared_expert.down_proj.weight",
+                                  "model.layers.2.mlp.experts.gate_up_proj"],
+                  "qwen3_next": ["model.layers.1.mlp.gate_proj.weight", "model.layers.2.mlp.experts.gate_up_proj",
+                                 "model.layers.0.mlp.shared_expert.up_proj.weight"]}[arch]
         for name in names:
             assert torch.equal(two.get_weights_by_name(name), one.get_weights_by_name(name)), name
         hf = {n: p.detach() * 1.25 for n, p in transformers.AutoModelForCausalLM.from_pretrained(
@@ -251,14 +259,18 @@ def test_hybrid_models_split_their_gdn_heads_over_the_ranks(tmp_path, tokenizer,
         engines[1].shutdown()
 
 
-def test_an_fp8_hybrid_model_splits_in_whole_blocks_and_reads_back_as_one_rank(tmp_path, tokenizer):
-    model = save_tiny("qwen3_5", tmp_path / "hybrid", tokenizer, **HYBRID_TP2)
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_an_fp8_hybrid_model_splits_in_whole_blocks_and_reads_back_as_one_rank(tmp_path, tokenizer, arch):
+    extra = dict(moe_intermediate_size=256, shared_expert_intermediate_size=256) if arch == "qwen3_next" else {}
+    model = save_tiny(arch, tmp_path / "hybrid", tokenizer, **HYBRID_TP2, **extra)
     engines = [make_engine(model, quantization="fp8", kv_cache_dtype="fp8_e4m3", num_kv_blocks=32,
                            tensor_parallel_size=t) for t in (1, 2)]
+    gdn = ["in_proj_qkv.weight", "in_proj_z.weight", "in_proj_qkv.weight_scale_inv"]
+    if arch == "qwen3_next":  # its fused names (their scales are the engine's own, never a checkpoint's)
+        gdn = ["in_proj_qkvz.weight", "in_proj_ba.weight"]
     try:
-        for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.1.linear_attn.in_proj_z.weight",
-                     "model.layers.2.linear_attn.out_proj.weight", "model.layers.3.self_attn.o_proj.weight",
-                     "model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv"):
+        for name in [f"model.layers.{i}.linear_attn.{n}" for i, n in enumerate(gdn)] + [
+                "model.layers.2.linear_attn.out_proj.weight", "model.layers.3.self_attn.o_proj.weight"]:
             assert torch.equal(engines[1].get_weights_by_name(name), engines[0].get_weights_by_name(name)), name
         outs = [e.generate(PROMPTS, GREEDY) for e in engines]  # the first forward calibrates the KV scales
         assert all(len(o.outputs[0].token_ids) == 10 for out in outs for o in out)
@@ -266,8 +278,51 @@ def test_an_fp8_hybrid_model_splits_in_whole_blocks_and_reads_back_as_one_rank(t
         assert list(scales[1]) == list(scales[0]) == ["model.layers.3.self_attn"]
     finally:
         engines[1].shutdown()
-    with pytest.raises(ValueError, match=r"max_lora_rank > 0: LoRA on a hybrid model \(qwen3_5_text\)"):
-        make_engine(model, tensor_parallel_size=2, max_lora_rank=8)
+
+
+def _hybrid_adapter(rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """A PEFT-named adapter on every projection of HYBRID_TP2's GDN layer 0, gated-attention layer 3 and their MLPs
+    (q_proj's output rows are [q | gate] per head)."""
+    hidden, inter, d = HYBRID_TP2["hidden_size"], HYBRID_TP2["intermediate_size"], HYBRID_TP2["head_dim"]
+    keys, values = 2 * 64, 4 * 64
+    q, kv = HYBRID_TP2["num_attention_heads"] * d, HYBRID_TP2["num_key_value_heads"] * d
+    modules = {"0.linear_attn.in_proj_qkv": (hidden, 2 * keys + values), "0.linear_attn.in_proj_z": (hidden, values),
+               "0.linear_attn.out_proj": (values, hidden), "3.self_attn.q_proj": (hidden, 2 * q),
+               "3.self_attn.k_proj": (hidden, kv), "3.self_attn.v_proj": (hidden, kv), "3.self_attn.o_proj": (q, hidden),
+               "0.mlp.gate_proj": (hidden, inter), "3.mlp.up_proj": (hidden, inter), "3.mlp.down_proj": (inter, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for module, (k, n) in modules.items():
+        prefix = f"base_model.model.model.layers.{module}"
+        out[f"{prefix}.lora_A.weight"] = torch.randn(rank, k, generator=gen) * 0.05
+        out[f"{prefix}.lora_B.weight"] = torch.randn(n, rank, generator=gen) * 0.05
+    return out
+
+
+def test_lora_on_a_hybrid_model_splits_with_its_layers(tmp_path, tokenizer):
+    """LoRA on a Qwen3.5 at two ranks: in_proj_qkv's one adapter feeds its q, k and v shards (its B's rows a shard
+    each), in_proj_z column-parallel, out_proj row-parallel (its A's columns), gated attention and the MLP as in a
+    dense model; float32 tokens and logprobs as T = 1's with the same adapter, then with a smaller one."""
+    model = save_tiny("qwen3_5", tmp_path / "hybrid", tokenizer, **HYBRID_TP2)
+    engines = [make_engine(model, dtype="float32", num_kv_blocks=32, max_lora_rank=8, tensor_parallel_size=t)
+               for t in (1, 2)]
+    try:
+        base = [o.outputs[0].logprobs for o in engines[1].generate(PROMPTS, GREEDY)]
+        for rank, seed in ((8, 1), (4, 2)):
+            outs = []
+            for e in engines:
+                e.update_lora(_hybrid_adapter(rank, seed), scaling=2.0)
+                outs.append(e.generate(PROMPTS, GREEDY))
+            assert _tokens(outs[0]) == _tokens(outs[1])
+            for a, b, plain in zip(*outs, base):
+                assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
+                assert b.outputs[0].logprobs != plain  # the adapter changed something
+        with pytest.raises(ValueError, match=r"in_proj_qkv.lora_B.weight'.*shape \(511, 4\), expected \(512, 4\)"):
+            engines[1].update_lora({**_hybrid_adapter(4, 3), "base_model.model.model.layers.0.linear_attn."
+                                    "in_proj_qkv.lora_B.weight": torch.zeros(511, 4)})
+        assert _tokens(engines[1].generate(PROMPTS, GREEDY)) == _tokens(outs[1])  # the refused one changed nothing
+    finally:
+        engines[1].shutdown()
 
 
 def test_fp8_weights_kv_scales_and_logprobs_match_one_rank(fp8_pair, fp32_pair):
@@ -500,11 +555,13 @@ def test_the_vocabulary_splits_in_whole_blocks_and_every_rank_gets_rows():
 
 
 def test_a_model_type_not_sharded_yet_is_named():
-    from transformers import Qwen3NextConfig
-    with pytest.raises(ValueError, match=r"model_type 'qwen3_next' is not sharded yet \(tensor parallelism covers "
+    """Every type the registry loads is sharded; a new one must be sharded before a replica can split it."""
+    from transformers import OlmoeConfig
+    assert set(MODEL_REGISTRY) - set(MODEL_TYPES) == {"qwen3_5", "qwen3_5_moe"}  # these load as their text configs
+    with pytest.raises(ValueError, match=r"model_type 'olmoe' is not sharded yet \(tensor parallelism covers "
                                          r"\['llama', 'qwen2', 'qwen3', 'qwen3_moe', 'qwen3_5_text', "
-                                         r"'qwen3_5_moe_text'\]"):
-        check_shardable(Qwen3NextConfig(), 2, fp8=False, expert_parallel=False)
+                                         r"'qwen3_5_moe_text', 'qwen3_next'\]"):
+        check_shardable(OlmoeConfig(), 2, fp8=False, expert_parallel=False)
 
 
 def test_ranks_that_would_share_cores_are_told_how_many_threads_to_take():

@@ -82,7 +82,7 @@ class ModelRunner:
         model_config = self.hf_config
         if config.tensor_parallel_size > 1:
             tensor_parallel.check_shardable(self.hf_config, config.tensor_parallel_size, config.quantization == "fp8",
-                                            config.expert_parallel, lora=config.max_lora_rank > 0)
+                                            config.expert_parallel)
             model_config = tensor_parallel.local_config(self.hf_config, config.tensor_parallel_size,
                                                         config.expert_parallel)
         self.tp_leader = tensor_parallel.Leader(config, model_dir) if config.tensor_parallel_size > 1 and tp is None \
@@ -473,7 +473,11 @@ class ModelRunner:
             return held[0][2]
         out = torch.empty(target.shape, dtype=held[0][2].dtype)  # a scale grid stays float32
         for index, tp, part in held:
-            out[index][(tp.rows or slice(None),) + ((tp.cols,) if tp.cols is not None else ())] = part
+            where = (tp.rows or slice(None),) + ((tp.cols,) if tp.cols is not None else ())
+            if index and isinstance(index[0], torch.Tensor):  # rows picked one by one (Qwen3-Next's fused ones)
+                out[(index[0][where[0]],) + where[1:]] = part
+            else:
+                out[index][where] = part
         return out
 
     @_exclusive

@@ -51,9 +51,9 @@ from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, free_port, init_pro
 from fp8engine.weights.loader import SKIPPED_KINDS, Target, TPSlice, read
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE
 
-# the model types sharded so far: full attention, and Qwen3.5's hybrids (dense and MoE; their vision-language
-# wrappers load as these text configs); Qwen3-Next's fused GDN projections are not
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text")
+# the model types sharded: full attention, and the hybrids (Qwen3.5 dense and MoE, whose vision-language wrappers
+# load as these text configs; Qwen3-Next)
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 READY_TIMEOUT_S = 120.0  # a worker's start (interpreter, torch, fp8engine) before it joins the group
 DEATH_WAIT_S = 5.0  # after a failed collective, how long rank 0 waits for a worker's exit status
 logger = logging.getLogger(__name__)
@@ -65,14 +65,11 @@ def group_name(port: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ sharding
-def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool, lora: bool = False) -> None:
+def check_shardable(cfg, size: int, fp8: bool, expert_parallel: bool) -> None:
     """ValueError naming the layer and the constraint when `size` ranks cannot split this model."""
     if cfg.model_type not in MODEL_TYPES:
         raise ValueError(f"tensor_parallel_size={size}: model_type {cfg.model_type!r} is not sharded yet (tensor "
                          f"parallelism covers {list(MODEL_TYPES)})")
-    if lora and getattr(cfg, "linear_num_key_heads", None):
-        raise ValueError(f"tensor_parallel_size={size} with max_lora_rank > 0: LoRA on a hybrid model "
-                         f"({cfg.model_type}) is not sharded yet; run it on one rank, or without LoRA")
     experts = getattr(cfg, "num_experts", 0) or 0
     if experts and expert_parallel and experts % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide num_experts={experts}: "

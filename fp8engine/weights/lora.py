@@ -53,7 +53,8 @@ def stage_adapter(model: torch.nn.Module, loras: Mapping[str, torch.nn.Module], 
     for module, pair in halves.items():
         path, shard = _layer_path(model, loras, module)
         a, b = _check_pair(module, pair, loras[path], shard)
-        staged.shards.setdefault(path, {})[shard] = (a, b, _scaling(scaling, module))
+        for part in loras[path].module_shards(shard):
+            staged.shards.setdefault(path, {})[part] = (a, b, _scaling(scaling, module))
     _check_finite([named for pair in halves.values() for named in pair.values()])
     return staged
 

@@ -228,6 +228,8 @@ class GatedDeltaNet(nn.Module):
         k0, v0, h0 = rank * self.key_dim, rank * self.value_dim, rank * self.num_v_heads
         k_full, v_full, h_full = self.key_dim * size, self.value_dim * size, self.num_v_heads * size
         self.in_proj_qkv.shard_for_tp(rows=[(k0, k_full), (k0, k_full), (v0, v_full)])
+        if self.in_proj_qkv.lora is not None:  # one HF module's adapter: its B's q, k and v rows a shard each
+            self.in_proj_qkv.lora.module_starts = [0, k_full, 2 * k_full]
         self.in_proj_z.shard_for_tp(rows=[(v0, v_full)])
         self.in_proj_a.shard_for_tp(rows=[(h0, h_full)])
         self.in_proj_b.shard_for_tp(rows=[(h0, h_full)])
@@ -289,15 +291,27 @@ class GatedDeltaNet(nn.Module):
         return ["in_proj_qkvz.weight", "in_proj_ba.weight", "out_proj.weight", *self._plain_tensors()]
 
     def _fused_hf_target(self, name: str, rest: str):
+        """Qwen3-Next's fused projections split into the engine's (a tensor-parallel rank's q, k, v and z rows each
+        a slice of those of every key head: its own heads are contiguous key-head groups); its other tensors as
+        Qwen3.5's."""
         from fp8engine.weights import loader
         if rest in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
             rows = self._fused_rows()
-            dests = ("in_proj_qkv", "in_proj_z") if rest == "in_proj_qkvz.weight" else ("in_proj_b", "in_proj_a")
-            parts = [((rows[d],), loader._linear_target(name, getattr(self, d), 0, "weight")) for d in dests]
-            total = sum(len(rows[d]) for d in dests)
+            if rest == "in_proj_ba.weight":
+                dests = [(rows["b"], self.in_proj_b, 0), (rows["a"], self.in_proj_a, 0)]
+            elif len(self.in_proj_qkv.shard_sizes) == 3:  # tensor parallel: q, k and v are shards
+                dests = [(rows["q"], self.in_proj_qkv, 0), (rows["k"], self.in_proj_qkv, 1),
+                         (rows["v"], self.in_proj_qkv, 2), (rows["z"], self.in_proj_z, 0)]
+            else:
+                dests = [(torch.cat([rows["q"], rows["k"], rows["v"]]), self.in_proj_qkv, 0),
+                         (rows["z"], self.in_proj_z, 0)]
+            parts = [((index,), loader._linear_target(name, linear, shard, "weight")) for index, linear, shard in dests]
+            total = sum(len(index) for index, _, _ in dests)
             dtype = self.dt_bias.dtype  # the shape a check compares, no storage
             view = torch.empty((), dtype=dtype).expand(total, self.in_proj_qkv.in_features)
             return loader.Target(name, "split", view, parts=parts)
+        if self.tp_size > 1 and rest in self._plain_tensors():
+            return self._tp_hf_target(name, rest)
         if rest == "out_proj.weight":
             return loader._linear_target(name, self.out_proj, 0, "weight")
         tensor = self._plain_tensors().get(rest)
@@ -306,19 +320,19 @@ class GatedDeltaNet(nn.Module):
         return loader.Target(name, "dense", tensor.data)
 
     def _fused_rows(self) -> dict[str, torch.Tensor]:
-        """Which rows of Qwen3-Next's in_proj_qkvz / in_proj_ba each split projection takes, in its row order:
+        """Which rows of Qwen3-Next's in_proj_qkvz / in_proj_ba hold q, k, v, z, b and a, each in the split
+        projection's row order, over every key head of the model (a tensor-parallel rank's are a slice of each):
         per key head j the fused rows are [q_j (dk) | k_j (dk) | v of its r value heads | z of them] and
         [b of its r value heads | a of them] (layers/gated_delta.split_qwen3_next does the same on tensors)."""
-        hk, dk, dv, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
+        hk, dk, dv = self.num_k_heads * self.tp_size, self.head_k_dim, self.head_v_dim
+        r = self.num_v_heads // self.num_k_heads
         group = 2 * dk + 2 * r * dv
         base = torch.arange(hk)[:, None] * group
-        q = (base + torch.arange(dk)).flatten()
-        k = (base + dk + torch.arange(dk)).flatten()
-        v = (base + 2 * dk + torch.arange(r * dv)).flatten()
-        z = (base + 2 * dk + r * dv + torch.arange(r * dv)).flatten()
         ba = torch.arange(hk)[:, None] * 2 * r
-        return {"in_proj_qkv": torch.cat([q, k, v]), "in_proj_z": z,
-                "in_proj_b": (ba + torch.arange(r)).flatten(), "in_proj_a": (ba + r + torch.arange(r)).flatten()}
+        return {"q": (base + torch.arange(dk)).flatten(), "k": (base + dk + torch.arange(dk)).flatten(),
+                "v": (base + 2 * dk + torch.arange(r * dv)).flatten(),
+                "z": (base + 2 * dk + r * dv + torch.arange(r * dv)).flatten(),
+                "b": (ba + torch.arange(r)).flatten(), "a": (ba + r + torch.arange(r)).flatten()}
 
     # ------------------------------------------------------------------ compute
     def forward(self, x: torch.Tensor, meta) -> torch.Tensor:

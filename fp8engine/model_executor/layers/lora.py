@@ -31,6 +31,9 @@ class LoRA(nn.Module):
         # tensor parallelism (Linear.shard_for_tp): where this rank's output rows and input columns sit in the layer
         self.tp_rows: list[tuple[int, int]] | None = None
         self.tp_cols: tuple[int, int] | None = None
+        # where each shard's full rows start in one HF module's B, when the shards are pieces of one module (a GDN
+        # layer's in_proj_qkv under tensor parallelism: q, k and v a shard each); None: a module a shard
+        self.module_starts: list[int] | None = None
         # per shard (j0, j1, o0, o1): rows j0:j1 of A and B (its rank's) feed output columns o0:o1; the kernel skips
         # the rest (zeros: other shards' blocks, ranks under max_rank)
         shards = enumerate(zip(self.shard_offsets, self.shard_sizes))
@@ -47,15 +50,21 @@ class LoRA(nn.Module):
         return any(self.ranks)
 
     def full_shape(self, shard: int) -> tuple[int, int]:
-        """(output rows of the shard, input columns) of the full layer: an adapter's B and A have these."""
+        """(output rows of the shard's HF module, input columns) of the full layer: an adapter's B and A have these."""
         rows = self.shard_sizes[shard] if self.tp_rows is None else self.tp_rows[shard][1]
+        if self.module_starts is not None:
+            rows = sum(full for _, full in self.tp_rows)
         return rows, self.lora_a.shape[1] if self.tp_cols is None else self.tp_cols[1]
+
+    def module_shards(self, shard: int) -> list[int]:
+        """The shards one HF module's adapter fills (that of `shard`)."""
+        return [shard] if self.module_starts is None else list(range(len(self.shard_sizes)))
 
     def local(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's slices of a full adapter's A [r, K] and B [N_s, r] (all of them at one rank): a column-parallel
         layer's B rows, a row-parallel layer's A columns."""
         if self.tp_rows is not None:
-            start = self.tp_rows[shard][0]
+            start = self.tp_rows[shard][0] + (0 if self.module_starts is None else self.module_starts[shard])
             b = b[start:start + self.shard_sizes[shard]]
         if self.tp_cols is not None:
             start = self.tp_cols[0]
