@@ -337,9 +337,9 @@ def decode_speed(model: str, device: str, batch: int, quantization, steps: int, 
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     kv = batch * (prompt_len + steps) * engine.runner.kv_bytes_per_block() / engine.config.block_size
     floor_ms = (weights + kv) / HBM_BYTES_PER_S * 1e3
-    graphs = engine.get_stats().kernels["cuda_graphs"]
+    graphs, pdl = engine.get_stats().kernels["cuda_graphs"], engine.get_stats().kernels.get("pdl", "off")
     mode = (quantization or "bf16") + ("-head" if lm_head_fp8 else "") + ("-bi" if batch_invariant else "")
-    row = {"batch": batch, "mode": mode, "graphs": graphs, "ms_per_step": float(f"{ms:.4g}"),
+    row = {"batch": batch, "mode": mode, "graphs": graphs, "pdl": pdl, "ms_per_step": float(f"{ms:.4g}"),
            "tok_per_s": float(f"{batch / ms * 1e3:.4g}"), "hbm_floor_ms": float(f"{floor_ms:.3g}"),
            "weight_gb": float(f"{weights / 1e9:.3g}")}
     print(f"    speed {row['mode']:5s} batch {batch:4d}: {ms:8.2f} ms/step {row['tok_per_s']:9.1f} tok/s "

@@ -5,11 +5,13 @@ that no longer fits --budget-s skipped (its file says so). In this order:
   1. checks     the engine checks of `make gpu-check` that bear on speed work (logprobs against the CPU engine,
                 batch invariance, CUDA graphs against eager steps bitwise), the fused layers against the unfused ones
                 (FP8ENGINE_CUDA_FUSION=0: teacher-forced logprobs within a few bf16 roundings) and the fused kernel
-                cases (kernels/fused_triton.py) against their references natively;
+                cases (kernels/fused_triton.py) against their references natively, and the FP8 engine's tokens and
+                logprobs with programmatic dependent launch on and off, bitwise;
   2. bandwidth  HBM ceilings measured here: a read (sum of a 2 GiB tensor) and a copy, GB/s;
   3. engine     an 8B-shaped Llama (random weights drawn on the device) at batch 1 / 64 / 256, BF16 and FP8, ms a
                 decode step from CUDA graphs beside the floor (the step's bytes / the measured read ceiling), and at
-                batch 1 fused against unfused (the A/B of each fusion's launches);
+                batch 1 fused against unfused (the A/B of each fusion's launches), and with programmatic dependent
+                launch (FP8ENGINE_PDL=1) against without at batch 1;
   4. gemm       the FP8 GEMM (default and batch-invariant launch) and torch's BF16 matmul at M = 1 / 4 / 16 / 64 /
                 256 on the 8B's layers, each call replayed from a CUDA graph over weight copies that do not fit the
                 L2 cache together, GB/s;
@@ -77,16 +79,26 @@ class Run:
 
 
 @contextlib.contextmanager
-def _fusion(on: bool):
-    saved = os.environ.get("FP8ENGINE_CUDA_FUSION")
-    os.environ["FP8ENGINE_CUDA_FUSION"] = "1" if on else "0"
+def _env(name: str, on: bool):
+    """An engine switch (FP8ENGINE_CUDA_FUSION, FP8ENGINE_PDL) set to 1 or 0 for the engines built inside."""
+    saved = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
     try:
         yield
     finally:
         if saved is None:
-            del os.environ["FP8ENGINE_CUDA_FUSION"]
+            del os.environ[name]
         else:
-            os.environ["FP8ENGINE_CUDA_FUSION"] = saved
+            os.environ[name] = saved
+
+
+def _fusion(on: bool):
+    return _env("FP8ENGINE_CUDA_FUSION", on)
+
+
+def _pdl(on: bool):
+    """Programmatic dependent launch (kernels/pdl.py): never on in a dry run (the interpreter has none)."""
+    return _env("FP8ENGINE_PDL", on)
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -95,6 +107,8 @@ def checks(run: Run) -> dict:
     engine = gpu_engine.run(dry=run.dry, workdir=str(run.root / "checks"), only=only)  # dry: its own stand-in
     with run.device():
         rows = engine["engine_checks"] + [_fused_vs_unfused(run)]
+    if not run.dry:
+        rows.append(_pdl_vs_off(run))
     if not run.dry:
         from benchmarks import gpu_check
         kernels = gpu_check.run(["llama-7b"], 10, torch.device("cuda"), only="/fused/")
@@ -119,6 +133,23 @@ def _fused_vs_unfused(run: Run) -> dict:
     return gpu_engine._check("fused_vs_unfused_fp8", diff <= 0.05, max_abs_logprob_diff=float(f"{diff:.3g}"))
 
 
+def _pdl_vs_off(run: Run) -> dict:
+    """The FP8 engine's sampled tokens and logprobs (CUDA graphs, a batch of 8 then one sequence) with programmatic
+    dependent launch on and off: bit for bit, or a kernel reads before its wait."""
+    prompts = gpu_engine._prompts(8, 24, run.small_shape["vocab_size"], 6)
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3, logprobs=0)
+    outs, names = [], []
+    for on in (False, True):
+        with _pdl(on):
+            engine = LLMEngine(EngineConfig(model=run.small, device="cuda", quantization="fp8",
+                                            kv_cache_dtype="fp8_e4m3", num_kv_blocks=256))
+            names.append(engine.get_stats().kernels.get("pdl", "off"))
+            got = engine.generate(prompts, params) + engine.generate(prompts[:1], params)
+            outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got])
+            del engine
+    return gpu_engine._check("pdl_vs_off_bitwise", outs[0] == outs[1] and names == ["off", "on"], pdl=names[1])
+
+
 def bandwidth(run: Run) -> dict:
     numel = (1 << 20) if run.dry else (1 << 30)  # bf16: 2 MiB dry, 2 GiB on the device
     src = torch.empty(numel, dtype=torch.bfloat16, device="cuda").normal_()
@@ -134,17 +165,24 @@ def engine(run: Run) -> dict:
     steps, prompt_len = (2, 16) if run.dry else (16, 128)
     sizes = (1, 4) if run.dry else (1, 64, 256)
     rows = []
-    for fused, batches in ((True, sizes), (False, sizes[:1])):
-        for quantization in (None, "fp8"):
+    # (fused, PDL, quantizations, batches): the fused engine, unfused at batch 1, PDL at batch 1 (not in a dry run)
+    runs = [(True, False, (None, "fp8"), sizes), (False, False, (None, "fp8"), sizes[:1])]
+    if not run.dry:
+        runs.append((True, True, (None, "fp8"), sizes[:1]))
+    for fused, pdl, quantizations, batches in runs:
+        for quantization in quantizations:
             for batch in batches:
-                with _fusion(fused):
+                with _fusion(fused), _pdl(pdl):
                     row = gpu_engine.decode_speed(run.big, "cuda", batch, quantization, steps, prompt_len)
                 floor_ms = row["hbm_floor_ms"] * gpu_engine.HBM_BYTES_PER_S / 1e9 / run.read_gb_s
                 rows.append(dict(row, fused=fused, floor_ms_measured=float(f"{floor_ms:.3g}"),
                                  x_floor=float(f"{row['ms_per_step'] / floor_ms:.3g}")))
-    by = {(r["mode"], r["batch"], r["fused"]): r["ms_per_step"] for r in rows}
-    ratios = {f"fp8_over_bf16_batch{b}": float(f"{by[('bf16', b, True)] / by[('fp8', b, True)]:.3g}") for b in sizes}
-    return {"rows": rows, "fp8_speedup": ratios}
+    by = {(r["mode"], r["batch"], r["fused"], r["pdl"]): r["ms_per_step"] for r in rows}
+    ratios = {f"fp8_over_bf16_batch{b}": float(f"{by[('bf16', b, True, 'off')] / by[('fp8', b, True, 'off')]:.3g}")
+              for b in sizes}
+    pdl_gain = {f"{mode}_batch{b}": float(f"{by[(mode, b, True, 'off')] / by[(mode, b, True, 'on')]:.3g}")
+                for mode, b, fused, pdl in by if fused and pdl == "on"}
+    return {"rows": rows, "fp8_speedup": ratios, "pdl_speedup": pdl_gain}
 
 
 def gemm(run: Run) -> dict:
@@ -218,7 +256,7 @@ def peers(run: Run) -> dict:
     return {"peers": rows}
 
 
-SECTIONS = {"checks": (checks, 90), "bandwidth": (bandwidth, 10), "engine": (engine, 150), "gemm": (gemm, 40),
+SECTIONS = {"checks": (checks, 100), "bandwidth": (bandwidth, 10), "engine": (engine, 175), "gemm": (gemm, 40),
             "attention": (attention, 20), "profile": (profile, 30), "peers": (peers, 30)}  # estimated seconds
 
 

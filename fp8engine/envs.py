@@ -54,6 +54,10 @@ VARIABLES = (
     EnvVar("FP8ENGINE_CUDA_FUSION", "1", ("0", "1"),
            "0: on CUDA, the decoder layers run unfused (torch ops for RMSNorm, RoPE and SiLU, an activation-quant "
            "launch before each FP8 GEMM) instead of the fused kernels of kernels/fused_triton.py (an A/B switch)"),
+    EnvVar("FP8ENGINE_PDL", "0", ("0", "1"),
+           "1: on CUDA sm_90 and later, the decode path's Triton kernels take programmatic dependent launch (each "
+           "may start while the one before ends, and waits for it before touching memory: kernels/pdl.py); off "
+           "until a device run has checked it"),
     EnvVar("FP8ENGINE_TP_ALL_REDUCE", "auto", ("auto", "fixed", "library"),
            "tensor parallelism: how row-parallel partial sums are added over the ranks: gathered and added in rank "
            "order (fixed: the same bits at any batch) or by gloo's all-reduce (library); auto = fixed with "

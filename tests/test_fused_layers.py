@@ -222,6 +222,21 @@ def test_the_fused_engine_generates_the_unfused_engines_tokens(arch, options, ll
     assert (got - want).abs().max() <= 0.05, (got, want)
 
 
+def test_pdl_stays_off_on_the_interpreter_and_unless_asked(llama_model, monkeypatch):
+    """Programmatic dependent launch (kernels/pdl.py): FP8ENGINE_PDL=1 on the stand-in device leaves it off (the
+    interpreter has no griddepcontrol), and so launches as before; forced on, a launch asks for it
+    (test_triton_compile checks the code that runs then)."""
+    from fp8engine.model_executor.kernels import pdl
+    monkeypatch.setenv("FP8ENGINE_PDL", "1")
+    with FakeCuda():
+        engine = make_engine(llama_model, device="cuda", num_kv_blocks=32, quantization="fp8")
+        assert engine.get_stats().kernels["pdl"] == "off" and pdl.launch_options() == {}
+        assert len(engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=2))) == 2
+    with pdl.forced(True):
+        assert pdl.launch_options() == {"PDL": True, "launch_pdl": True}
+    assert pdl.launch_options() == {}
+
+
 def test_a_k_split_down_proj_hands_its_partials_to_the_next_fused_norm(tmp_path, tokenizer, monkeypatch):
     """intermediate 8192: down_proj splits K in 4 at decode sizes (fp8_triton.gemm_config), and the next fused norm
     (here the final one) adds the float32 partials in order instead of a torch sum and a copy after the GEMM."""

@@ -288,8 +288,9 @@ def _hybrid_adapter(rank: int, seed: int) -> dict[str, torch.Tensor]:
     q, kv = HYBRID_TP2["num_attention_heads"] * d, HYBRID_TP2["num_key_value_heads"] * d
     modules = {"0.linear_attn.in_proj_qkv": (hidden, 2 * keys + values), "0.linear_attn.in_proj_z": (hidden, values),
                "0.linear_attn.out_proj": (values, hidden), "3.self_attn.q_proj": (hidden, 2 * q),
-               "3.self_attn.k_proj": (hidden, kv), "3.self_attn.v_proj": (hidden, kv), "3.self_attn.o_proj": (q, hidden),
-               "0.mlp.gate_proj": (hidden, inter), "3.mlp.up_proj": (hidden, inter), "3.mlp.down_proj": (inter, hidden)}
+               "3.self_attn.k_proj": (hidden, kv), "3.self_attn.v_proj": (hidden, kv),
+               "3.self_attn.o_proj": (q, hidden), "0.mlp.gate_proj": (hidden, inter), "3.mlp.up_proj": (hidden, inter),
+               "3.mlp.down_proj": (inter, hidden)}
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for module, (k, n) in modules.items():

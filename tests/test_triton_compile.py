@@ -218,6 +218,31 @@ def test_decode_gemm_fp8_mma_on_sm90(compiled):
     assert "e4m3" in mma["wgmma"] | mma["mma"], mma
 
 
+# ------------------------------------------------------------------------------------------ PDL
+
+
+@pytest.fixture(scope="module")
+def compiled_pdl(clean_pool) -> list:
+    """The decode steps' launches with programmatic dependent launch on (FP8ENGINE_PDL=1), for sm_90."""
+    return clean_pool.submit(tl_launch.compile_pdl, 90).result()
+
+
+def test_decode_launches_wait_for_the_kernel_before_when_pdl_is_on(compiled_pdl):
+    """Every decode-path kernel of an 8B FP8 step and of the batch-invariant set is launched with PDL and waits
+    (griddepcontrol.wait) before its first global access; the GEMMs first prefetch their weight rows into L2; no
+    launch spills."""
+    assert {c.name for c in compiled_pdl} == tl_launch.PDL_KERNELS
+    for c in compiled_pdl:
+        tl_launch.assert_pdl(c, prefetch=_base(c.name) in (GEMM, DENSE))
+        tl_launch.assert_resources(c)
+
+
+def test_no_launch_takes_pdl_by_default(compiled):
+    for launches in compiled.values():
+        for c in launches:
+            assert not c.pdl and "griddepcontrol" not in c.ptx and "prefetch.global" not in c.ptx, c.name
+
+
 # ------------------------------------------------------------------------------------------ batch invariance
 
 
@@ -336,7 +361,24 @@ def _resource_check_bites():
         tl_launch.assert_resources(dataclasses.replace(fine, n_regs=256))
 
 
-@pytest.mark.parametrize("check", [_instruction_check_bites, _interpreter_branch_check_bites, _resource_check_bites],
-                         ids=["instructions", "interpreter-branch", "resources"])
+def _pdl_check_bites():
+    """The activation quantiser launched without PDL, and with PDL but a load moved before its wait: both refused."""
+    launch = _quant_launch()
+    plain = tl_launch.compile_launch(launch, 90)
+    with pytest.raises(AssertionError, match="launch_pdl False, griddepcontrol.wait not found"):
+        tl_launch.assert_pdl(plain)
+    on = tl_launch.compile_launch(dataclasses.replace(launch, kwargs={**launch.kwargs, "PDL": True,
+                                                                      "launch_pdl": True}), 90)
+    tl_launch.assert_pdl(on)
+    wait = on.ptx.index("griddepcontrol.wait")
+    moved = on.ptx[:wait] + "ld.global.b32 %r0, [%rd0];\n" + on.ptx[wait:]
+    with pytest.raises(AssertionError, match="ld.global.b32 before griddepcontrol.wait"):
+        tl_launch.assert_pdl(dataclasses.replace(on, ptx=moved))
+    with pytest.raises(AssertionError, match="no prefetch.global.L2"):
+        tl_launch.assert_pdl(on, prefetch=True)
+
+
+@pytest.mark.parametrize("check", [_instruction_check_bites, _interpreter_branch_check_bites, _resource_check_bites,
+                                   _pdl_check_bites], ids=["instructions", "interpreter-branch", "resources", "pdl"])
 def test_checks_bite(clean_pool, check):
     clean_pool.submit(check).result()

@@ -699,6 +699,7 @@ class CompiledLaunch:
     spill_stores: int  # STL instructions in the SASS
     spill_loads: int  # LDL instructions in the SASS
     shared: int  # bytes per block: Triton's dynamic shared memory plus any static
+    pdl: bool = False  # launched with programmatic dependent launch (kernels/pdl.py)
 
     @property
     def mma(self) -> dict[str, set[str]]:
@@ -741,7 +742,7 @@ def compile_launch(launch: Launch, arch: int, cases: list[str] | None = None,
         name=launch.name, arch=arch, cases=cases or [launch.case], constexprs=names,
         num_warps=options.num_warps, num_stages=options.num_stages, ptx=compiled.asm["ptx"],
         n_regs=usage["regs"], stack_bytes=usage["stack"], spill_stores=usage["stl"], spill_loads=usage["ldl"],
-        shared=compiled.metadata.shared + usage["static_shared"])
+        shared=compiled.metadata.shared + usage["static_shared"], pdl=bool(compiled.metadata.launch_pdl))
 
 
 def cubin_usage(cubin: bytes) -> dict:
@@ -778,6 +779,29 @@ def _compile_set(label: str, arch: int) -> list[CompiledLaunch]:
 
 def _without_interpreter() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
+
+
+# The kernels a decode step launches with programmatic dependent launch when it is on (kernels/pdl.py).
+PDL_KERNELS = {"_group_quant_kernel", "_w8a8_block_matmul_kernel", "_w8a8_block_matmul_kernel_bi", "_norm_quant_kernel",
+               "_qkv_epilogue_kernel", "_silu_mul_quant_kernel", "_paged_attention_kernel",
+               "_paged_attention_kernel_bi", "_combine_kernel", "_write_kv_kernel", "_linear_kernel",
+               "_rms_norm_kernel"}
+
+
+def pdl_cases() -> list[Case]:
+    """The decode steps' cases whose launches take PDL: an 8B's FP8 layers, fused kernels and attention (short and
+    long contexts), and the batch-invariant set's BF16 linears, RMSNorm and attention."""
+    sets = case_sets()
+    kinds = ("act_quant", "linear", "dense", "rms_norm", "write_kv", "attention", "fused")
+    return [c for label in ("llama-7b", "smollm2-135m-bi") for c in sets[label]
+            if c.kind in kinds and c.name.rsplit("/", 1)[1] in ("decode", "decode1", "decode_long")]
+
+
+def compile_pdl(arch: int = 90) -> list[CompiledLaunch]:
+    """compile_cases of pdl_cases() with PDL on (sm_90 and later only: griddepcontrol is Hopper's)."""
+    from fp8engine.model_executor.kernels import pdl
+    with pdl.forced(True):
+        return compile_cases(pdl_cases(), arch)
 
 
 def clean_process_pool(workers: int | None = None):
@@ -849,6 +873,25 @@ def assert_matrix_instruction(compiled: CompiledLaunch, instr: str, operand: str
     others = (found["wgmma"] | found["mma"]) - {operand}
     if others:
         raise AssertionError(f"{compiled.name} sm_{compiled.arch}: other tensor-core operands too: {sorted(others)}")
+
+
+_GLOBAL_ACCESS = re.compile(r"\b(?:ld|st|atom|red|cp\.async)[.\w]*\.global[.\w]*")  # a whole mnemonic
+
+
+def assert_pdl(compiled: CompiledLaunch, prefetch: bool = False) -> None:
+    """Launched with programmatic dependent launch, and its griddepcontrol.wait comes before its first global load
+    or store (kernels/pdl.py); prefetch: L2 prefetches of its weights come before the wait."""
+    where = f"{compiled.name} sm_{compiled.arch} ({compiled.cases[0]})"
+    ptx = compiled.ptx
+    wait = ptx.find("griddepcontrol.wait")
+    if not compiled.pdl or wait < 0:
+        raise AssertionError(f"{where}: launch_pdl {compiled.pdl}, griddepcontrol.wait {'not ' * (wait < 0)}found")
+    first = _GLOBAL_ACCESS.search(ptx)
+    if first is not None and first.start() < wait:
+        raise AssertionError(f"{where}: {first.group(0)} before griddepcontrol.wait")
+    fetch = ptx.find("prefetch.global.L2")
+    if prefetch and not 0 <= fetch < wait:
+        raise AssertionError(f"{where}: no prefetch.global.L2 before griddepcontrol.wait")
 
 
 def assert_resources(compiled: CompiledLaunch, spills_allowed: bool = False) -> None:

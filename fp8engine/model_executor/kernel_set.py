@@ -224,7 +224,7 @@ def fp8_linear_ref(x, w_q, w_scale_inv, bias=None, scale_fmt=None, scale_rows=No
 def _cuda(config: EngineConfig) -> KernelSet:
     try:
         from fp8engine.model_executor.kernels import (attention_triton, dense_triton, fp8_triton, fused_triton,
-                                                      moe_triton)
+                                                      moe_triton, pdl)
     except ImportError as exc:
         raise ValueError(f"device='cuda' needs Triton (pip install 'fp8engine[gpu]'): {exc}") from exc
     device, bi = torch.device(config.device), config.batch_invariant
@@ -237,6 +237,7 @@ def _cuda(config: EngineConfig) -> KernelSet:
         names["fp8_linear"] = "deepgemm+triton" if deepgemm else "triton"
     fusion = envs.flag("FP8ENGINE_CUDA_FUSION")
     names["fusion"] = "norm+qkv+act" if fusion else "off"
+    names["pdl"] = "on" if pdl.configure(device) else "off"  # process-wide (kernels/pdl.py)
     if bi:  # one launch configuration for every batch size
         dense, names["dense_linear"] = dense_triton.linear_triton, "triton-bf16"
         rms_norm, names["layer_ops"] = dense_triton.rms_norm_triton, "triton-norm+torch"

@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from fp8engine.model_executor.kernels.attention_ref import FP8_DTYPE, FP8_MAX, check_full_fp8
-from fp8engine.model_executor.kernels.fp8_triton import _e4m3_from_bits
+from fp8engine.model_executor.kernels import pdl
+from fp8engine.model_executor.kernels.fp8_triton import _e4m3_from_bits, _pdl_wait, _prefetch_l2  # noqa: F401
 
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -117,7 +118,9 @@ def _store_rows(src_ptr, cache_ptr, dst, heads, dims, mask, stride_h, scale, INT
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale, v_scale,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    _pdl_wait(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -149,7 +152,7 @@ def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), *k_cache.stride()[:3], NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        INTERPRET=_INTERPRET, num_warps=4)
+        INTERPRET=_INTERPRET, num_warps=4, **pdl.launch_options())
 
 
 # ------------------------------------------------------------------------------------------ attention
@@ -198,9 +201,11 @@ def _paged_attention_kernel(
         stride_cb, stride_cs, stride_ch, stride_bt, part_ptr, stats_ptr, num_tokens,
         HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MMA_DTYPE: tl.constexpr,
-        FULL_FP8: tl.constexpr, SPLITS: tl.constexpr, PART: tl.constexpr, INTERPRET: tl.constexpr):
+        FULL_FP8: tl.constexpr, SPLITS: tl.constexpr, PART: tl.constexpr, INTERPRET: tl.constexpr,
+        PDL: tl.constexpr = False):
     """SPLITS > 1 (decode, one query per sequence, not full FP8): program (q, kv head, s) walks keys s * PART ..
     (s + 1) * PART and writes its unnormalised accumulator, max and sum (part / stats) for _combine_kernel."""
+    _pdl_wait(PDL)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -281,10 +286,11 @@ def _paged_attention_kernel(
 @triton.jit
 def _combine_kernel(part_ptr, stats_ptr, out_ptr, seq_lens_ptr, out_scale, num_tokens, stride_ot, stride_oh,
                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PART: tl.constexpr, INTERPRET: tl.constexpr):
+                    PART: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """Decode token t's heads from its sequence's splits (ceil(keys / PART) of them), added in split order:
     out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) * out_scale, M the largest m_s; a sequence without keys
     (a graph's padding) gets zeros."""
+    _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -362,12 +368,12 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         block_tables.stride(0), part, stats, num_tokens, HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=ATTENTION_BLOCK_N, BLOCK_D=block_d,
         MMA_DTYPE=_mma_dtype(q, k_cache, full_fp8), FULL_FP8=full_fp8, SPLITS=splits, PART=SPLIT_KEYS,
-        INTERPRET=_INTERPRET, num_warps=4)
+        INTERPRET=_INTERPRET, num_warps=4, **pdl.launch_options())
     if splits > 1:
         _combine_kernel[(num_tokens,)](
             part, stats, out, seq_lens, out_scale, num_tokens, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
             HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=block_d, PART=SPLIT_KEYS,
-            INTERPRET=_INTERPRET, num_warps=4)
+            INTERPRET=_INTERPRET, num_warps=4, **pdl.launch_options())
     return out
 
 

@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8engine.model_executor.kernels.attention_triton import _INTERPRET, _mma, _round, _upcast
+from fp8engine.model_executor.kernels import pdl
+from fp8engine.model_executor.kernels.attention_triton import (_INTERPRET, _mma, _pdl_wait, _prefetch_l2, _round,
+                                                               _upcast)
 
 LINEAR_BLOCK_M = 64
 LINEAR_BLOCK_N = 64
@@ -29,7 +31,8 @@ LORA_BLOCK_R = 16  # the expand's K step: adapter ranks are 8-64
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    """PDL: the first 128 bytes of each of its weight rows go to L2 before the wait (kernels/pdl.py)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -37,6 +40,8 @@ def _linear_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    _prefetch_l2(b_ptr + tl.where(mask_n, offs_n, 0) * stride_bn, PDL)
+    _pdl_wait(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
@@ -67,13 +72,16 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         grid = (triton.cdiv(m, LINEAR_BLOCK_M), triton.cdiv(n, LINEAR_BLOCK_N))
         _linear_kernel[grid](x2, weight, out, bias, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
                              HAS_BIAS=bias is not None, BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=LINEAR_BLOCK_N,
-                             BLOCK_K=LINEAR_BLOCK_K, INTERPRET=_INTERPRET, num_warps=4, num_stages=2)
+                             BLOCK_K=LINEAR_BLOCK_K, INTERPRET=_INTERPRET, num_warps=4, num_stages=2,
+                             **pdl.launch_options())
     return out.reshape(*x.shape[:-1], n)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, H, eps, stride_x, stride_r, stride_o, stride_s,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    _pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -107,7 +115,7 @@ def rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, summed, h, eps, x2.stride(0), r2.stride(0) if r2 is not None else 0,
             out.stride(0), summed.stride(0), HAS_RESIDUAL=residual is not None,
-            BLOCK_H=triton.next_power_of_2(h), INTERPRET=_INTERPRET, num_warps=4)
+            BLOCK_H=triton.next_power_of_2(h), INTERPRET=_INTERPRET, num_warps=4, **pdl.launch_options())
     shape = x.shape
     return out.reshape(shape), (x if residual is None else summed.reshape(shape))
 

@@ -17,11 +17,31 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from fp8engine.model_executor.kernels import pdl
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
 
 
 _E4M3_BY_BITS = bool(triton.knobs.runtime.interpret)
+
+
+# ------------------------------------------------------------------------------------------ PDL (kernels/pdl.py)
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """A PDL kernel's first access to memory comes after this: the kernel before it has completed, its writes
+    visible (griddepcontrol.wait)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def _prefetch_l2(ptrs, PDL: tl.constexpr):
+    """Before a PDL kernel's wait: the 128-byte lines at `ptrs` (valid addresses, of what no kernel of the step
+    writes) into L2."""
+    if PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -59,7 +79,8 @@ def _quantize(x, scale, E4M3_BY_BITS: tl.constexpr):
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                        UE8M0: tl.constexpr, E4M3_BY_BITS: tl.constexpr):
+                        UE8M0: tl.constexpr, E4M3_BY_BITS: tl.constexpr, PDL: tl.constexpr = False):
+    _pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     lane = tl.arange(0, BLOCK_G)
@@ -93,9 +114,11 @@ def _w8a8_block_matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, 
                               stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
                               stride_asm, stride_ask, stride_bsn, stride_bsk,
                               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                              PDL: tl.constexpr = False):
     """SPLIT_K > 1: program (m, n, s) sums the s-th run of K blocks into float32 partials c[s] (no bias); the
-    caller adds them up in a fixed order. SPLIT_K == 1 is the plain kernel (one program per output tile)."""
+    caller adds them up in a fixed order. SPLIT_K == 1 is the plain kernel (one program per output tile).
+    PDL: its weight rows' first two K blocks (a 128-byte line a row each) go to L2 before the wait."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     num_kb = tl.cdiv(K, BLOCK_K)
@@ -113,6 +136,10 @@ def _w8a8_block_matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, 
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + (offs_k[None, :] + kb_begin * BLOCK_K) * stride_ak
     b_ptrs = b_ptr + offs_n[None, :] * stride_bn + (offs_k[:, None] + kb_begin * BLOCK_K) * stride_bk
     as_ptrs = as_ptr + offs_m * stride_asm
+    rows = b_ptr + tl.where(mask_n, offs_n, 0) * stride_bn
+    _prefetch_l2(rows + kb_begin * BLOCK_K * stride_bk, PDL)
+    _prefetch_l2(rows + tl.minimum(kb_begin + 1, num_kb - 1) * BLOCK_K * stride_bk, PDL)
+    _pdl_wait(PDL)
     # Weight scales are per 128 rows of W, and BLOCK_K == 128 is that block size.
     bs_ptrs = bs_ptr + (offs_n // BLOCK_K) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -162,7 +189,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = BLOCK,
         _group_quant_kernel[(m, groups)](
             x, x_q, scale, k, x.stride(0), x_q.stride(0), scale.stride(0),
             GROUP=group_size, BLOCK_G=triton.next_power_of_2(group_size), UE8M0=_ue8m0(scale_fmt),
-            E4M3_BY_BITS=_E4M3_BY_BITS, num_warps=1)
+            E4M3_BY_BITS=_E4M3_BY_BITS, num_warps=1, **pdl.launch_options())
     return x_q, scale
 
 
@@ -255,7 +282,7 @@ def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tenso
             *x_q.stride(), *w_q.stride(), dest.stride(-2), dest.stride(-1), dest.stride(0) if split > 1 else 0,
             *x_scale.stride(), *w_scale_inv.stride(),
             HAS_BIAS=bias is not None and split == 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK,
-            SPLIT_K=split, num_warps=config.num_warps, num_stages=config.num_stages)
+            SPLIT_K=split, num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options())
     if keep_partials:
         return dest
     if split > 1:

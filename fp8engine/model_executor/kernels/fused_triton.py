@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from fp8engine.model_executor.kernels.attention_triton import _INTERPRET, _e4m3, _round, _upcast
-from fp8engine.model_executor.kernels.fp8_triton import _E4M3_BY_BITS, _block_scale, _quantize, _ue8m0
+from fp8engine.model_executor.kernels import pdl
+from fp8engine.model_executor.kernels.fp8_triton import _E4M3_BY_BITS, _block_scale, _pdl_wait, _quantize, _ue8m0
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
 
 @triton.jit
@@ -57,7 +58,8 @@ def _norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, normed_ptr, q_ptr, s_ptr,
                        SPLIT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WRITE_SUM: tl.constexpr,
                        WRITE_NORMED: tl.constexpr, QUANT: tl.constexpr, BLOCK_H: tl.constexpr,
                        LOG2_H: tl.constexpr, UE8M0: tl.constexpr, E4M3_BY_BITS: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    _pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -114,7 +116,7 @@ def norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Ten
             x_q.stride(0) if quant else 0, x_s.stride(0) if quant else 0,
             SPLIT=split, HAS_RESIDUAL=residual is not None, WRITE_SUM=write_sum, WRITE_NORMED=normed, QUANT=quant,
             BLOCK_H=block, LOG2_H=block.bit_length() - 1, UE8M0=_ue8m0(scale_fmt), E4M3_BY_BITS=_E4M3_BY_BITS,
-            INTERPRET=_INTERPRET, num_warps=4 if block <= 4096 else 8)
+            INTERPRET=_INTERPRET, num_warps=4 if block <= 4096 else 8, **pdl.launch_options())
     return x_q, x_s, summed, out
 
 
@@ -130,8 +132,9 @@ def _qkv_epilogue_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_out_ptr, k
                          k_scale, v_scale, eps, stride_t, stride_cs, stride_qt, stride_cb, stride_co, stride_ch,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr,
                          HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, j): HEADS of token t's Hq + 2 Hkv head rows (q heads, then k, then v) from j * HEADS on."""
+    _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     dims = tl.arange(0, D)
@@ -195,14 +198,15 @@ def qkv_epilogue(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm
             qkv, cos, sin, q_norm, k_norm, q, k_cache, v_cache, slot_mapping, k_scale, v_scale, eps, qkv.stride(0),
             cos.stride(0), q.stride(0), *k_cache.stride()[:3], HQ=num_heads, HKV=num_kv_heads, D=head_dim,
             LOG2_D=head_dim.bit_length() - 1, HEADS=per_program, BLOCK_SIZE=k_cache.shape[1],
-            HAS_NORM=q_norm is not None, INTERPRET=_INTERPRET, num_warps=4)
+            HAS_NORM=q_norm is not None, INTERPRET=_INTERPRET, num_warps=4, **pdl.launch_options())
     return q
 
 
 @triton.jit
 def _silu_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, I, stride_x, stride_o, stride_q, stride_s,
                            CHUNK: tl.constexpr, QUANT: tl.constexpr, UE8M0: tl.constexpr, E4M3_BY_BITS: tl.constexpr,
-                           INTERPRET: tl.constexpr):
+                           INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    _pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     ok = cols < I
@@ -238,5 +242,5 @@ def silu_mul_quant(x: torch.Tensor, quant: bool = True, scale_fmt: str | None = 
         _silu_mul_quant_kernel[(rows, triton.cdiv(inter, chunk))](
             x, out, q, s, inter, x.stride(0), out.stride(0) if out is not None else 0, q.stride(0) if quant else 0,
             s.stride(0) if quant else 0, CHUNK=chunk, QUANT=quant, UE8M0=_ue8m0(scale_fmt),
-            E4M3_BY_BITS=_E4M3_BY_BITS, INTERPRET=_INTERPRET, num_warps=4)
+            E4M3_BY_BITS=_E4M3_BY_BITS, INTERPRET=_INTERPRET, num_warps=4, **pdl.launch_options())
     return (q, s) if quant else (out, None)

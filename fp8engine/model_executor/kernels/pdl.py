@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (PDL) of the decode path's Triton kernels (issue 64, item 4), Hopper and later.
+
+A kernel launched with PDL may start while the kernel before it in the stream is still finishing, instead of after
+it has ended and the launch latency has passed. For that to be safe each such kernel takes `PDL=True` and makes
+`griddepcontrol.wait` (fp8_triton._pdl_wait: until the kernel before has completed and its writes are visible) its
+first access to memory, so it never reads what the one before still writes nor writes what it still reads. Before
+the wait a GEMM fetches the first K blocks of its weight rows into L2 (fp8_triton._prefetch_l2): weights change only
+between steps, never inside one. No kernel signals its dependents early (griddepcontrol.launch_dependents): the next
+one is released as the last program of this one ends, so a kernel's waiting programs never hold an SM that its own
+later programs need. A kernel that does not take PDL (torch's, cuBLAS's) keeps the stream's full ordering.
+
+Which kernels: the fused decoder-layer kernels (norm_quant, qkv_epilogue, silu_mul_quant), the activation quant and
+FP8 GEMM, paged attention with its combine and the KV write, and the batch-invariant BF16 linear and RMSNorm.
+
+`FP8ENGINE_PDL=1` turns it on for CUDA engines on sm_90 and later (process-wide: the CUDA kernel set calls
+`configure` when an engine starts); it is off by default until a device run has checked it (benchmarks/gpu_perf.py
+and `make gpu-check` run it on and off), and always off under the Triton interpreter, which has no griddepcontrol.
+This module holds only the switch (no Triton): the kernel modules read it at each launch (`launch_options`).
+"""
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from fp8engine import envs
+
+_OPTIONS = {"PDL": True, "launch_pdl": True}  # the kernels' constexpr, and Triton's launch option
+_enabled = False
+
+
+def configure(device: torch.device) -> bool:
+    """On where FP8ENGINE_PDL=1, the device is sm_90 or later and Triton compiles natively; returns whether."""
+    global _enabled
+    import triton
+    _enabled = (envs.flag("FP8ENGINE_PDL") and not triton.knobs.runtime.interpret
+                and torch.cuda.get_device_capability(device)[0] >= 9)
+    return _enabled
+
+
+def launch_options() -> dict:
+    """The keyword arguments that launch a PDL kernel with it (none while it is off)."""
+    return _OPTIONS if _enabled else {}
+
+
+@contextlib.contextmanager
+def forced(on: bool) -> Iterator[None]:
+    """PDL on or off within the block, whatever the device (the compile tests capture launches on meta tensors)."""
+    global _enabled
+    saved, _enabled = _enabled, on
+    try:
+        yield
+    finally:
+        _enabled = saved
