@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 from fp8engine.model_executor.kernels import attention_triton as at  # noqa: E402
 from fp8engine.model_executor.kernels.attention_ref import (FP8_DTYPE, FP8_MAX, paged_attention_ref,  # noqa: E402
                                                             write_kv_cache_ref)
+from fp8engine.weights.quant import quantize_activation_groups  # noqa: E402
 from tests import attention_batches  # noqa: E402
 from tests.attention_batches import K_SCALE, Q_SCALE, V_SCALE, random_cache  # noqa: E402
 
@@ -73,6 +74,43 @@ def test_long_decode_contexts_split_over_the_keys_and_combine(cache_dtype, monke
     assert at.decode_splits(len(batch), 2, 704) == 1
     unsplit = at.paged_attention_triton(**args)
     assert torch.equal(out[2:4].view(torch.int16), unsplit[2:4].view(torch.int16))
+
+
+def _quantized_reference(args: dict, scale_fmt: str | None, batch_invariant: bool = False):
+    out = at.paged_attention_triton(**args, batch_invariant=batch_invariant)
+    return quantize_activation_groups(out.reshape(out.shape[0], -1), scale_fmt=scale_fmt)
+
+
+@pytest.mark.parametrize("case", ["decode", "mixed", "long", "bi", "full-fp8", "ue8m0"])
+def test_the_output_quantized_for_o_proj_in_the_attention_launch(case, monkeypatch):
+    """attention_quant (128-wide heads): the attention launch, or its combine on a split decode, writes the output
+    as the FP8 o_proj takes it, bit for bit the group quant of the rounded output (E4M3 codes, one scale a head);
+    tokens outside every sequence get zero codes and scales; other head sizes quantize after, the same bits."""
+    seqs = {"long": [(700, 1), (300, 1), (40, 1)], "mixed": BATCHES["mixed"]}.get(case, BATCHES["decode"])
+    cache = torch.bfloat16 if case == "mixed" else FP8_DTYPE
+    args = make_batch(seqs, 4, 2, 128, 8, cache, torch.bfloat16)
+    args["q"] = torch.cat([args["q"], torch.randn(2, 4, 128).bfloat16()])  # a graph's padding after the last
+    if case == "full-fp8":
+        args["fp8_q_scale"] = Q_SCALE
+    fmt, bi = "ue8m0" if case == "ue8m0" else None, case == "bi"
+    launches = []
+    monkeypatch.setattr(at, "per_token_group_quant_fp8", lambda *a: launches.append(a) or (_ for _ in ()).throw(
+        AssertionError("quantized after the launch")))
+    x_q, x_s = at.paged_attention_quant_triton(**args, scale_fmt=fmt, batch_invariant=bi)
+    monkeypatch.undo()
+    if case == "long":
+        assert at.decode_splits(3, 2, args["block_tables"].shape[1] * 8) > 1
+    want_q, want_s = _quantized_reference(args, fmt, bi)
+    assert x_q.shape == (len(args["q"]), 512) and x_s.shape == (len(args["q"]), 4)
+    assert torch.equal(x_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(x_s[:-2], want_s[:-2])
+    # padding: zero codes (as the group quant's of a zero row) with zero scales (its are 1e-12 / 448): o_proj gives
+    # the same zero rows
+    assert not x_q[-2:].view(torch.uint8).any() and not x_s[-2:].any()
+    small = make_batch(BATCHES["decode"], 4, 2, 64, 8, FP8_DTYPE, torch.bfloat16)
+    got = at.paged_attention_quant_triton(**small)
+    want = _quantized_reference(small, None)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    assert got[1].shape == (len(small["q"]), 2)  # 64-wide heads: two to a group
 
 
 def test_head_dim_not_a_power_of_two():

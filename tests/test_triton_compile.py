@@ -157,6 +157,11 @@ def expected_cvt(compiled, case_name: str) -> list[str]:
         return ["f32->e4m3"] if kv_mode == "fp8" else []
     if compiled.name == GDN:  # float32 in, state and out: no conversion
         return []
+    if "/attention_quant/" in case_name:  # attention (or its combine, on a split) rounds and quantizes o_proj's input
+        reads = ["e4m3->f16"] if case_name.split("/")[3] in ("fp8", "full-fp8") else []
+        if compiled.name == "_combine_kernel":
+            return ["f32->bf16", "f32->e4m3"]
+        return reads if compiled.constexprs.get("SPLITS", 1) > 1 else reads + ["f32->bf16", "f32->e4m3"]
     if "/fused/" in case_name:  # every fused kernel rounds to bf16; the quantizing ones and an FP8 cache to e4m3
         fp8 = "quant" in case_name or "/fp8/" in case_name
         return ["f32->bf16"] + (["f32->e4m3"] if fp8 else [])

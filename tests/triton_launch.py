@@ -436,6 +436,24 @@ def _attention_case(shape: ModelShape, batch: str, kv_mode: str, batch_invariant
                 functools.partial(attention_inputs, shape, batch, kv_mode), run, ref)
 
 
+def _attention_quant_case(shape: ModelShape, batch: str, kv_mode: str) -> Case:
+    """Attention writing its output as the FP8 o_proj's input (kernels.attention_quant: 128-wide heads), in its own
+    launch or, on a split decode, in the combine. Kind "fused": (codes, scales) against the reference's output
+    quantized by the group quant's reference."""
+    def run(mods, inputs):
+        return mods.attention.paged_attention_quant_triton(*_attention_args(inputs))
+
+    def ref(inputs):
+        from fp8engine.model_executor.kernels.attention_ref import paged_attention_ref
+        from fp8engine.weights.quant import quantize_activation_groups
+        out = paged_attention_ref(*_attention_args(inputs))
+        x_q, x_s = quantize_activation_groups(out.reshape(out.shape[0], -1))
+        x_s[int(inputs["query_start_loc"][-1]):] = 0.0  # tokens outside every sequence: zero codes, zero scales
+        return x_q, x_s
+    return Case(f"{shape.name}/fused/attention_quant/{kv_mode}/{batch}", "fused",
+                functools.partial(attention_inputs, shape, batch, kv_mode), run, ref)
+
+
 def _fused_cases(shape: ModelShape, tokens: str, kv_mode: str) -> list[Case]:
     """The fused decoder-layer kernels (kernels/fused_triton.py) at a step of this model: the norm with the residual
     add and the FP8 activation quant (and the final norm's BF16 row), the qkv epilogue into a `kv_mode` cache, silu
@@ -527,6 +545,8 @@ def engine_cases(shape: ModelShape, scale_fmts=(None,), kinds=KINDS, steps=tuple
             for step in steps:
                 if kv_mode != "full-fp8" and step in LINEAR_TOKENS:
                     fused |= {c.name: c for c in _fused_cases(shape, step, kv_mode)}
+                if shape.head_dim == 128 and step.startswith("decode"):  # o_proj's input from attention itself
+                    fused[f"attention_quant/{kv_mode}/{step}"] = _attention_quant_case(shape, step, kv_mode)
         cases += fused.values()
     return cases
 

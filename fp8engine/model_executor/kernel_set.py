@@ -80,11 +80,14 @@ class KernelSet:
     # norm_quant(x, residual, weight, eps, quant, normed, scale_fmt) -> (x_q, x_scale, x + residual, normed),
     # qkv_epilogue(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, k_scale, v_scale, Hq, Hkv, D) -> q,
     # silu_mul_quant(x, quant, scale_fmt) -> (x_q, x_scale) or (h, None); fp8_gemm(x_q, x_scale, w_q, w_scale_inv,
-    # out_dtype, bias) -> y: fp8_linear's GEMM on activations quantized by one of them
+    # out_dtype, bias) -> y: fp8_linear's GEMM on activations quantized by one of them; attention_quant(q, ...as
+    # paged_attention..., fp8_q_scale, scale_fmt) -> (x_q, x_scale): attention's output quantized for an FP8 o_proj
+    # in the attention launch itself
     norm_quant: Callable | None = None
     qkv_epilogue: Callable | None = None
     silu_mul_quant: Callable | None = None
     fp8_gemm: Callable | None = None
+    attention_quant: Callable | None = None
 
     @property
     def linear_name(self) -> str:
@@ -236,7 +239,7 @@ def _cuda(config: EngineConfig) -> KernelSet:
         fp8_gemm = functools.partial(fp8_triton.fp8_gemm_triton, batch_invariant=bi, deepgemm=deepgemm)
         names["fp8_linear"] = "deepgemm+triton" if deepgemm else "triton"
     fusion = envs.flag("FP8ENGINE_CUDA_FUSION")
-    names["fusion"] = "norm+qkv+act" if fusion else "off"
+    names["fusion"] = ("norm+qkv+attn+act" if config.quantization == "fp8" else "norm+qkv+act") if fusion else "off"
     names["pdl"] = "on" if pdl.configure(device) else "off"  # process-wide (kernels/pdl.py)
     if bi:  # one launch configuration for every batch size
         dense, names["dense_linear"] = dense_triton.linear_triton, "triton-bf16"
@@ -251,6 +254,8 @@ def _cuda(config: EngineConfig) -> KernelSet:
         lm_head, names["lm_head"] = (lambda x, w: dense(x, w, None)), names["dense_linear"]
     flashinfer = not bi and _probed("FlashInfer", attention_triton.probe_flashinfer, device)
     attend = functools.partial(attention_triton.paged_attention_triton, batch_invariant=bi, flashinfer=flashinfer)
+    attend_quant = functools.partial(attention_triton.paged_attention_quant_triton, batch_invariant=bi,
+                                     flashinfer=flashinfer)
     names["attention"] = "flashinfer+triton" if flashinfer else "triton"
     names["sampler"], names["moe"], names["gated_delta"] = "torch", "triton", "triton-recurrent"
 
@@ -266,7 +271,8 @@ def _cuda(config: EngineConfig) -> KernelSet:
                      gdn_recurrent=dense_triton.gdn_recurrent_triton,
                      norm_quant=fused_triton.norm_quant if fusion else None,
                      qkv_epilogue=fused_triton.qkv_epilogue if fusion else None,
-                     silu_mul_quant=fused_triton.silu_mul_quant if fusion else None, fp8_gemm=fp8_gemm)
+                     silu_mul_quant=fused_triton.silu_mul_quant if fusion else None, fp8_gemm=fp8_gemm,
+                     attention_quant=attend_quant if fusion and fp8_gemm is not None else None)
 
 
 def _probed(library: str, probe, device: torch.device) -> bool:

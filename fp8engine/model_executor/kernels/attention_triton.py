@@ -39,7 +39,9 @@ import triton.language as tl
 
 from fp8engine.model_executor.kernels.attention_ref import FP8_DTYPE, FP8_MAX, check_full_fp8
 from fp8engine.model_executor.kernels import pdl
-from fp8engine.model_executor.kernels.fp8_triton import _e4m3_from_bits, _pdl_wait, _prefetch_l2  # noqa: F401
+from fp8engine.model_executor.kernels.fp8_triton import (_block_scale, _e4m3_from_bits, _pdl_wait,  # noqa: F401
+                                                         _prefetch_l2, _quantize, _ue8m0, per_token_group_quant_fp8)
+from fp8engine.weights.quant import BLOCK
 
 
 _INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -195,16 +197,31 @@ def _load_v(v_cache_ptr, rows, key_ok, dims, dim_ok, MMA_DTYPE: tl.constexpr, IN
 
 
 @triton.jit
+def _quant_out(y, xq_ptr, xs_ptr, tok, head, dims, tile_ok, row_ok, stride_xq, stride_xs, HEAD_DIM: tl.constexpr,
+               UE8M0: tl.constexpr, INTERPRET: tl.constexpr):
+    """Output rows y [rows, HEAD_DIM] (token tok, head `head`; rounded to the model dtype already), each head one
+    1 x 128 activation group of the FP8 o_proj's input [T, Hq * 128], quantized as fp8_triton's group quant does:
+    E4M3 codes into xq [T, Hq * 128], the group's scale into xs [T, Hq]."""
+    x = tl.where(tile_ok, _upcast(y, tl.float32, INTERPRET), 0.0)
+    scale = _block_scale(tl.max(tl.abs(x), 1), UE8M0)
+    tl.store(xq_ptr + tok[:, None] * stride_xq + head[:, None] * HEAD_DIM + dims[None, :],
+             _quantize(x, scale[:, None], INTERPRET), mask=tile_ok)
+    tl.store(xs_ptr + tok * stride_xs + head, scale, mask=row_ok)
+
+
+@triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
         num_seqs, qk_scale, out_scale, q_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_cb, stride_cs, stride_ch, stride_bt, part_ptr, stats_ptr, num_tokens,
-        HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+        stride_cb, stride_cs, stride_ch, stride_bt, part_ptr, stats_ptr, num_tokens, xq_ptr, xs_ptr, stride_xq,
+        stride_xs, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MMA_DTYPE: tl.constexpr,
         FULL_FP8: tl.constexpr, SPLITS: tl.constexpr, PART: tl.constexpr, INTERPRET: tl.constexpr,
-        PDL: tl.constexpr = False):
+        QUANT: tl.constexpr = False, UE8M0: tl.constexpr = False, PDL: tl.constexpr = False):
     """SPLITS > 1 (decode, one query per sequence, not full FP8): program (q, kv head, s) walks keys s * PART ..
-    (s + 1) * PART and writes its unnormalised accumulator, max and sum (part / stats) for _combine_kernel."""
+    (s + 1) * PART and writes its unnormalised accumulator, max and sum (part / stats) for _combine_kernel.
+    QUANT (HEAD_DIM == 128): the output goes to the FP8 o_proj as its E4M3 codes and 1 x 128 scales (xq / xs,
+    _quant_out) instead of out (whose dtype is still the rounding's)."""
     _pdl_wait(PDL)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -279,17 +296,22 @@ def _paged_attention_kernel(
     else:
         acc *= (out_scale / row_sum)[:, None]
     out = _round(acc, out_ptr.dtype.element_ty, INTERPRET)
-    tl.store(out_ptr + (q_begin + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
-             + dims[None, :], out, mask=tile_ok)
+    if QUANT:
+        _quant_out(out, xq_ptr, xs_ptr, (q_begin + tok).to(tl.int64), head, dims, tile_ok, row_ok, stride_xq,
+                   stride_xs, HEAD_DIM, UE8M0, INTERPRET)
+    else:
+        tl.store(out_ptr + (q_begin + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
+                 + dims[None, :], out, mask=tile_ok)
 
 
 @triton.jit
 def _combine_kernel(part_ptr, stats_ptr, out_ptr, seq_lens_ptr, out_scale, num_tokens, stride_ot, stride_oh,
-                    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PART: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+                    xq_ptr, xs_ptr, stride_xq, stride_xs, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, INTERPRET: tl.constexpr,
+                    QUANT: tl.constexpr = False, UE8M0: tl.constexpr = False, PDL: tl.constexpr = False):
     """Decode token t's heads from its sequence's splits (ceil(keys / PART) of them), added in split order:
     out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) * out_scale, M the largest m_s; a sequence without keys
-    (a graph's padding) gets zeros."""
+    (a graph's padding) gets zeros. QUANT: quantized for the FP8 o_proj instead (_paged_attention_kernel's)."""
     _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -310,8 +332,12 @@ def _combine_kernel(part_ptr, stats_ptr, out_ptr, seq_lens_ptr, out_scale, num_t
         total += tl.load(stats_ptr + at * 2 + 1, mask=head_ok, other=0.0) * weight
         acc += tl.load(part_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=ok, other=0.0) * weight[:, None]
     acc *= tl.where(total > 0, out_scale / total, 0.0)[:, None]
-    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-             _round(acc, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
+    out = _round(acc, out_ptr.dtype.element_ty, INTERPRET)
+    if QUANT:
+        _quant_out(out, xq_ptr, xs_ptr, t + 0 * heads, heads, dims, ok, head_ok, stride_xq, stride_xs, HEAD_DIM,
+                   UE8M0, INTERPRET)
+    else:
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :], out, mask=ok)
 
 
 # Batch invariant: never specialised on num_seqs, the block-table width or the token count (Triton folds a 1 into
@@ -331,13 +357,24 @@ def _mma_dtype(q: torch.Tensor, k_cache: torch.Tensor, full_fp8: bool) -> tl.dty
 
 def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float,
-                      v_scale: float, fp8_q_scale: float | None, batch_invariant: bool = False) -> torch.Tensor:
+                      v_scale: float, fp8_q_scale: float | None, batch_invariant: bool = False,
+                      quant: bool = False, scale_fmt: str | None = None):
+    """out [T, Hq, D]; quant (D == 128): (x_q E4M3 [T, Hq * D], x_scale float32 [T, Hq]) for the FP8 o_proj, the
+    output rounded to q's dtype and quantized per head in the same launch. Tokens outside every sequence (a graph's
+    padding) stay zero either way: one zero-filled buffer."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # tokens outside every sequence stay zero
+    if quant:  # the codes and the scales share one zero-fill (one launch, as the plain output's)
+        raw = torch.zeros(num_tokens * num_heads * (head_dim + 4), dtype=torch.uint8, device=q.device)
+        x_q = raw[:num_tokens * num_heads * head_dim].view(FP8_DTYPE).view(num_tokens, num_heads * head_dim)
+        x_s = raw[num_tokens * num_heads * head_dim:].view(torch.float32).view(num_tokens, num_heads)
+        out, result = q, (x_q, x_s)  # out: never written, its dtype the rounding's
+    else:
+        out = result = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # tokens outside every sequence: zero
+        x_q = x_s = out
     if num_tokens == 0 or num_seqs == 0:
-        return out
+        return result
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need the same strides and a contiguous last dim")
     q = _last_dim_contiguous(q)
@@ -365,16 +402,18 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, num_seqs, qk_scale, out_scale,
         fp8_q_scale or 1.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
-        block_tables.stride(0), part, stats, num_tokens, HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=ATTENTION_BLOCK_N, BLOCK_D=block_d,
-        MMA_DTYPE=_mma_dtype(q, k_cache, full_fp8), FULL_FP8=full_fp8, SPLITS=splits, PART=SPLIT_KEYS,
-        INTERPRET=_INTERPRET, num_warps=4, **pdl.launch_options())
+        block_tables.stride(0), part, stats, num_tokens, x_q, x_s, x_q.stride(0), x_s.stride(0), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=ATTENTION_BLOCK_N,
+        BLOCK_D=block_d, MMA_DTYPE=_mma_dtype(q, k_cache, full_fp8), FULL_FP8=full_fp8, SPLITS=splits,
+        PART=SPLIT_KEYS, INTERPRET=_INTERPRET, QUANT=quant, UE8M0=_ue8m0(scale_fmt), num_warps=4,
+        **pdl.launch_options())
     if splits > 1:
         _combine_kernel[(num_tokens,)](
-            part, stats, out, seq_lens, out_scale, num_tokens, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=block_d, PART=SPLIT_KEYS,
-            INTERPRET=_INTERPRET, num_warps=4, **pdl.launch_options())
-    return out
+            part, stats, out, seq_lens, out_scale, num_tokens, out.stride(0), out.stride(1), x_q, x_s, x_q.stride(0),
+            x_s.stride(0), NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_D=block_d, PART=SPLIT_KEYS, INTERPRET=_INTERPRET, QUANT=quant, UE8M0=_ue8m0(scale_fmt),
+            num_warps=4, **pdl.launch_options())
+    return result
 
 
 ATTENTION_BLOCK_N = 32
@@ -478,3 +517,24 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if flashinfer and not batch_invariant and _flashinfer_fits(q, k_cache, fp8_q_scale):
         return _flashinfer_attention(*args)
     return _triton_attention(*args, fp8_q_scale, batch_invariant)
+
+
+def paged_attention_quant_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                                 fp8_q_scale: float | None = None, scale_fmt: str | None = None,
+                                 batch_invariant: bool = False,
+                                 flashinfer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention_triton's output [T, Hq * D] as the FP8 o_proj takes it: (E4M3 codes, 1 x 128 scales
+    [T, Hq * D / 128]), bit for bit its group quant (fp8_triton.per_token_group_quant_fp8) of the rounded output.
+    With D == 128 the attention launch (or its combine) writes them itself; otherwise, or on FlashInfer, the output
+    is quantized by its own launch after."""
+    if q.shape[-1] != BLOCK or (flashinfer and not batch_invariant and _flashinfer_fits(q, k_cache, fp8_q_scale)):
+        out = paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
+                                     v_scale, fp8_q_scale, batch_invariant, flashinfer)
+        return per_token_group_quant_fp8(out.reshape(q.shape[0], -1), BLOCK, scale_fmt)
+    check_full_fp8(k_cache, fp8_q_scale)
+    if k_cache.dtype != FP8_DTYPE:
+        k_scale = v_scale = 1.0
+    return _triton_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
+                             fp8_q_scale, batch_invariant, quant=True, scale_fmt=scale_fmt)

@@ -59,3 +59,11 @@ class Attention(nn.Module):
                                            meta.seq_lens, self.scale, self.k_scale, self.v_scale,
                                            self.q_scale or None)
         return out.reshape(q.shape[0], -1)
+
+    def attend_quantized(self, q: torch.Tensor, meta: AttentionMetadata,
+                         scale_fmt: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """attend's output as an FP8 o_proj takes it, (E4M3 [T, Hq * D], its 1 x 128 scales), quantized in the
+        attention launch (kernels.attention_quant: the fused CUDA path)."""
+        return self.kernels.attention_quant(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc,
+                                            meta.seq_lens, self.scale, self.k_scale, self.v_scale,
+                                            self.q_scale or None, scale_fmt)

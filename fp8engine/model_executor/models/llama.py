@@ -77,13 +77,18 @@ class DecoderAttention(nn.Module):
     def forward_fused(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                       meta: AttentionMetadata) -> torch.Tensor:
         """forward after qkv_proj on the fused path: q/k norm, RoPE (the step's cos / sin rows) and the cache write in
-        one kernel (kernels.qkv_epilogue), then attention and o_proj."""
+        one kernel (kernels.qkv_epilogue), then attention — which quantizes its output for an FP8 o_proj itself
+        (kernels.attention_quant) — and o_proj."""
         attn, norms = self.attn, (None, None, 0.0)
         if self.q_norm is not None:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = attn.kernels.qkv_epilogue(qkv, *rope, *norms, attn.k_cache, attn.v_cache, meta.slot_mapping, attn.k_scale,
                                       attn.v_scale, self.num_heads, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attn.attend(q, meta))
+        o = self.o_proj
+        if o.is_fp8 and attn.kernels.attention_quant is not None:
+            x_q, x_scale = attn.attend_quantized(q, meta, o.scale_fmt)
+            return o.forward_quantized(x_q, x_scale, qkv.dtype)
+        return o(attn.attend(q, meta))
 
 
 class MLP(nn.Module):
