@@ -40,6 +40,14 @@ EIGHT_B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, vocab_size=1024, max_position_embeddings=512, rms_norm_eps=1e-5)
 HBM_BYTES_PER_S = 4.8e12  # H200
+# A small Qwen3.5 (3 GDN layers, then gated attention) with its released head sizes: linear heads of 128, attention
+# heads of 256 with a quarter rotated (the text RoPE of its multimodal sections)
+HYBRID = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=256, vocab_size=4096, max_position_embeddings=4096, rms_norm_eps=1e-6,
+              linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128,
+              linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+              rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                                   mrope_section=[11, 11, 10]))
 
 
 def write_tokenizer(root: Path, vocab_size: int) -> None:
@@ -65,6 +73,43 @@ def model_dir(root: Path, shape: dict, weights: bool) -> str:
         config.save_pretrained(root)
     write_tokenizer(root, shape["vocab_size"])
     return str(root)
+
+
+def hybrid_dir(root: Path, shape: dict = HYBRID) -> str:
+    """A seeded random Qwen3.5 text model of `shape` in BF16, with a tokenizer."""
+    import transformers
+    root.mkdir(parents=True, exist_ok=True)
+    config = transformers.Qwen3_5TextConfig(bos_token_id=1, eos_token_id=2, **shape)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(root)
+    write_tokenizer(root, shape["vocab_size"])
+    return str(root)
+
+
+def check_hybrid(model: str, device: str, vocab: int, batch: int, tokens: int) -> dict:
+    """A hybrid model (hybrid_dir) on the device: BF16 teacher-forced logprobs against the CPU engine in float32,
+    and FP8 batch-invariant decode steps from CUDA graphs (its state slots in the static buffer) against eager
+    steps, bit for bit."""
+    prompts, responses = _prompts(4, 40, vocab, 21), _prompts(4, 16, vocab, 22)
+    raw = SamplingParams(temperature=1.0, logprobs_mode="raw")
+    scored = [LLMEngine(EngineConfig(model=model, device=where, dtype=dtype, num_kv_blocks=256)).score(
+        prompts, responses, raw) for where, dtype in ((device, "bfloat16"), ("cpu", "float32"))]
+    diff = max(abs(a - b) for x, y in zip(*scored) for a, b in zip(x, y))
+    options = dict(model=model, device=device, quantization="fp8", batch_invariant=True, num_kv_blocks=512,
+                   max_num_seqs=batch)
+    params = [SamplingParams(temperature=1.0, max_tokens=tokens + i % 3, ignore_eos=True, seed=23, logprobs=1)
+              for i in range(batch - 1)]
+    results, replays = [], 0
+    for eager in (False, True):
+        engine = LLMEngine(EngineConfig(enforce_eager=eager, **options))
+        outs = engine.generate(_prompts(batch - 1, 20, vocab, 24), params)
+        results.append([(c.token_ids, c.logprobs) for o in outs for c in o.outputs])
+        if not eager:
+            graphs = engine.runner.graphs
+            replays, mode = (graphs.num_replays if graphs is not None else 0), engine.get_stats().kernels["cuda_graphs"]
+        del engine
+    return _check("hybrid_qwen3_5", diff <= 0.25 and results[0] == results[1] and replays > 0,
+                  max_abs_logprob_diff_vs_cpu_fp32=float(f"{diff:.3g}"), graphs=mode, replays=replays)
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -6,7 +6,8 @@ that no longer fits --budget-s skipped (its file says so). In this order:
                 batch invariance, CUDA graphs against eager steps bitwise), the fused layers against the unfused ones
                 (FP8ENGINE_CUDA_FUSION=0: teacher-forced logprobs within a few bf16 roundings) and the fused kernel
                 cases (kernels/fused_triton.py) against their references natively, and the FP8 engine's tokens and
-                logprobs with programmatic dependent launch on and off, bitwise;
+                logprobs with programmatic dependent launch on and off, bitwise; a small Qwen3.5 (hybrid) against
+                the CPU engine and its decode steps from CUDA graphs against eager ones, bitwise;
   2. bandwidth  HBM ceilings measured here: a read (sum of a 2 GiB tensor) and a copy, GB/s;
   3. engine     an 8B-shaped Llama (random weights drawn on the device) at batch 1 / 64 / 256, BF16 and FP8, ms a
                 decode step from CUDA graphs beside the floor (the step's bytes / the measured read ceiling), and at
@@ -107,8 +108,11 @@ def checks(run: Run) -> dict:
     engine = gpu_engine.run(dry=run.dry, workdir=str(run.root / "checks"), only=only)  # dry: its own stand-in
     with run.device():
         rows = engine["engine_checks"] + [_fused_vs_unfused(run)]
-    if not run.dry:
+    if not run.dry:  # the hybrid engine on CUDA (issue 63) and PDL: too slow for the interpreter
         rows.append(_pdl_vs_off(run))
+        hybrid = gpu_engine.hybrid_dir(run.root / "hybrid")
+        rows.append(gpu_engine._guarded("hybrid_qwen3_5", gpu_engine.check_hybrid, hybrid, "cuda",
+                                        gpu_engine.HYBRID["vocab_size"], 16, 8))
     if not run.dry:
         from benchmarks import gpu_check
         kernels = gpu_check.run(["llama-7b"], 10, torch.device("cuda"), only="/fused/")
@@ -256,7 +260,7 @@ def peers(run: Run) -> dict:
     return {"peers": rows}
 
 
-SECTIONS = {"checks": (checks, 100), "bandwidth": (bandwidth, 10), "engine": (engine, 175), "gemm": (gemm, 40),
+SECTIONS = {"checks": (checks, 110), "bandwidth": (bandwidth, 10), "engine": (engine, 175), "gemm": (gemm, 40),
             "attention": (attention, 20), "profile": (profile, 30), "peers": (peers, 30)}  # estimated seconds
 
 

@@ -127,6 +127,35 @@ def test_other_steps_run_eagerly_and_a_failed_capture_switches_graphs_off(dev, m
     assert _results(off.generate(PROMPTS[:1], SEEDED)) == _results(engine.generate(PROMPTS[:1], SEEDED))
 
 
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory, tokenizer):
+    return save_tiny("qwen3_5", tmp_path_factory.mktemp("graphs_qwen3_5"), tokenizer, vocab_size=1024)
+
+
+def test_a_hybrid_models_decode_steps_from_graphs_equal_eager_steps_bitwise(dev, hybrid_model):
+    """Qwen3.5 (GDN layers and gated attention): decode steps replay from graphs, each row's state slot in the
+    static buffer, padding rows advancing the scratch slot past the scheduler's; tokens, logprobs, the KV cache and
+    every sequence's state slot bit for bit an eager engine's, n = 2 forks too. A decode step that writes a state
+    snapshot (prefix caching: a block filled) runs eagerly."""
+    options = dict(batch_invariant=True, quantization="fp8")
+    graphs = _engine(hybrid_model, **options)
+    runner = graphs.runner
+    assert runner.graphs is not None and graphs.get_stats().kernels["cuda_graphs"] == "decode"
+    eager = _engine(hybrid_model, enforce_eager=True, **options)
+    params = [SEEDED, dataclasses.replace(SEEDED, max_tokens=3), dataclasses.replace(SEEDED, max_tokens=7)]
+    got = _results(graphs.generate(PROMPTS, params))
+    assert got == _results(eager.generate(PROMPTS, params))
+    fork = SamplingParams(n=2, temperature=1.0, max_tokens=4, ignore_eos=True, seed=5, logprobs=0)
+    assert _results(graphs.generate(PROMPTS[:2], fork)) == _results(eager.generate(PROMPTS[:2], fork))
+    # 6 + 3 decode steps, one of them eager: the 30-token prompt's sequence fills its second block (a snapshot)
+    assert runner.graphs.num_replays == 8
+    scratch = runner.graph_state_scratch
+    with dev.allow_mixing():
+        assert torch.equal(runner.kv_cache.view(torch.uint8), eager.runner.kv_cache.view(torch.uint8))
+        for mine, theirs in zip(runner.states, eager.runner.states):
+            assert mine.shape[1] == scratch + 1 and torch.equal(mine[:, :scratch], theirs[:, :scratch])
+
+
 def test_engines_the_graphs_cannot_serve_say_why(model, tiny_dir):  # noqa: F811
     assert make_engine(model, num_kv_blocks=KV_BLOCKS).get_stats().kernels["cuda_graphs"] == "off: not a CUDA device"
     with FakeCuda():

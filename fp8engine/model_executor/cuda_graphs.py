@@ -10,16 +10,21 @@ shapes, every pointer and every Python number handed to a kernel. So:
     skips it), a context of one token over block 0. Their outputs are never read, and every kernel computes a
     row from that row alone, so real rows get what an eager step of the bucket's size gives them; with
     `batch_invariant=True` that is what an eager step of n rows gives, bit for bit.
-  * Static inputs: the step's token ids, positions, slots, context lengths and block tables go into one host
-    buffer (pinned where CUDA can pin it) and to the device in one copy; the graphs read that device buffer (their
-    first ops cast the lengths and tables to int32); the logits come back in a static output, sliced to n rows.
+  * Static inputs: the step's token ids, positions, slots, context lengths, a hybrid model's state slots and block
+    tables go into one host buffer (pinned where CUDA can pin it) and to the device in one copy; the graphs read
+    that device buffer (their first ops cast the lengths and tables to int32); the logits come back in a static
+    output, sliced to n rows.
+  * Hybrid models (Qwen3.5 dense, Qwen3-Next's dense layers aside): a decode step's GDN layers take their state slots
+    from the static buffer and their one-token lengths as known (AttentionMetadata.decode); padding rows advance the
+    state pool's scratch slot (one slot past those the scheduler hands out), never a sequence's. A step that writes a
+    state snapshot (prefix caching at a block's end) runs eagerly.
   * What is baked in: the KV scales (Python floats handed to the attention kernels) and the LoRA segments (read on
     the host). A step compares them with those of the capture and drops every graph when they changed (after a
     weight update that recalibrates the scales, or update_lora); buckets are captured again on first use.
   * Only pure decode steps: one new token per sequence, every row sampled, no draft tokens, no prompt logprobs,
     no KV observer (calibration). Anything else runs eagerly, as do engines the graphs cannot serve (not CUDA,
-    `enforce_eager=True`, MoE models, whose routing sorts on the host, FlashInfer attention, which plans on the
-    host); `get_stats().kernels["cuda_graphs"]` says which and why.
+    `enforce_eager=True`, MoE models, whose routing sorts on the host — hybrid MoE models too —, FlashInfer
+    attention, which plans on the host); `get_stats().kernels["cuda_graphs"]` says which and why.
 
 Capturing needs a CUDA device. `capture` is a parameter so the tests can drive the same buffers, padding and
 invalidation on the CPU (tests/test_cuda_graphs.py, under tests/fake_cuda.py: no host synchronisation inside
@@ -77,8 +82,6 @@ def unavailable_reason(config, runner) -> str | None:
         return "enforce_eager=True"
     if runner.moe_blocks:
         return "MoE routing sorts tokens by expert on the host"
-    if runner.gdn_layers:
-        return "hybrid model: its linear-attention layers step per sequence on the host"
     if runner.kernels.names.get("attention", "").startswith("flashinfer"):
         return "FlashInfer attention plans each batch on the host"
     return None
@@ -93,9 +96,12 @@ class DecodeGraphs:
         self.capture = capture
         top = self.sizes[-1]
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        # A bucket of b rows reads [ids | positions | slots | context lengths | block tables (b x max_blocks)], b
-        # of each, from the front of one int64 buffer: one host-to-device copy a step; the graph converts.
-        numel = top * (4 + self.max_blocks)
+        # A bucket of b rows reads [ids | positions | slots | context lengths | (state slots) | block tables
+        # (b x max_blocks)], b of each, from the front of one int64 buffer: one host-to-device copy a step; the
+        # graph converts.
+        self.hybrid = bool(runner.gdn_layers)
+        self.fields = 5 if self.hybrid else 4
+        numel = top * (self.fields + self.max_blocks)
         self.staging = pinned(numel)
         self.inputs = torch.zeros(numel, dtype=torch.int64, device=runner.device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=runner.device)  # a token a row
@@ -111,6 +117,8 @@ class DecodeGraphs:
             return False
         for item in scheduled:
             if item.num_new_tokens != 1 or item.draft or not item.samples or item.seq.needs_prompt_logprobs:
+                return False
+            if item.snapshots:  # a hybrid's state snapshot: written eagerly
                 return False
         return not any(layer.observer is not None for layer in self.runner.attn_layers)
 
@@ -151,24 +159,27 @@ class DecodeGraphs:
                 self.num_captures += 1
 
     def _views(self, buffer: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
-        """(ids, positions, slots, context lengths, block tables) of a bucket in `buffer`'s layout."""
-        fields = buffer[:4 * size].view(4, size).unbind(0)
-        return (*fields, buffer[4 * size:size * (4 + self.max_blocks)].view(size, self.max_blocks))
+        """(ids, positions, slots, context lengths, state slots or None, block tables) of a bucket in `buffer`'s
+        layout."""
+        f = self.fields
+        fields = list(buffer[:f * size].view(f, size).unbind(0)) + [None] * (5 - f)
+        return (*fields, buffer[f * size:size * (f + self.max_blocks)].view(size, self.max_blocks))
 
     def _forward(self, size: int) -> torch.Tensor:
-        ids, positions, slots, lens, tables = self._views(self.inputs, size)
+        ids, positions, slots, lens, states, tables = self._views(self.inputs, size)
         meta = AttentionMetadata(slot_mapping=slots, query_start_loc=self.query_start_loc[:size + 1],
-                                 seq_lens=lens.to(torch.int32), block_tables=tables.to(torch.int32))
+                                 seq_lens=lens.to(torch.int32), block_tables=tables.to(torch.int32),
+                                 state_slots=states, decode=True)
         model = self.runner.model
         return model.compute_logits(model(ids, positions, meta))
 
     def _stage(self, scheduled: list[ScheduledSeq], size: int, wait: bool = False) -> None:
         """The step's inputs into the pinned buffer, rows n..size as padding (token 0 at position 0, slot -1, a
-        one-token context over block 0), then to the device in one copy. Table columns past a sequence's blocks
+        one-token context over block 0, the state pool's scratch slot), then to the device in one copy. Table columns past a sequence's blocks
         keep what they held: attention reads a sequence's blocks only. The buffer is written again only after the
         copy is done: a graph step ends with the sampler's read of its results, and capture_all waits (`wait`)."""
         n, bs = len(scheduled), self.runner.block_size
-        ids, positions, slots, lens, tables = self._views(self.staging, size)
+        ids, positions, slots, lens, states, tables = self._views(self.staging, size)
         tok, pos, slot, length, rows = [], [], [], [], []
         for item in scheduled:
             seq = item.seq
@@ -187,7 +198,11 @@ class DecodeGraphs:
         if n and width:
             tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int64)
         tables[n:, 0] = 0
-        used = size * (4 + self.max_blocks)
+        if states is not None:
+            scratch = self.runner.graph_state_scratch
+            states[:size] = torch.tensor([item.seq.state_slot for item in scheduled] + [scratch] * pad,
+                                         dtype=torch.int64)
+        used = size * (self.fields + self.max_blocks)
         self.inputs[:used].copy_(self.staging[:used], non_blocking=not wait)
 
 

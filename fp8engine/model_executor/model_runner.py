@@ -289,7 +289,9 @@ class ModelRunner:
         if not self.gdn_layers:
             return []
         kinds = self.gdn_layers[0].state_shapes(self.dtype)
-        slots = self.total_state_slots()
+        # on CUDA one slot more, past the scheduler's: what a decode graph's padding rows advance (cuda_graphs.py)
+        self.graph_state_scratch = self.total_state_slots()
+        slots = self.graph_state_scratch + (self.device.type == "cuda")
         states = [self._zeros((len(self.gdn_layers), slots, *shape), dtype) for shape, dtype in kinds]
         for i, layer in enumerate(self.gdn_layers):
             layer.conv_state, layer.rec_state = states[0][i], states[1][i]

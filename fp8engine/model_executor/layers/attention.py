@@ -18,6 +18,8 @@ class AttentionMetadata:
     block_tables [S, max_blocks] int32.
     state_slots [S] int64: each sequence's slot in the state pool (hybrid models; None: one sequence from the zero
     state, a detached forward).
+    decode: every sequence has one new token (a CUDA graph's decode step): layers that need the lengths on the host
+    know them without reading them back.
     """
 
     slot_mapping: torch.Tensor
@@ -26,6 +28,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     state_slots: torch.Tensor | None = None
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    decode: bool = False
 
 
 class Attention(nn.Module):

@@ -339,7 +339,9 @@ class GatedDeltaNet(nn.Module):
         """x [T, hidden] of the step's sequences packed in order -> [T, hidden]; their states advanced in place, and
         the snapshots meta asks for written (a sequence's state after so many of its new tokens)."""
         t, slots = x.shape[0], meta.state_slots
-        starts, lens = self._spans(meta)
+        # a graph's decode step: one token a sequence, the bounds on the device (nothing read back inside a capture)
+        starts, lens = (None, [1] * t) if meta.decode else self._spans(meta)
+        bounds = meta.query_start_loc if meta.decode else None
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(t, self.num_v_heads, self.head_v_dim)
         g, beta = decay_and_beta(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
@@ -361,7 +363,7 @@ class GatedDeltaNet(nn.Module):
                 conv_out, new_conv = causal_conv1d_batch(mixed, conv_states, self.conv1d.weight[:, 0])
             else:
                 conv_out, new_conv = self._conv_each(mixed, conv_states, lens)
-            core = self._delta(conv_out, g, beta, pool, index, starts, lens)
+            core = self._delta(conv_out, g, beta, pool, index, starts, lens, bounds)
         if slots is not None:
             self.conv_state[slots] = new_conv
             for i, n, slot in snapshots:
@@ -385,14 +387,15 @@ class GatedDeltaNet(nn.Module):
             convs.append(conv)
         return torch.cat(outs), torch.stack(convs)
 
-    def _delta(self, conv_out, g, beta, pool: torch.Tensor, index: torch.Tensor, starts: list[int],
-               lens: list[int]) -> torch.Tensor:
+    def _delta(self, conv_out, g, beta, pool: torch.Tensor, index: torch.Tensor, starts: list[int] | None,
+               lens: list[int], bounds: torch.Tensor | None = None) -> torch.Tensor:
         """The delta rule over the packed sequences whose recurrent states are pool[index], advanced in place:
         the kernel set's recurrent form where there is one, else the references (recurrent when exact or decoding, the
-        chunked form on each sequence's grid otherwise) -> o [T, Hv, dv] float32."""
+        chunked form on each sequence's grid otherwise) -> o [T, Hv, dv] float32. bounds: the sequences' first rows
+        and the end (the lengths' running sum) where the device has them already."""
         q, k, v = self._split_qkv(conv_out)
         if self.gdn_kernel is not None:
-            bounds = torch.tensor([0, *lens]).cumsum(0)
+            bounds = torch.tensor([0, *lens]).cumsum(0) if bounds is None else bounds
             return self.gdn_kernel(*kernel_inputs(q, k, v, g, beta), pool, index, bounds)
         states = pool[index]
         if self.recurrent or all(n == 1 for n in lens):
