@@ -175,9 +175,10 @@ class DecodeGraphs:
 
     def _stage(self, scheduled: list[ScheduledSeq], size: int, wait: bool = False) -> None:
         """The step's inputs into the pinned buffer, rows n..size as padding (token 0 at position 0, slot -1, a
-        one-token context over block 0, the state pool's scratch slot), then to the device in one copy. Table columns past a sequence's blocks
-        keep what they held: attention reads a sequence's blocks only. The buffer is written again only after the
-        copy is done: a graph step ends with the sampler's read of its results, and capture_all waits (`wait`)."""
+        one-token context over block 0, the state pool's scratch slot), then to the device in one copy. Table
+        columns past a sequence's blocks keep what they held: attention reads a sequence's blocks only. The buffer
+        is written again only after the copy is done: a graph step ends with the sampler's read of its results, and
+        capture_all waits (`wait`)."""
         n, bs = len(scheduled), self.runner.block_size
         ids, positions, slots, lens, states, tables = self._views(self.staging, size)
         tok, pos, slot, length, rows = [], [], [], [], []
