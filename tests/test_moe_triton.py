@@ -34,14 +34,19 @@ def inputs(dtype: torch.dtype, tokens: int = T):
 
 
 def test_align_rows_gives_every_row_once_and_one_expert_per_tile():
+    """A fixed tile count for the row count (ceil(9 / 4) + 4 = 7, nothing read back for a CUDA graph), the tiles
+    past the last expert's marked -1 and empty; experts without rows get no tile."""
     flat = torch.tensor([3, 0, 3, 1, 3, 3, 0, 2, 3])
     rows, tile_expert = mt.align_rows(flat, E, 4)
-    assert len(rows) == 4 * len(tile_expert) and tile_expert.tolist() == [0, 1, 2, 3, 3]
+    assert len(rows) == 4 * len(tile_expert) and tile_expert.tolist() == [0, 1, 2, 3, 3, -1, -1]
     real = rows[rows < len(flat)]
     assert sorted(real.tolist()) == list(range(len(flat)))
     tiles = rows.view(-1, 4)
     for tile, e in zip(tiles, tile_expert):
         assert all(flat[r] == e for r in tile.tolist() if r < len(flat))
+    assert (tiles[5:] == len(flat)).all()
+    rows, tile_expert = mt.align_rows(torch.tensor([2, 2]), E, 4)
+    assert tile_expert.tolist() == [2, -1, -1] and rows[:4].tolist() == [0, 1, 2, 2]
 
 
 @pytest.mark.parametrize("inter", [64, 128])  # gate / up shards off and on the 128-row scale grid

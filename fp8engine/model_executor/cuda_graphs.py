@@ -14,17 +14,20 @@ shapes, every pointer and every Python number handed to a kernel. So:
     tables go into one host buffer (pinned where CUDA can pin it) and to the device in one copy; the graphs read
     that device buffer (their first ops cast the lengths and tables to int32); the logits come back in a static
     output, sliced to n rows.
-  * Hybrid models (Qwen3.5 dense, Qwen3-Next's dense layers aside): a decode step's GDN layers take their state slots
+  * Hybrid models (Qwen3.5 dense and MoE, Qwen3-Next): a decode step's GDN layers take their state slots
     from the static buffer and their one-token lengths as known (AttentionMetadata.decode); padding rows advance the
     state pool's scratch slot (one slot past those the scheduler hands out), never a sequence's. A step that writes a
     state snapshot (prefix caching at a block's end) runs eagerly.
   * What is baked in: the KV scales (Python floats handed to the attention kernels) and the LoRA segments (read on
     the host). A step compares them with those of the capture and drops every graph when they changed (after a
     weight update that recalibrates the scales, or update_lora); buckets are captured again on first use.
+  * MoE models: the routing (kernels/moe_triton.align_rows) sorts a step's rows by expert on the device into a
+    fixed number of tiles for the row count, so a graph holds it; padding rows record their experts at slot -1,
+    the routed-experts buffer's spare last row.
   * Only pure decode steps: one new token per sequence, every row sampled, no draft tokens, no prompt logprobs,
     no KV observer (calibration). Anything else runs eagerly, as do engines the graphs cannot serve (not CUDA,
-    `enforce_eager=True`, MoE models, whose routing sorts on the host — hybrid MoE models too —, FlashInfer
-    attention, which plans on the host); `get_stats().kernels["cuda_graphs"]` says which and why.
+    `enforce_eager=True`, FlashInfer attention, which plans on the host); `get_stats().kernels["cuda_graphs"]`
+    says which and why.
 
 Capturing needs a CUDA device. `capture` is a parameter so the tests can drive the same buffers, padding and
 invalidation on the CPU (tests/test_cuda_graphs.py, under tests/fake_cuda.py: no host synchronisation inside
@@ -80,8 +83,6 @@ def unavailable_reason(config, runner) -> str | None:
         return "not a CUDA device"
     if config.enforce_eager:
         return "enforce_eager=True"
-    if runner.moe_blocks:
-        return "MoE routing sorts tokens by expert on the host"
     if runner.kernels.names.get("attention", "").startswith("flashinfer"):
         return "FlashInfer attention plans each batch on the host"
     return None

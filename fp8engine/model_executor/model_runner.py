@@ -275,13 +275,14 @@ class ModelRunner:
         return tensor
 
     def _allocate_routed_experts(self) -> torch.Tensor | None:
-        """[KV slots, MoE layers, top_k]: the experts each cached token was routed to (None if dense). Kept
-        per slot, like the KV, so prefix-cache hits, forks and recomputes carry their tokens' routing."""
+        """[KV slots + 1, MoE layers, top_k]: the experts each cached token was routed to (None if dense). Kept
+        per slot, like the KV, so prefix-cache hits, forks and recomputes carry their tokens' routing; the last row
+        takes what slot -1 writes (a CUDA graph's padding rows), no token's."""
         if not self.moe_blocks:
             return None
         top_k, num_experts = self.moe_blocks[0].top_k, self.moe_blocks[0].experts.num_experts
         dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
-        return self._zeros((self.num_blocks * self.block_size, len(self.moe_blocks), top_k), dtype)
+        return self._zeros((self.num_blocks * self.block_size + 1, len(self.moe_blocks), top_k), dtype)
 
     def _allocate_states(self) -> list[torch.Tensor]:
         """The state pool: per kind of state (conv, recurrent) one [GDN layers, slots, ...] tensor, zero (the KV
@@ -339,7 +340,9 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in copies], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
             if self.routed_experts is not None:
-                routed = self.routed_experts.view(self.num_blocks, self.block_size, *self.routed_experts.shape[1:])
+                slots = self.num_blocks * self.block_size
+                routed = self.routed_experts[:slots].view(self.num_blocks, self.block_size,
+                                                          *self.routed_experts.shape[1:])
                 routed[dst] = routed[src]
 
     # ------------------------------------------------------------------ tensor parallelism (rank 0's side)

@@ -33,6 +33,8 @@ def _moe_gemm_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, scale_rows_ptr, c_p
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # a tile past the last expert's (align_rows launches a fixed count)
+        return
     rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     mask_m = rows < num_rows
     a_rows = rows // a_row_div  # GEMM 1 reads token row // k of x, GEMM 2 its own row
@@ -68,18 +70,25 @@ _moe_gemm_kernel_bi = triton.jit(do_not_specialize=["num_rows"])(_moe_gemm_kerne
 
 def align_rows(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows: the row indices of flat_ids sorted by expert, each expert's run padded with len(flat_ids) to a
-    multiple of block_m; tile_expert: the expert of each block_m tile)."""
+    multiple of block_m; tile_expert: the expert of each block_m tile, -1 for the tiles past the last expert's).
+
+    The tile count is the most n rows can need, ceil(n / block_m) + min(E, n) (each expert's run adds at most one
+    partial tile), fixed by n: nothing is read back to the host, so a CUDA graph holds the routing (bincount, which
+    reads its maximum back on CUDA, is a scatter-add here)."""
+    n, device = len(flat_ids), flat_ids.device
+    max_tiles = cdiv(n, block_m) + min(num_experts, n)
     order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat_ids, torch.ones_like(flat_ids))
     padded = (counts + block_m - 1) // block_m * block_m
     start, padded_start = counts.cumsum(0) - counts, padded.cumsum(0) - padded
     sorted_ids = flat_ids[order]
-    rank = torch.arange(len(flat_ids), device=flat_ids.device) - start[sorted_ids]
-    rows = torch.full((int(padded.sum()),), len(flat_ids), dtype=torch.int32, device=flat_ids.device)
+    rank = torch.arange(n, device=device) - start[sorted_ids]
+    rows = torch.full((max_tiles * block_m,), n, dtype=torch.int32, device=device)
     rows[padded_start[sorted_ids] + rank] = order.to(torch.int32)
-    tile_expert = torch.repeat_interleave(torch.arange(num_experts, dtype=torch.int32, device=flat_ids.device),
-                                          padded // block_m)
-    return rows, tile_expert
+    tiles_end = (padded // block_m).cumsum(0)  # one past each expert's last tile
+    tile_expert = torch.searchsorted(tiles_end, torch.arange(max_tiles, device=device), right=True).to(torch.int32)
+    return rows, tile_expert.masked_fill_(tile_expert >= num_experts, -1)
 
 
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor | None,
