@@ -75,13 +75,17 @@ def model_dir(root: Path, shape: dict, weights: bool) -> str:
     return str(root)
 
 
-def hybrid_dir(root: Path, shape: dict = HYBRID) -> str:
-    """A seeded random Qwen3.5 text model of `shape` in BF16, with a tokenizer."""
+def hybrid_dir(root: Path, shape: dict = HYBRID, weights: bool = True) -> str:
+    """A Qwen3.5 text model of `shape` with a tokenizer: seeded random BF16 weights, or with `weights=False` the
+    config alone (load_format "dummy" draws them on the device)."""
     import transformers
     root.mkdir(parents=True, exist_ok=True)
     config = transformers.Qwen3_5TextConfig(bos_token_id=1, eos_token_id=2, **shape)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(root)
+    if weights:
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(root)
+    else:
+        config.save_pretrained(root)
     write_tokenizer(root, shape["vocab_size"])
     return str(root)
 

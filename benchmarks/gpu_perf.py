@@ -21,7 +21,9 @@ that no longer fits --budget-s skipped (its file says so). In this order:
   6. profile    the kernels of an eager FP8 decode step by device time (benchmarks/gpu_profile.py);
   7. peers      vLLM's Triton block-FP8 GEMM when its file is carried (benchmarks/peers/vllm_w8a8_block_fp8.py, not
                 committed: `fetch` it before the run) and FlashInfer's fp8_blockscale_gemm_sm90 when it imports and
-                loads within 30 s; otherwise the row says why not.
+                loads within 30 s; otherwise the row says why not;
+  8. hybrid     Qwen3.5-2B's shape (a hybrid: GDN and gated attention) at batch 1 and 64, BF16 and FP8, from CUDA
+                graphs, and FP8 at batch 1 eager: last, so it runs only where the budget is left.
 
     python -m benchmarks.gpu_perf [--out bench_results/gpu_perf] [--budget-s 360] [--sections engine,gemm]
     TRITON_INTERPRET=1 python -m benchmarks.gpu_perf --dry-run        (CPU: tiny shapes, the stand-in device; CI)
@@ -239,6 +241,21 @@ def attention(run: Run) -> dict:
     return {"rows": rows}
 
 
+def hybrid(run: Run) -> dict:
+    """Qwen3.5-2B's shape (fp8engine/bench/model_shapes.py's qwen3.5-2b-shape; weights drawn on the device): decode
+    ms a step at batch 1 and 64, BF16 and FP8, from CUDA graphs, and FP8 at batch 1 eager (what the graphs save)."""
+    from fp8engine.bench import model_shapes
+    _, sizes = model_shapes.SHAPES["qwen3.5-2b-shape"]
+    shape = gpu_engine.HYBRID if run.dry else dict(sizes, vocab_size=151936)
+    shape = {k: v for k, v in shape.items() if k != "architectures"}
+    model = gpu_engine.hybrid_dir(run.root / "qwen3.5-2b", shape, weights=False)
+    steps, prompt_len = (2, 16) if run.dry else (16, 128)
+    runs = [(b, q, False) for q in (None, "fp8") for b in ((1,) if run.dry else (1, 64))] + [(1, "fp8", True)]
+    rows = [gpu_engine.decode_speed(model, "cuda", b, q, steps, prompt_len, enforce_eager=eager) | {"eager": eager}
+            for b, q, eager in runs]
+    return {"shape": "qwen3.5-2b-shape", "rows": rows}
+
+
 def profile(run: Run) -> dict:
     if run.dry:
         return {"skipped": "needs the CUDA profiler"}
@@ -261,7 +278,8 @@ def peers(run: Run) -> dict:
 
 
 SECTIONS = {"checks": (checks, 110), "bandwidth": (bandwidth, 10), "engine": (engine, 175), "gemm": (gemm, 40),
-            "attention": (attention, 20), "profile": (profile, 30), "peers": (peers, 30)}  # estimated seconds
+            "attention": (attention, 20), "profile": (profile, 30), "peers": (peers, 30),
+            "hybrid": (hybrid, 60)}  # estimated seconds
 
 
 def main(argv: list[str] | None = None) -> int:
