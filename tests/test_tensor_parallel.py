@@ -108,22 +108,29 @@ def test_row_parallel_biases_are_added_once(tmp_path, tokenizer):
         engines[1].shutdown()
 
 
+def _adapters_match_one_rank(engines, adapter) -> list:
+    """engines (T = 1, T = 2) take adapter(rank, seed) at rank 8, then a smaller one at rank 4: T = 2's greedy tokens
+    are T = 1's and its logprobs within 1e-4 (float32), and the adapter changed them; returns the last outputs."""
+    base = [o.outputs[0].logprobs for o in engines[1].generate(PROMPTS, GREEDY)]
+    for rank, seed in ((8, 1), (4, 2)):
+        outs = []
+        for e in engines:
+            e.update_lora(adapter(rank, seed), scaling=2.0)
+            outs.append(e.generate(PROMPTS, GREEDY))
+        assert _tokens(outs[0]) == _tokens(outs[1])
+        for a, b, plain in zip(*outs, base):
+            assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
+            assert b.outputs[0].logprobs != plain  # the adapter changed something
+    return outs
+
+
 def test_lora_on_column_and_row_parallel_layers(tp2_dir):
     """A's columns split on o_proj and down_proj (the adapter's part of the partial sums), B's rows on q/k/v and
     gate/up; float32 T = 2 equals T = 1, and a second, smaller adapter replaces the first on every rank."""
     engines = [make_engine(tp2_dir, dtype="float32", num_kv_blocks=32, max_lora_rank=8, tensor_parallel_size=t)
                for t in (1, 2)]
     try:
-        base = [o.outputs[0].logprobs for o in engines[1].generate(PROMPTS, GREEDY)]
-        for rank, seed in ((8, 1), (4, 2)):
-            outs = []
-            for e in engines:
-                e.update_lora(random_adapter(dict(TP2_SHAPE, head_dim=64), rank, seed), scaling=2.0)
-                outs.append(e.generate(PROMPTS, GREEDY))
-            assert _tokens(outs[0]) == _tokens(outs[1])
-            for a, b, plain in zip(*outs, base):
-                assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
-                assert b.outputs[0].logprobs != plain  # the adapter changed something
+        _adapters_match_one_rank(engines, lambda rank, seed: random_adapter(dict(TP2_SHAPE, head_dim=64), rank, seed))
     finally:
         engines[1].shutdown()
 
@@ -308,16 +315,7 @@ def test_lora_on_a_hybrid_model_splits_with_its_layers(tmp_path, tokenizer):
     engines = [make_engine(model, dtype="float32", num_kv_blocks=32, max_lora_rank=8, tensor_parallel_size=t)
                for t in (1, 2)]
     try:
-        base = [o.outputs[0].logprobs for o in engines[1].generate(PROMPTS, GREEDY)]
-        for rank, seed in ((8, 1), (4, 2)):
-            outs = []
-            for e in engines:
-                e.update_lora(_hybrid_adapter(rank, seed), scaling=2.0)
-                outs.append(e.generate(PROMPTS, GREEDY))
-            assert _tokens(outs[0]) == _tokens(outs[1])
-            for a, b, plain in zip(*outs, base):
-                assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 1e-4
-                assert b.outputs[0].logprobs != plain  # the adapter changed something
+        outs = _adapters_match_one_rank(engines, _hybrid_adapter)
         with pytest.raises(ValueError, match=r"in_proj_qkv.lora_B.weight'.*shape \(511, 4\), expected \(512, 4\)"):
             engines[1].update_lora({**_hybrid_adapter(4, 3), "base_model.model.model.layers.0.linear_attn."
                                     "in_proj_qkv.lora_B.weight": torch.zeros(511, 4)})
