@@ -6,8 +6,7 @@ that no longer fits --budget-s skipped (its file says so). In this order:
                 batch invariance, CUDA graphs against eager steps bitwise), the fused layers against the unfused ones
                 (FP8ENGINE_CUDA_FUSION=0: teacher-forced logprobs within a few bf16 roundings) and the fused kernel
                 cases (kernels/fused_triton.py) against their references natively, and the FP8 engine's tokens and
-                logprobs with programmatic dependent launch on and off, bitwise; a small Qwen3.5 (hybrid) against
-                the CPU engine and its decode steps from CUDA graphs against eager ones, bitwise;
+                logprobs with programmatic dependent launch on and off, bitwise;
   2. bandwidth  HBM ceilings measured here: a read (sum of a 2 GiB tensor) and a copy, GB/s;
   3. engine     an 8B-shaped Llama (random weights drawn on the device) at batch 1 / 64 / 256, BF16 and FP8, ms a
                 decode step from CUDA graphs beside the floor (the step's bytes / the measured read ceiling), and at
@@ -22,8 +21,10 @@ that no longer fits --budget-s skipped (its file says so). In this order:
   7. peers      vLLM's Triton block-FP8 GEMM when its file is carried (benchmarks/peers/vllm_w8a8_block_fp8.py, not
                 committed: `fetch` it before the run) and FlashInfer's fp8_blockscale_gemm_sm90 when it imports and
                 loads within 30 s; otherwise the row says why not;
-  8. hybrid     Qwen3.5-2B's shape (a hybrid: GDN and gated attention) at batch 1 and 64, BF16 and FP8, from CUDA
-                graphs, and FP8 at batch 1 eager: last, so it runs only where the budget is left.
+  8. hybrid     the hybrid engine on CUDA (issue 63): a small Qwen3.5 against the CPU engine and its decode steps
+                from CUDA graphs against eager ones, bitwise (hybrid_qwen3_5); Qwen3.5-2B's shape at batch 1 and
+                64, BF16 and FP8, from CUDA graphs, and FP8 at batch 1 eager: last, so it runs only where the budget
+                is left (`--budget-s 480`, or `--sections hybrid` alone).
 
     python -m benchmarks.gpu_perf [--out bench_results/gpu_perf] [--budget-s 360] [--sections engine,gemm]
     TRITON_INTERPRET=1 python -m benchmarks.gpu_perf --dry-run        (CPU: tiny shapes, the stand-in device; CI)
@@ -110,11 +111,8 @@ def checks(run: Run) -> dict:
     engine = gpu_engine.run(dry=run.dry, workdir=str(run.root / "checks"), only=only)  # dry: its own stand-in
     with run.device():
         rows = engine["engine_checks"] + [_fused_vs_unfused(run)]
-    if not run.dry:  # the hybrid engine on CUDA (issue 63) and PDL: too slow for the interpreter
+    if not run.dry:  # PDL: never on under the interpreter
         rows.append(_pdl_vs_off(run))
-        hybrid = gpu_engine.hybrid_dir(run.root / "hybrid")
-        rows.append(gpu_engine._guarded("hybrid_qwen3_5", gpu_engine.check_hybrid, hybrid, "cuda",
-                                        gpu_engine.HYBRID["vocab_size"], 16, 8))
     if not run.dry:
         from benchmarks import gpu_check
         kernels = gpu_check.run(["llama-7b"], 10, torch.device("cuda"), only="/fused/")
@@ -242,9 +240,16 @@ def attention(run: Run) -> dict:
 
 
 def hybrid(run: Run) -> dict:
-    """Qwen3.5-2B's shape (fp8engine/bench/model_shapes.py's qwen3.5-2b-shape; weights drawn on the device): decode
-    ms a step at batch 1 and 64, BF16 and FP8, from CUDA graphs, and FP8 at batch 1 eager (what the graphs save)."""
+    """The hybrid engine on CUDA: gpu_engine.check_hybrid on a small seeded Qwen3.5 (not in a dry run: minutes on the
+    interpreter), then Qwen3.5-2B's shape (fp8engine/bench/model_shapes.py's qwen3.5-2b-shape; weights drawn on the
+    device): decode ms a step at batch 1 and 64, BF16 and FP8, from CUDA graphs, and FP8 at batch 1 eager (what the
+    graphs save)."""
     from fp8engine.bench import model_shapes
+    checks = []
+    if not run.dry:
+        small = gpu_engine.hybrid_dir(run.root / "hybrid")
+        checks.append(gpu_engine._guarded("hybrid_qwen3_5", gpu_engine.check_hybrid, small, "cuda",
+                                          gpu_engine.HYBRID["vocab_size"], 16, 8))
     _, sizes = model_shapes.SHAPES["qwen3.5-2b-shape"]
     shape = gpu_engine.HYBRID if run.dry else dict(sizes, vocab_size=151936)
     shape = {k: v for k, v in shape.items() if k != "architectures"}
@@ -253,7 +258,8 @@ def hybrid(run: Run) -> dict:
     runs = [(b, q, False) for q in (None, "fp8") for b in ((1,) if run.dry else (1, 64))] + [(1, "fp8", True)]
     rows = [gpu_engine.decode_speed(model, "cuda", b, q, steps, prompt_len, enforce_eager=eager) | {"eager": eager}
             for b, q, eager in runs]
-    return {"shape": "qwen3.5-2b-shape", "rows": rows}
+    return {"checks": checks, "failures": [r["check"] for r in checks if not r.get("ok", True)],
+            "shape": "qwen3.5-2b-shape", "rows": rows}
 
 
 def profile(run: Run) -> dict:
@@ -277,9 +283,9 @@ def peers(run: Run) -> dict:
     return {"peers": rows}
 
 
-SECTIONS = {"checks": (checks, 110), "bandwidth": (bandwidth, 10), "engine": (engine, 175), "gemm": (gemm, 40),
+SECTIONS = {"checks": (checks, 100), "bandwidth": (bandwidth, 10), "engine": (engine, 175), "gemm": (gemm, 40),
             "attention": (attention, 20), "profile": (profile, 30), "peers": (peers, 30),
-            "hybrid": (hybrid, 60)}  # estimated seconds
+            "hybrid": (hybrid, 90)}  # estimated seconds
 
 
 def main(argv: list[str] | None = None) -> int:
