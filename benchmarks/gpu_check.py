@@ -76,7 +76,7 @@ def _compare(case: triton_launch.Case, inputs: dict, out, ref) -> dict:
     err = (out - ref).abs()
     scale = ref.abs().max().clamp_min(1e-30)
     result = {"max_abs_err": float(err.max()), "max_rel_err": float(err.max() / scale)}
-    if case.kind in ("linear", "dense", "lora", "gdn"):
+    if case.kind in ("linear", "dense", "lora", "gdn", "moe"):
         result["ok"] = result["max_rel_err"] <= LINEAR_TOL
         return result
     rtol = BF16_RTOL if inputs["q"].dtype == torch.bfloat16 else 1e-5

@@ -143,17 +143,19 @@ def native_kernels() -> SimpleNamespace:
             dense = _load_copy("dense_triton")
             with _as_imported("fp8_triton", fp8):
                 fused = _load_copy("fused_triton")
-    return SimpleNamespace(fp8=fp8, attention=attention, dense=dense, fused=fused)
+                moe = _load_copy("moe_triton")
+    return SimpleNamespace(fp8=fp8, attention=attention, dense=dense, fused=fused, moe=moe)
 
 
 def canonical_kernels() -> SimpleNamespace:
     """The modules the engine imports (on CUDA, without the interpreter)."""
-    from fp8engine.model_executor.kernels import attention_triton, dense_triton, fp8_triton, fused_triton
-    return SimpleNamespace(fp8=fp8_triton, attention=attention_triton, dense=dense_triton, fused=fused_triton)
+    from fp8engine.model_executor.kernels import attention_triton, dense_triton, fp8_triton, fused_triton, moe_triton
+    return SimpleNamespace(fp8=fp8_triton, attention=attention_triton, dense=dense_triton, fused=fused_triton,
+                           moe=moe_triton)
 
 
 def _modules(mods: SimpleNamespace) -> tuple:
-    return tuple(getattr(mods, name) for name in ("fp8", "attention", "dense", "fused") if hasattr(mods, name))
+    return tuple(getattr(mods, name) for name in ("fp8", "attention", "dense", "fused", "moe") if hasattr(mods, name))
 
 
 def kernel_names(mods: SimpleNamespace) -> dict[str, object]:
@@ -588,6 +590,41 @@ def _gdn_case(shape: ModelShape, step: str) -> Case:
     return Case(f"{shape.name}/gdn/{step}", "gdn", make, run, ref)
 
 
+# MoE layers (moe_triton.fused_moe_triton) at Qwen3-30B-A3B's sizes: 128 experts of 768, top 8, hidden 2048
+MOE_SHAPE = dict(experts=128, top_k=8, hidden=2048, inter=768)
+
+
+def _moe_case(label: str, tokens: str, fp8: bool, batch_invariant: bool = False) -> Case:
+    """A MoE block's experts at LINEAR_TOKENS[tokens] rows: the grouped GEMM twice (gate_up, then down) over the
+    rows sorted by expert (align_rows' fixed tile count), FP8 with its activation quants or BF16."""
+    m, (e, k, h, i) = LINEAR_TOKENS[tokens], MOE_SHAPE.values()
+
+    def make(device):
+        meta = torch.device(device).type == "meta"
+        ids = torch.empty(m, k, dtype=torch.int64, device=device) if meta else torch.stack(
+            [torch.randperm(e, device=device)[:k] for _ in range(m)])
+        weights = _randn((m, k), torch.bfloat16, device)
+        wdtype = FP8_DTYPE if fp8 else torch.bfloat16
+        inputs = {"x": _randn((m, h), torch.bfloat16, device), "ids": ids,
+                  "weights": weights if meta else torch.softmax(weights.float(), -1).to(torch.bfloat16),
+                  "w13": _randn((e, 2 * i, h), wdtype, device, 0.05), "w2": _randn((e, h, i), wdtype, device, 0.05),
+                  "s13": None, "s2": None}
+        if fp8:
+            inputs["s13"] = _randn((e, 2 * i // 128, h // 128), torch.float32, device).abs() + 1e-3
+            inputs["s2"] = _randn((e, h // 128, i // 128), torch.float32, device).abs() + 1e-3
+        return inputs
+
+    def run(mods, inputs):
+        return mods.moe.fused_moe_triton(inputs["x"], inputs["ids"], inputs["weights"], inputs["w13"], inputs["w2"],
+                                         inputs["s13"], inputs["s2"], batch_invariant=batch_invariant)
+
+    def ref(inputs):
+        from fp8engine.model_executor.kernels.moe_ref import fused_moe_ref
+        return fused_moe_ref(inputs["x"], inputs["ids"], inputs["weights"], inputs["w13"], inputs["w2"],
+                             inputs["s13"], inputs["s2"])
+    return Case(f"{label}/moe/{'fp8' if fp8 else 'model'}/{tokens}", "moe", make, run, ref)
+
+
 def batch_invariant_cases(shape: ModelShape, vocab: int = 49152) -> list[Case]:
     """The launches of EngineConfig(batch_invariant=True) on CUDA, at every step: FP8 and model-dtype linear
     layers, the float32 LM head, RMSNorm, a LoRA adapter on qkv_proj (the same kernels with or without batch
@@ -604,6 +641,7 @@ def batch_invariant_cases(shape: ModelShape, vocab: int = 49152) -> list[Case]:
     cases += [_attention_case(bi, step, kv_mode, batch_invariant=True)
               for kv_mode in KV_MODES for step in ATTENTION_BATCHES]
     cases += [_gdn_case(bi, step) for step in GDN_SEQS]  # one kernel with or without batch invariance
+    cases += [_moe_case(bi.name, "decode", True, batch_invariant=True)]
     return cases
 
 
@@ -614,7 +652,8 @@ def case_sets() -> dict[str, list[Case]]:
     fp32 = dataclasses.replace(MODELS["smollm2-135m"], name="smollm2-135m-fp32", dtype=torch.float32)
     return {
         "smollm2-135m": engine_cases(MODELS["smollm2-135m"], scale_fmts=(None, "ue8m0")),
-        "llama-7b": engine_cases(MODELS["llama-7b"], steps=("decode", "prefill", "decode_long")),
+        "llama-7b": engine_cases(MODELS["llama-7b"], steps=("decode", "prefill", "decode_long"))
+        + [_moe_case("llama-7b", tokens, fp8) for fp8 in (True, False) for tokens in ("decode", "prefill")],
         "smollm2-135m-fp32": engine_cases(fp32, kinds=("write_kv", "attention"), steps=("decode", "prefill"),
                                           kv_modes=("model", "fp8")),
         "smollm2-135m-bi": batch_invariant_cases(MODELS["smollm2-135m"]),
