@@ -222,6 +222,12 @@ class ModelRunner:
         """Slots of the state pool: running sequences' (each with its verification slots) and snapshots'."""
         return self.num_state_slots * (1 + self.spec_states_per_slot) + self.num_state_snapshots
 
+    @property
+    def graph_state_scratch(self) -> int:
+        """The state pool's slot past the scheduler's, allocated on CUDA only: what a decode graph's padding rows
+        advance (cuda_graphs.py)."""
+        return self.total_state_slots()
+
     def _state_slots(self) -> tuple[int, int]:
         """(slots for running sequences, snapshot slots) of a hybrid model, (0, 0) otherwise: a slot for each of
         max_num_seqs, up to state_memory_fraction of the KV budget (half by default; more sequences wait for a
@@ -290,8 +296,6 @@ class ModelRunner:
         if not self.gdn_layers:
             return []
         kinds = self.gdn_layers[0].state_shapes(self.dtype)
-        # on CUDA one slot more, past the scheduler's: what a decode graph's padding rows advance (cuda_graphs.py)
-        self.graph_state_scratch = self.total_state_slots()
         slots = self.graph_state_scratch + (self.device.type == "cuda")
         states = [self._zeros((len(self.gdn_layers), slots, *shape), dtype) for shape, dtype in kinds]
         for i, layer in enumerate(self.gdn_layers):

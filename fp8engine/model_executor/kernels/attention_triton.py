@@ -506,17 +506,25 @@ def _flashinfer_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
                            v_scale: float = 1.0, fp8_q_scale: float | None = None,
-                           batch_invariant: bool = False, flashinfer: bool = False) -> torch.Tensor:
+                           batch_invariant: bool = False, flashinfer: bool = False, quant: bool = False,
+                           scale_fmt: str | None = None):
     """Varlen causal attention over a paged KV cache: the semantics of attention_ref.paged_attention_ref.
     batch_invariant: the Triton kernel on its one batch-invariant launch. flashinfer: FlashInfer where it fits
-    (the kernel set passes what probe_flashinfer found; it plans by batch, so never when batch invariant)."""
+    (the kernel set passes what probe_flashinfer found; it plans by batch, so never when batch invariant).
+    quant: the output [T, Hq * D] as the FP8 o_proj takes it, (E4M3 codes, 1 x 128 scales [T, Hq * D / 128]), bit
+    for bit the group quant (fp8_triton.per_token_group_quant_fp8) of the rounded output: with D == 128 the
+    Triton launch (or its combine) writes them itself; otherwise, or on FlashInfer, a launch after quantizes."""
     check_full_fp8(k_cache, fp8_q_scale)
     if k_cache.dtype != FP8_DTYPE:
         k_scale = v_scale = 1.0
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale)
     if flashinfer and not batch_invariant and _flashinfer_fits(q, k_cache, fp8_q_scale):
-        return _flashinfer_attention(*args)
-    return _triton_attention(*args, fp8_q_scale, batch_invariant)
+        out = _flashinfer_attention(*args)
+    elif quant and q.shape[-1] == BLOCK:
+        return _triton_attention(*args, fp8_q_scale, batch_invariant, quant=True, scale_fmt=scale_fmt)
+    else:
+        out = _triton_attention(*args, fp8_q_scale, batch_invariant)
+    return per_token_group_quant_fp8(out.reshape(q.shape[0], -1), BLOCK, scale_fmt) if quant else out
 
 
 def paged_attention_quant_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -525,16 +533,6 @@ def paged_attention_quant_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  fp8_q_scale: float | None = None, scale_fmt: str | None = None,
                                  batch_invariant: bool = False,
                                  flashinfer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """paged_attention_triton's output [T, Hq * D] as the FP8 o_proj takes it: (E4M3 codes, 1 x 128 scales
-    [T, Hq * D / 128]), bit for bit its group quant (fp8_triton.per_token_group_quant_fp8) of the rounded output.
-    With D == 128 the attention launch (or its combine) writes them itself; otherwise, or on FlashInfer, the output
-    is quantized by its own launch after."""
-    if q.shape[-1] != BLOCK or (flashinfer and not batch_invariant and _flashinfer_fits(q, k_cache, fp8_q_scale)):
-        out = paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
-                                     v_scale, fp8_q_scale, batch_invariant, flashinfer)
-        return per_token_group_quant_fp8(out.reshape(q.shape[0], -1), BLOCK, scale_fmt)
-    check_full_fp8(k_cache, fp8_q_scale)
-    if k_cache.dtype != FP8_DTYPE:
-        k_scale = v_scale = 1.0
-    return _triton_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale,
-                             fp8_q_scale, batch_invariant, quant=True, scale_fmt=scale_fmt)
+    """The kernel set's attention_quant: paged_attention_triton(..., quant=True), scale_fmt after fp8_q_scale."""
+    return paged_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
+                                  v_scale, fp8_q_scale, batch_invariant, flashinfer, quant=True, scale_fmt=scale_fmt)
