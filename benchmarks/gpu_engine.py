@@ -90,32 +90,6 @@ def hybrid_dir(root: Path, shape: dict = HYBRID, weights: bool = True) -> str:
     return str(root)
 
 
-def check_hybrid(model: str, device: str, vocab: int, batch: int, tokens: int) -> dict:
-    """A hybrid model (hybrid_dir) on the device: BF16 teacher-forced logprobs against the CPU engine in float32,
-    and FP8 batch-invariant decode steps from CUDA graphs (its state slots in the static buffer) against eager
-    steps, bit for bit."""
-    prompts, responses = _prompts(4, 40, vocab, 21), _prompts(4, 16, vocab, 22)
-    raw = SamplingParams(temperature=1.0, logprobs_mode="raw")
-    scored = [LLMEngine(EngineConfig(model=model, device=where, dtype=dtype, num_kv_blocks=256)).score(
-        prompts, responses, raw) for where, dtype in ((device, "bfloat16"), ("cpu", "float32"))]
-    diff = max(abs(a - b) for x, y in zip(*scored) for a, b in zip(x, y))
-    options = dict(model=model, device=device, quantization="fp8", batch_invariant=True, num_kv_blocks=512,
-                   max_num_seqs=batch)
-    params = [SamplingParams(temperature=1.0, max_tokens=tokens + i % 3, ignore_eos=True, seed=23, logprobs=1)
-              for i in range(batch - 1)]
-    results, replays = [], 0
-    for eager in (False, True):
-        engine = LLMEngine(EngineConfig(enforce_eager=eager, **options))
-        outs = engine.generate(_prompts(batch - 1, 20, vocab, 24), params)
-        results.append([(c.token_ids, c.logprobs) for o in outs for c in o.outputs])
-        if not eager:
-            graphs = engine.runner.graphs
-            replays, mode = (graphs.num_replays if graphs is not None else 0), engine.get_stats().kernels["cuda_graphs"]
-        del engine
-    return _check("hybrid_qwen3_5", diff <= 0.25 and results[0] == results[1] and replays > 0,
-                  max_abs_logprob_diff_vs_cpu_fp32=float(f"{diff:.3g}"), graphs=mode, replays=replays)
-
-
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (count, length), generator=gen).tolist()

@@ -21,10 +21,10 @@ that no longer fits --budget-s skipped (its file says so). In this order:
   7. peers      vLLM's Triton block-FP8 GEMM when its file is carried (benchmarks/peers/vllm_w8a8_block_fp8.py, not
                 committed: `fetch` it before the run) and FlashInfer's fp8_blockscale_gemm_sm90 when it imports and
                 loads within 30 s; otherwise the row says why not;
-  8. hybrid     the hybrid engine on CUDA (issue 63): a small Qwen3.5 against the CPU engine and its decode steps
-                from CUDA graphs against eager ones, bitwise (hybrid_qwen3_5); Qwen3.5-2B's shape at batch 1 and
-                64, BF16 and FP8, from CUDA graphs, and FP8 at batch 1 eager: last, so it runs only where the budget
-                is left (`--budget-s 480`, or `--sections hybrid` alone).
+  8. hybrid     the hybrid engine on CUDA (issue 63): a small Qwen3.5 through the engine's float32 logprobs check
+                (against the CPU engine) and its graph check (graphs against eager steps, bitwise); Qwen3.5-2B's
+                shape at batch 1 and 64, BF16 and FP8, from CUDA graphs, and FP8 at batch 1 eager: last, so it runs
+                only where the budget is left (`--budget-s 480`, or `--sections hybrid` alone).
 
     python -m benchmarks.gpu_perf [--out bench_results/gpu_perf] [--budget-s 360] [--sections engine,gemm]
     TRITON_INTERPRET=1 python -m benchmarks.gpu_perf --dry-run        (CPU: tiny shapes, the stand-in device; CI)
@@ -240,16 +240,20 @@ def attention(run: Run) -> dict:
 
 
 def hybrid(run: Run) -> dict:
-    """The hybrid engine on CUDA: gpu_engine.check_hybrid on a small seeded Qwen3.5 (not in a dry run: minutes on the
-    interpreter), then Qwen3.5-2B's shape (fp8engine/bench/model_shapes.py's qwen3.5-2b-shape; weights drawn on the
-    device): decode ms a step at batch 1 and 64, BF16 and FP8, from CUDA graphs, and FP8 at batch 1 eager (what the
-    graphs save)."""
+    """The hybrid engine on CUDA: a small seeded Qwen3.5 through the engine checks of a Llama's (float32 logprobs
+    against the CPU engine, decode steps from CUDA graphs against eager ones bit for bit; not in a dry run: minutes
+    on the interpreter), then Qwen3.5-2B's shape (fp8engine/bench/model_shapes.py's qwen3.5-2b-shape; weights drawn
+    on the device): decode ms a step at batch 1 and 64, BF16 and FP8, from CUDA graphs, and FP8 at batch 1 eager
+    (what the graphs save)."""
     from fp8engine.bench import model_shapes
     checks = []
     if not run.dry:
-        small = gpu_engine.hybrid_dir(run.root / "hybrid")
-        checks.append(gpu_engine._guarded("hybrid_qwen3_5", gpu_engine.check_hybrid, small, "cuda",
-                                          gpu_engine.HYBRID["vocab_size"], 16, 8))
+        small, vocab = gpu_engine.hybrid_dir(run.root / "hybrid"), gpu_engine.HYBRID["vocab_size"]
+        checks += [gpu_engine._guarded("logprobs_vs_cpu", gpu_engine.check_logprobs_vs_cpu, small, "cuda",
+                                       contextlib.nullcontext, vocab, 512),
+                   gpu_engine._guarded("cuda_graph_replay", gpu_engine.check_cuda_graphs, small, "cuda", vocab, 512,
+                                       16, 8)]
+        checks = [dict(row, model="small qwen3.5") for row in checks]
     _, sizes = model_shapes.SHAPES["qwen3.5-2b-shape"]
     shape = gpu_engine.HYBRID if run.dry else dict(sizes, vocab_size=151936)
     shape = {k: v for k, v in shape.items() if k != "architectures"}
