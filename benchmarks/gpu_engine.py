@@ -222,8 +222,9 @@ def check_cuda_graphs(model: str, device: str, vocab: int, kv_blocks: int, batch
         graphed = LLMEngine(EngineConfig(**options))
     eager = LLMEngine(EngineConfig(enforce_eager=True, **options))
     prompts = _prompts(max(batch - 1, 1), 20, vocab, 18)
-    params = [SamplingParams(temperature=1.0, max_tokens=tokens + i % 3, ignore_eos=True, seed=19, logprobs=1)
-              for i in range(len(prompts))]
+    # greedy and tempered rows with the sampled token's logprob: the fused sampler, from its own graphs
+    params = [SamplingParams(temperature=1.0 if i % 4 else 0.0, max_tokens=tokens + i % 3, ignore_eos=True, seed=19,
+                             logprobs=0) for i in range(len(prompts))]
     results, seconds = [], []
     for engine in (graphed, eager):
         engine.generate(prompts[:1], params[0])  # warm-up
@@ -235,9 +236,10 @@ def check_cuda_graphs(model: str, device: str, vocab: int, kv_blocks: int, batch
         results.append([(c.token_ids, c.logprobs) for o in outs for c in o.outputs])
     graphs = graphed.runner.graphs
     replays = graphs.num_replays if graphs is not None else 0
+    sampled = graphs.num_sampler_replays if graphs is not None else 0
     mode = graphed.get_stats().kernels["cuda_graphs"]
-    return _check("cuda_graph_replay", results[0] == results[1] and replays > 0, graphs=mode, replays=replays,
-                  graph_s=f"{seconds[0]:.3f}", eager_s=f"{seconds[1]:.3f}")
+    return _check("cuda_graph_replay", results[0] == results[1] and replays > 0 and sampled > 0, graphs=mode,
+                  replays=replays, sampler_replays=sampled, graph_s=f"{seconds[0]:.3f}", eager_s=f"{seconds[1]:.3f}")
 
 
 def check_sleep_wake(model: str, device: str, vocab: int, kv_blocks: int, batch: int, tokens: int,
@@ -338,19 +340,28 @@ def start_decoding(engine: LLMEngine, batch: int, prompt_len: int, params: Sampl
 
 
 def decode_speed(model: str, device: str, batch: int, quantization, steps: int, prompt_len: int,
-                 enforce_eager: bool = False, batch_invariant: bool = False, lm_head_fp8: bool = False) -> dict:
+                 enforce_eager: bool = False, batch_invariant: bool = False, lm_head_fp8: bool = False,
+                 async_scheduling: bool | None = None) -> dict:
     """ms per decode step (median over `steps`, after a warm-up step) of `batch` sequences of `prompt_len`;
-    lm_head_fp8: the LM head in FP8 too (mode "fp8-head")."""
+    lm_head_fp8: the LM head in FP8 too (mode "fp8-head"). async_scheduling True / False (an A/B): the engine option
+    set, and the steps timed as one loop (the mean; a wait after each step would undo the overlap)."""
     kv_tokens = batch * (prompt_len + steps + 8)
     engine = LLMEngine(EngineConfig(model=model, device=device, quantization=quantization, load_format="dummy",
                                     num_kv_blocks=-(-kv_tokens // 16) + batch, max_num_seqs=max(batch, 1),
                                     max_num_batched_tokens=max(8192, prompt_len * min(batch, 64)),
                                     enforce_eager=enforce_eager, batch_invariant=batch_invariant,
-                                    lm_head_fp8=lm_head_fp8))
-    start_decoding(engine, batch, prompt_len, SamplingParams(temperature=1.0, max_tokens=steps + 2, ignore_eos=True,
+                                    lm_head_fp8=lm_head_fp8, async_scheduling=bool(async_scheduling)))
+    start_decoding(engine, batch, prompt_len, SamplingParams(temperature=1.0, max_tokens=steps + 4, ignore_eos=True,
                                                              seed=0, logprobs=0))
     times = []
-    for _ in range(steps):
+    if async_scheduling is not None:
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync(device)
+        times = [(time.perf_counter() - start) / steps]
+    for _ in range(steps if async_scheduling is None else 0):
         _sync(device)
         start = time.perf_counter()
         engine.step()
@@ -362,6 +373,8 @@ def decode_speed(model: str, device: str, batch: int, quantization, steps: int, 
     floor_ms = (weights + kv) / HBM_BYTES_PER_S * 1e3
     graphs, pdl = engine.get_stats().kernels["cuda_graphs"], engine.get_stats().kernels.get("pdl", "off")
     mode = (quantization or "bf16") + ("-head" if lm_head_fp8 else "") + ("-bi" if batch_invariant else "")
+    if async_scheduling is not None:
+        mode += "-async" if async_scheduling else "-sync"
     row = {"batch": batch, "mode": mode, "graphs": graphs, "pdl": pdl, "ms_per_step": float(f"{ms:.4g}"),
            "tok_per_s": float(f"{batch / ms * 1e3:.4g}"), "hbm_floor_ms": float(f"{floor_ms:.3g}"),
            "weight_gb": float(f"{weights / 1e9:.3g}")}

@@ -6,12 +6,14 @@ that no longer fits --budget-s skipped (its file says so). In this order:
                 batch invariance, CUDA graphs against eager steps bitwise), the fused layers against the unfused ones
                 (FP8ENGINE_CUDA_FUSION=0: teacher-forced logprobs within a few bf16 roundings) and the fused kernel
                 cases (kernels/fused_triton.py) against their references natively, and the FP8 engine's tokens and
-                logprobs with programmatic dependent launch on and off, bitwise;
+                logprobs with programmatic dependent launch on and off, and with async scheduling on and off,
+                bitwise;
   2. bandwidth  HBM ceilings measured here: a read (sum of a 2 GiB tensor) and a copy, GB/s;
   3. engine     an 8B-shaped Llama (random weights drawn on the device) at batch 1 / 64 / 256, BF16 and FP8, ms a
                 decode step from CUDA graphs beside the floor (the step's bytes / the measured read ceiling), and at
-                batch 1 fused against unfused (the A/B of each fusion's launches), and with programmatic dependent
-                launch (FP8ENGINE_PDL=1) against without at batch 1;
+                batch 1 fused against unfused (the A/B of each fusion's launches), with programmatic dependent
+                launch (FP8ENGINE_PDL=1) against without at batch 1, and FP8 with async scheduling against without
+                at batch 1 and 64 (each timed as one loop of steps);
   4. gemm       the FP8 GEMM (default and batch-invariant launch) and torch's BF16 matmul at M = 1 / 4 / 16 / 64 /
                 256 on the 8B's layers, each call replayed from a CUDA graph over weight copies that do not fit the
                 L2 cache together, GB/s;
@@ -111,8 +113,8 @@ def checks(run: Run) -> dict:
     engine = gpu_engine.run(dry=run.dry, workdir=str(run.root / "checks"), only=only)  # dry: its own stand-in
     with run.device():
         rows = engine["engine_checks"] + [_fused_vs_unfused(run)]
-    if not run.dry:  # PDL: never on under the interpreter
-        rows.append(_pdl_vs_off(run))
+    if not run.dry:  # PDL: never on under the interpreter; async scheduling: tests/test_cuda_graphs.py
+        rows += [_pdl_vs_off(run), _async_vs_off(run)]
     if not run.dry:
         from benchmarks import gpu_check
         kernels = gpu_check.run(["llama-7b"], 10, torch.device("cuda"), only="/fused/")
@@ -154,6 +156,22 @@ def _pdl_vs_off(run: Run) -> dict:
     return gpu_engine._check("pdl_vs_off_bitwise", outs[0] == outs[1] and names == ["off", "on"], pdl=names[1])
 
 
+def _async_vs_off(run: Run) -> dict:
+    """The FP8 engine's sampled tokens and logprobs with async scheduling on and off (decode graphs; sequences that
+    end by length, so no step runs a row that stopped): bit for bit, and steps did run ahead."""
+    prompts = gpu_engine._prompts(8, 24, run.small_shape["vocab_size"], 7)
+    params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 1.0, max_tokens=12 + i, ignore_eos=True, seed=5,
+                             logprobs=0) for i in range(len(prompts))]
+    outs, ahead = [], 0
+    for on in (False, True):
+        engine = LLMEngine(EngineConfig(model=run.small, device="cuda", quantization="fp8", num_kv_blocks=256,
+                                        async_scheduling=on))
+        outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine.generate(prompts, params)])
+        ahead = engine.num_steps_ahead
+        del engine
+    return gpu_engine._check("async_vs_off_bitwise", outs[0] == outs[1] and ahead > 0, steps_ahead=ahead)
+
+
 def bandwidth(run: Run) -> dict:
     numel = (1 << 20) if run.dry else (1 << 30)  # bf16: 2 MiB dry, 2 GiB on the device
     src = torch.empty(numel, dtype=torch.bfloat16, device="cuda").normal_()
@@ -173,20 +191,28 @@ def engine(run: Run) -> dict:
     runs = [(True, False, (None, "fp8"), sizes), (False, False, (None, "fp8"), sizes[:1])]
     if not run.dry:
         runs.append((True, True, (None, "fp8"), sizes[:1]))
+
+    def add(row: dict, fused: bool) -> None:
+        floor_ms = row["hbm_floor_ms"] * gpu_engine.HBM_BYTES_PER_S / 1e9 / run.read_gb_s
+        rows.append(dict(row, fused=fused, floor_ms_measured=float(f"{floor_ms:.3g}"),
+                         x_floor=float(f"{row['ms_per_step'] / floor_ms:.3g}")))
     for fused, pdl, quantizations, batches in runs:
         for quantization in quantizations:
             for batch in batches:
                 with _fusion(fused), _pdl(pdl):
-                    row = gpu_engine.decode_speed(run.big, "cuda", batch, quantization, steps, prompt_len)
-                floor_ms = row["hbm_floor_ms"] * gpu_engine.HBM_BYTES_PER_S / 1e9 / run.read_gb_s
-                rows.append(dict(row, fused=fused, floor_ms_measured=float(f"{floor_ms:.3g}"),
-                                 x_floor=float(f"{row['ms_per_step'] / floor_ms:.3g}")))
+                    add(gpu_engine.decode_speed(run.big, "cuda", batch, quantization, steps, prompt_len), fused)
+    # async scheduling against steps that wait, FP8 at batch 1 and 64, each timed as one loop of steps
+    for batch in sizes[:2] if not run.dry else ():
+        for on in (False, True):
+            add(gpu_engine.decode_speed(run.big, "cuda", batch, "fp8", steps, prompt_len, async_scheduling=on), True)
     by = {(r["mode"], r["batch"], r["fused"], r["pdl"]): r["ms_per_step"] for r in rows}
     ratios = {f"fp8_over_bf16_batch{b}": float(f"{by[('bf16', b, True, 'off')] / by[('fp8', b, True, 'off')]:.3g}")
               for b in sizes}
     pdl_gain = {f"{mode}_batch{b}": float(f"{by[(mode, b, True, 'off')] / by[(mode, b, True, 'on')]:.3g}")
-                for mode, b, fused, pdl in by if fused and pdl == "on"}
-    return {"rows": rows, "fp8_speedup": ratios, "pdl_speedup": pdl_gain}
+                for mode, b, fused, pdl in by if fused and pdl == "on" and mode in ("bf16", "fp8")}
+    async_gain = {f"fp8_batch{b}": float(f"{by[('fp8-sync', b, True, 'off')] / by[('fp8-async', b, True, 'off')]:.3g}")
+                  for mode, b, _, _ in by if mode == "fp8-async"}
+    return {"rows": rows, "fp8_speedup": ratios, "pdl_speedup": pdl_gain, "async_speedup": async_gain}
 
 
 def gemm(run: Run) -> dict:

@@ -92,6 +92,10 @@ class EngineConfig:
                                     f"this (<= {MAX_LORA_RANK}), unmerged in the model dtype beside the base "
                                     f"(update_lora)")
     enforce_eager: bool = _option(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
+    async_scheduling: bool = _option(False, "CUDA: schedule and launch each decode step while the device still runs "
+                                            "the one before (its tokens fed to the next on the device, read by the "
+                                            "host a step later); needs decode graphs; same outputs "
+                                            "(docs/gpu.md)")
     sleep_spill_dir: str | None = _option(None, "CPU: where sleep(level=1) keeps the weights' bytes while their "
                                                 "memory is released (an unlinked file, read back by wake_up); a "
                                                 "directory on disk, not tmpfs; none = FP8ENGINE_CACHE/spill")

@@ -18,9 +18,9 @@ from fp8engine.detokenizer import Detokenizer
 from fp8engine.kvcache.kv_scales import CALIBRATION_TEXT, KVScaleManager
 from fp8engine.model_executor import host_memory
 from fp8engine.model_executor.model_runner import ModelRunner
-from fp8engine.output_processor import OutputProcessor
+from fp8engine.output_processor import InFlight, OutputProcessor
 from fp8engine.outputs import EngineStats, RequestOutput, SleepReport, WeightUpdateReport
-from fp8engine.request import Request, Scoring
+from fp8engine.request import Request, ScheduledSeq, Scoring
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.scheduler.scheduler import Scheduler
 from fp8engine.spec.drafter import Speculator
@@ -51,7 +51,9 @@ class LLMEngine:
 
     Drive it with `generate(prompts, params)`, or stream with `add_request` / `step`.
     Weights change in place with `update_weights`; every output names its `weight_version`.
-    A step is schedule (scheduler/) -> execute (model_executor/) -> process the outputs (output_processor.py).
+    A step is schedule (scheduler/) -> execute (model_executor/) -> process the outputs (output_processor.py);
+    with `async_scheduling` a decode step's outputs are processed at the next `step()`, after it has launched the
+    step that follows (docs/gpu.md).
     """
 
     def __init__(self, config: EngineConfig):
@@ -82,7 +84,7 @@ class LLMEngine:
         self.speculator = None if config.speculative is None else Speculator(
             config.speculative, config.num_speculative_tokens, self.max_model_len, config.device)
         self.outputs = OutputProcessor(self.scheduler, self.detokenizer, self.eos_token_ids, self.max_model_len,
-                                       self.runner.routed_experts_of, self.runner.kernels.sample_rows,
+                                       self.runner.routed_experts_of, self.runner.fused_sampler,
                                        None if self.speculator is None else self.speculator.observe)
         self.weight_version = 0
         self.weights_update_group: WeightsUpdateGroup | None = None
@@ -91,6 +93,9 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.num_steps = 0
         self.step_seconds_total = 0.0
+        self.async_off = self._async_off_reason()  # None: async scheduling on
+        self._in_flight: InFlight | None = None  # with it on: the decode step the device runs, its tokens unread
+        self.num_steps_ahead = 0  # decode steps whose tokens the host read a step later
         self.last_weight_update_seconds = 0.0
         self.sleeping: dict[str, int] = {}  # tag -> level, while released (sleep / wake_up)
         self.weights_missing: set[str] = set()  # weights a level-2 sleep released and no update has committed since
@@ -138,6 +143,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its blocks are freed. Returns its partial output (None if unknown)."""
+        self._retract()
         return self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -156,12 +162,21 @@ class LLMEngine:
             if outputs:
                 return outputs
             self.check_ready()
+        start = time.perf_counter()
+        if self._in_flight is not None:
+            touched, launched = self._step_ahead()
+            outputs += [self.outputs.emit(r) for r in touched if r.finished or not finished_only]
+            if launched is not None:  # the next step runs on the device; its tokens land at the next call
+                self.outputs.advance_ahead(launched)
+                self._in_flight = launched
+                self.num_steps_ahead += 1
+                self.step_seconds_total += time.perf_counter() - start
+                return outputs
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress with work queued (internal error)")
             return outputs
-        start = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(scheduled, self.config.max_num_batched_tokens, self.scheduler.extend)
         self.runner.copy_blocks(self.scheduler.take_pending_copies())
@@ -169,13 +184,72 @@ class LLMEngine:
         with self.kv_scales.calibrating():
             result = self.runner.execute(scheduled)
         self.num_steps += 1
-        touched = self.outputs.process(scheduled, result)
+        ahead = None if self.async_off is not None else self._sample_ahead(scheduled, result)
+        if ahead is not None:
+            self.outputs.advance_ahead(ahead)
+            self._in_flight = ahead
+            self.num_steps_ahead += 1
+            touched = []
+        else:
+            touched = self.outputs.process(scheduled, result)
         outputs += [self.outputs.emit(r) for r in touched if r.finished or not finished_only]
         seconds = time.perf_counter() - start
         self.step_seconds_total += seconds
         if self.speculator is not None:
             self.speculator.record_step(scheduled, seconds)
         return outputs
+
+    # ------------------------------------------------------------------ async scheduling
+    def _async_off_reason(self) -> str | None:
+        """Why decode steps do not overlap the host's work (None: they do; EngineConfig.async_scheduling)."""
+        if not self.config.async_scheduling:
+            return "async_scheduling=False"
+        why = ("no decode graphs" if self.runner.graphs is None
+               else "speculative decoding" if self.speculator is not None
+               else "hybrid models' state snapshots" if self.runner.gdn_layers
+               else "no fused sampler" if self.outputs.sample_kernel is None else None)
+        if why is not None:
+            logger.warning("fp8engine: async_scheduling stays off: %s", why)
+        return why
+
+    def _sample_ahead(self, scheduled: list[ScheduledSeq], result) -> InFlight | None:
+        """A pure decode step sampled on the device, its tokens read back later; None: process it now."""
+        if result.prompt_logits or self.runner.graphs is None:
+            return None
+        return self.outputs.sample_ahead(scheduled, result.logits, self.runner.graphs.read_back)
+
+    def _step_ahead(self) -> tuple[list[Request], InFlight | None]:
+        """With a decode step in flight: when the scheduler would run the same sequences one token each again, that
+        next step is scheduled and launched first, its input tokens taken from the device; then the step in flight
+        lands (its tokens read, stops checked). A sequence that stopped there leaves its row of the next step
+        unused; one that reaches its length there is known to the host, and no step is launched for it before it
+        lands. Returns the touched requests and the step launched (None: none was; a step that could not be sampled
+        on the device is processed here)."""
+        current, self._in_flight = self._in_flight, None
+        launched, scheduled, result = None, None, None
+        graphs = self.runner.graphs
+        if (graphs is not None and self.scheduler.decodes_only()
+                and [s for s in self.scheduler.running] == [item.seq for item in current.scheduled]
+                and not any(self.outputs.ends_by_length(s) for s in self.scheduler.running)
+                and graphs.takes([ScheduledSeq(s, 1) for s in self.scheduler.running])):
+            scheduled = self.scheduler.schedule()
+            self.runner.copy_blocks(self.scheduler.take_pending_copies())
+            with self.kv_scales.calibrating():
+                result = self.runner.execute(scheduled, feed=current.device)
+            self.num_steps += 1
+            launched = self._sample_ahead(scheduled, result)
+        touched = self.outputs.land(current)
+        if scheduled is not None and launched is None:
+            touched += self.outputs.process(scheduled, result)
+        return touched, launched
+
+    def _retract(self) -> None:
+        """Take back the decode step in flight before anything changes the sequences, the weights or the cache
+        under it (an abort, an update, a sleep): its tokens are dropped and computed again by the next step, as
+        if it had not run."""
+        current, self._in_flight = self._in_flight, None
+        if current is not None:
+            self.outputs.retract(current)
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -402,6 +476,7 @@ class LLMEngine:
         last_weight_update_seconds). Returns (what commit returned, aborted, recomputed)."""
         new_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         num_aborted = self.drain(in_flight) if in_flight != "keep" else 0
+        self._retract()  # what "keep" goes on with (after "wait", at most a step of rows that ended)
         recompute = in_flight == "keep" and kv_on_update == "recompute"
         num_recomputed = len(self.scheduler.recompute_in_flight()) if recompute else 0
         committed = commit()
@@ -458,6 +533,7 @@ class LLMEngine:
             spill_dir = host_memory.spill_directory(self.config.sleep_spill_dir or str(cache_root() / "spill"))
         start = time.perf_counter()
         num_aborted = self.drain(in_flight) if in_flight != "keep" and todo else 0
+        self._retract()
         num_recomputed = 0
         released = 0
         for tag in todo:
@@ -538,6 +614,7 @@ class LLMEngine:
                 f"or reload_weights(), before generating")
 
     def flush_prefix_cache(self) -> None:
+        self._retract()
         self.scheduler.reset_prefix_cache()
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -625,7 +702,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> EngineStats:
-        bm, kernels = self.block_manager, self.runner.kernel_names
+        bm = self.block_manager
+        kernels = self.runner.kernel_names | {"async_scheduling": "on" if self.async_off is None
+                                              else f"off: {self.async_off}"}
         return EngineStats(
             num_preemptions_total=self.scheduler.num_preemptions_total,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),

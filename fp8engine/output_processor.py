@@ -6,16 +6,27 @@ the live requests and the token counters.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from fp8engine.detokenizer import Detokenizer
-from fp8engine.model_executor.layers.sampler import SampleRow, sample
+from fp8engine.model_executor.layers.sampler import SampleRow, fused_result, sample, sample_on_device
 from fp8engine.model_executor.model_runner import PromptLogits
 from fp8engine.outputs import CompletionOutput, RequestOutput
-from fp8engine.request import Request, ScheduledSeq, SeqStatus, Sequence
+from fp8engine.request import PLACEHOLDER, Request, ScheduledSeq, SeqStatus, Sequence
 from fp8engine.sampling_params import SamplingParams
 from fp8engine.scheduler.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A decode step sampled on the device whose tokens the host has not read yet (async scheduling)."""
+
+    scheduled: list[ScheduledSeq]
+    rows: list[SampleRow]
+    device: torch.Tensor  # the sampler's [n, 3] on the device: the next step's input tokens
+    read: Callable[[], torch.Tensor]  # waits for its copy to the host
 
 
 class OutputProcessor:
@@ -82,6 +93,9 @@ class OutputProcessor:
         touched: dict[str, Request] = {}
         for item in scheduled:
             seq = item.seq
+            if seq.is_finished:  # stopped by the step before it, which landed after it was launched (async)
+                num_rows += (1 + len(item.draft)) * item.samples
+                continue
             if seq.needs_prompt_logprobs:
                 self._record_prompt_logprobs(seq, item.num_new_tokens, result.prompt_logits[seq.seq_id])
             samples = item.samples
@@ -100,6 +114,54 @@ class OutputProcessor:
         if sampling:
             self._sample(sampling, result.logits)
         return list(touched.values())
+
+    # ------------------------------------------------------------------ async scheduling (LLMEngine.step)
+    def sample_ahead(self, scheduled: list[ScheduledSeq], logits: torch.Tensor,
+                     read_back: Callable[[torch.Tensor], Callable[[], torch.Tensor]]) -> InFlight | None:
+        """Sample a pure decode step (one token a sequence, no prompt rows, no drafts, no grammar, every row the
+        fused sampler's: greedy or tempered alone) on the device and start copying the results back without waiting;
+        None when any row needs more (the step is then processed as usual)."""
+        if any(item.num_new_tokens != 1 or item.draft or not item.samples or item.seq.num_output_tokens == 0
+               or item.seq.needs_prompt_logprobs or item.seq.matcher is not None for item in scheduled):
+            return None  # a grammar's next mask needs the token before
+        rows = [self._row(s.params, s.request.seed, s.index, s.num_tokens, s.token_ids, s.num_prompt_tokens,
+                          (), s.matcher) for s in (item.seq for item in scheduled)]
+        out = sample_on_device(self.sample_kernel, logits, rows)
+        return None if out is None else InFlight(scheduled, rows, out, read_back(out))
+
+    def advance_ahead(self, step: InFlight) -> None:
+        """Count the step's tokens as computed and hold each sequence's drawn token with a PLACEHOLDER, so the next
+        step can be scheduled before the host reads it (a sequence ended since holds none: its row is not used)."""
+        for item in step.scheduled:
+            if not item.seq.is_finished:
+                self.scheduler.advance(item)
+                item.seq.token_ids.append(PLACEHOLDER)
+
+    def land(self, step: InFlight) -> list[Request]:
+        """The step's tokens read on the host, each in its placeholder's place with its logprob, stops and length
+        checked as process() does; the touched requests."""
+        result = fused_result(step.read(), step.rows)
+        touched: dict[str, Request] = {}
+        for i, item in enumerate(step.scheduled):
+            seq = item.seq
+            if seq.is_finished or seq.token_ids[-1] != PLACEHOLDER:
+                continue
+            seq.token_ids.pop()
+            self._append_token(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i],
+                               result.log_kept_mass[i])
+            touched[seq.request.request_id] = seq.request
+        return list(touched.values())
+
+    def retract(self, step: InFlight) -> None:
+        """Undo advance_ahead: the sequences go back to where they were before the step (its tokens dropped; the
+        next step computes that position again, into the same KV slot). Waits for the step first, so that its
+        host buffers can be written again."""
+        step.read()
+        for item in step.scheduled:
+            seq = item.seq
+            if not seq.is_finished and seq.token_ids[-1] == PLACEHOLDER:
+                seq.token_ids.pop()
+                seq.num_computed_tokens -= item.num_new_tokens
 
     def _finish_unsampled(self, seq: Sequence) -> None:
         """max_tokens=0: the prompt is computed (and scored); every sample ends empty, nothing is drawn."""
@@ -187,9 +249,13 @@ class OutputProcessor:
                 return "stop"
             if p.stop and self._hit_stop_string(seq):
                 return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self.ends_by_length(seq):
             return "length"
         return None
+
+    def ends_by_length(self, seq: Sequence) -> bool:
+        """Whether seq's last token (a placeholder or not) ends it by max_tokens or the model's length."""
+        return seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         # A stop string that completes with this token lies within its last few tokens (a character

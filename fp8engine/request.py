@@ -10,6 +10,11 @@ from fp8engine.detokenizer import DetokState
 from fp8engine.sampling_params import SamplingParams
 
 
+# A sequence's last token while the device has drawn it and the host has not read it yet (LLMEngine's
+# async_scheduling): the output processor puts the token in its place a step later.
+PLACEHOLDER = -1
+
+
 class SeqStatus(Enum):
     WAITING = auto()
     RUNNING = auto()

@@ -14,9 +14,10 @@ one of its inputs is. What a GPU would refuse or stall on is checked:
     the tracking (the interpreter copies its arguments to the host itself), and are counted in `launches`.
 
 `live_bytes()` sums the storages of the device tensors alive (what sleep must hand back).
-`torch.cuda.is_available()` answers True, `torch.cuda.mem_get_info()` a fixed budget, `max_memory_allocated()` the
-mode's `peak_bytes` (`memory_allocated()` 0), and `synchronize()`, `empty_cache()` and `reset_peak_memory_stats()`
-return at once while the mode is on.
+`torch.cuda.Event` is a stand-in whose synchronize() counts as a host synchronisation (a non-blocking copy to the
+host does not); `torch.cuda.is_available()` answers True, `torch.cuda.mem_get_info()` a fixed budget,
+`max_memory_allocated()` the mode's `peak_bytes` (`memory_allocated()` 0), and `synchronize()`, `empty_cache()` and
+`reset_peak_memory_stats()` return at once while the mode is on.
 `torch_calls` counts every torch call (metadata queries such as `.device` or `.stride()` included) and
 `device_ops` those that return device tensors (a kernel launch on a GPU, a view or an allocation); with
 `stub_kernels=True` the Triton kernels are counted but not run (for counting a big model's step).
@@ -167,8 +168,9 @@ class FakeCuda(TorchFunctionMode):
         name = _SYNCS.get(func)
         if on_device and func in _SYNCS and name is not None:
             self.syncs[name] += 1
-        if on_device and func is Tensor.copy_ and not self.is_device(args[0]):
-            self.syncs["copy_to_host"] += 1
+        if (on_device and func is Tensor.copy_ and not self.is_device(args[0])
+                and not kwargs.get("non_blocking", len(args) > 2 and args[2])):
+            self.syncs["copy_to_host"] += 1  # a non-blocking one waits for nothing (its event does: _Event)
         if on_device and func is Tensor.to and not to_device and self._to_host(args, kwargs):
             self.syncs["to_host"] += 1
         if (on_device and not self.mixed_ok and func not in _COPIES
@@ -177,6 +179,8 @@ class FakeCuda(TorchFunctionMode):
             raise MixedDevices(f"{getattr(func, '__qualname__', func)} mixes device and host tensors: {shapes}")
         out = func(*args, **kwargs)
         if func is Tensor.cpu or (func is Tensor.to and not to_device and self._to_host(args, kwargs)):
+            if isinstance(out, Tensor) and out.untyped_storage()._cdata == args[0].untyped_storage()._cdata:
+                out = out.clone()  # a CPU tensor's .cpu() is itself; a device tensor's is a new host tensor
             self._mark(out, False)
             return out
         if func is Tensor.copy_ or func in _SYNCS:
@@ -236,7 +240,7 @@ class FakeCuda(TorchFunctionMode):
                     syncs = self.host_syncs()
                     out.copy_(forward())
                     if self.host_syncs() != syncs:
-                        raise AssertionError("host synchronisation inside a replay")
+                        raise AssertionError(f"host synchronisation inside a replay: {dict(self.syncs)}")
                 return (run_again if replay else lambda: None), out
             return capture
         return capture_cuda
@@ -262,7 +266,8 @@ class FakeCuda(TorchFunctionMode):
                        (torch.cuda, "empty_cache"): torch.cuda.empty_cache,
                        (torch.cuda, "reset_peak_memory_stats"): torch.cuda.reset_peak_memory_stats,
                        (torch.cuda, "memory_allocated"): torch.cuda.memory_allocated,
-                       (torch.cuda, "max_memory_allocated"): torch.cuda.max_memory_allocated}
+                       (torch.cuda, "max_memory_allocated"): torch.cuda.max_memory_allocated,
+                       (torch.cuda, "Event"): torch.cuda.Event}
         self._saved[cuda_graphs, "capture_cuda"] = cuda_graphs.capture_cuda
         if self.graphs is not None:
             cuda_graphs.capture_cuda = self.stand_in_capture(self.graphs == "replay")
@@ -276,6 +281,23 @@ class FakeCuda(TorchFunctionMode):
         torch.cuda.reset_peak_memory_stats = lambda device=None: None
         torch.cuda.memory_allocated = lambda device=None: 0
         torch.cuda.max_memory_allocated = lambda device=None: mode.peak_bytes
+
+        class Event:
+            """torch.cuda.Event: every op of the stand-in device is done when it returns, so a recorded event has
+            completed; waiting for one is a host synchronisation (counted)."""
+
+            def __init__(self, *args, **kwargs):
+                pass
+
+            def record(self, stream=None):
+                pass
+
+            def query(self):
+                return True
+
+            def synchronize(self):
+                mode.syncs["event"] += 1
+        torch.cuda.Event = Event
         return super().__enter__()
 
     def __exit__(self, *exc):

@@ -69,9 +69,72 @@ def test_decode_steps_from_graphs_equal_eager_steps_bitwise(dev, model, options)
     got = _results(graphs.generate(PROMPTS, params))
     assert got == _results(eager.generate(PROMPTS, params))
     # 6 decode steps: 3 sequences twice, 2 sequences once, 1 sequence three times (buckets 4, 2 and 1)
-    assert runner.graphs.num_replays == 6
+    assert runner.graphs.num_replays == 6 and runner.graphs.num_sampler_replays == 0  # top-p, top-k: eager
     with dev.allow_mixing():
         assert torch.equal(runner.kv_cache.view(torch.uint8), eager.runner.kv_cache.view(torch.uint8))
+    if options.get("quantization"):
+        return  # the sampler's graphs below do not depend on the weights' format
+    # Greedy and tempered rows with the sampled token's logprob, raw and processed: the fused sampler, replayed
+    # from each bucket's sampler graph after the model's (5 decode steps: 3 rows thrice, then 2, then 1)
+    fused = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0),
+             SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=4, logprobs=0, logprobs_mode="raw"),
+             SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=5, logprobs=0)]
+    got = _results(graphs.generate(PROMPTS, fused))
+    assert got == _results(eager.generate(PROMPTS, fused))
+    assert runner.graphs.num_replays == 11 and runner.graphs.num_sampler_replays == 5
+    assert sorted(runner.graphs.samplers) == [(1, True), (2, True), (4, True)]
+
+
+def test_async_scheduling_gives_the_outputs_of_steps_that_wait(dev, model):
+    """With async_scheduling each decode step is launched before the host reads the tokens of the one before (fed
+    on the device, read a step later): tokens, logprobs, stop tokens, stop strings, max_tokens, min_tokens (whose
+    banned rows wait for the host) and n = 2 forks as an engine whose steps wait, bit for bit (batch invariant: a
+    row that stopped one step earlier still rides in the next step's batch); an abort between steps returns the
+    tokens that step() returned, as there."""
+    plain = _engine(model, batch_invariant=True)
+    ahead = _engine(model, batch_invariant=True, async_scheduling=True)
+    assert ahead.get_stats().kernels["async_scheduling"] == "on"
+    assert plain.get_stats().kernels["async_scheduling"] == "off: async_scheduling=False"
+    probe = plain.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    stop_text = plain.detokenizer.decode(probe.token_ids[5:6])
+    params = [SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=[probe.token_ids[3]], logprobs=0),
+              SamplingParams(temperature=0.9, max_tokens=7, seed=2, n=2, logprobs=0, logprobs_mode="raw"),
+              SamplingParams(temperature=1.0, max_tokens=10, seed=3, min_tokens=4, stop=[stop_text], logprobs=0)]
+    want = [[(c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, c.text) for c in o.outputs]
+            for o in plain.generate(PROMPTS, params)]
+    got = [[(c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, c.text) for c in o.outputs]
+           for o in ahead.generate(PROMPTS, params)]
+    assert got == want and ahead.num_steps_ahead >= 3
+    assert {c[2] for o in got for c in o} == {"stop", "length"}
+    # An abort after three steps: the tokens step() returned, whatever the device drew since
+    for engine in (plain, ahead):
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(prompt, dataclasses.replace(params[1], n=1, max_tokens=12), request_id=f"r{i}")
+    seen = [{}, {}]
+    for engine, outs in zip((plain, ahead), seen):
+        for _ in range(4):
+            outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+    aborted = [engine.abort_request("r1").outputs[0].token_ids for engine in (plain, ahead)]
+    assert aborted[0] == seen[0]["r1"] and aborted[1] == seen[1]["r1"]
+    assert aborted[1] == aborted[0][:len(aborted[1])]  # the async engine's outputs trail by up to a step
+    # ... then an update that the other two go on under (in_flight="keep"): every token after it is the new weights'
+    name = "model.layers.0.mlp.down_proj.weight"
+    for engine in (plain, ahead):  # once step() has returned r0's sixth token
+        while len(next((o.outputs[0].token_ids for o in engine.step() if o.request_id == "r0"), ())) < 6:
+            pass
+        weight = engine.get_weights_by_name(name)
+        engine.update_weights({name: (weight.float() * 1.5).bfloat16()}, in_flight="keep")
+    rest = [{o.request_id: (o.outputs[0].token_ids, o.outputs[0].token_weight_versions) for o in _drain(engine)}
+            for engine in (plain, ahead)]
+    assert rest[0] == rest[1] and rest[0]["r0"][1] == [0] * 6 + [1] * 6
+    assert len(dev.captured) > 3  # the sampler's graphs too
+
+
+def _drain(engine):
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    return outs
 
 
 def test_new_kv_scales_or_a_new_adapter_recapture(dev, model):

@@ -27,6 +27,7 @@ def test_the_dry_run_passes_every_engine_check_and_fills_the_speed_table(tmp_pat
     assert [r["graphs"] for r in report["speed"][4:6]] == ["off: enforce_eager=True"] * 2
     graphs = next(c for c in report["engine_checks"] if c["check"] == "cuda_graph_replay")
     assert graphs["graphs"] == "decode" and graphs["replays"] >= 6, graphs  # buckets 4, 2 and 1
+    assert graphs["sampler_replays"] == graphs["replays"], graphs  # every row greedy or tempered: the fused sampler
     assert all(r["ms_per_step"] > 0 and r["hbm_floor_ms"] > 0 for r in report["speed"])
     sleep = next(c for c in report["engine_checks"] if c["check"] == "sleep_wake")
     assert sleep["outputs_equal"] and sleep["graph_recaptures"] == 3 and len(sleep["cycles"]) == 3, sleep

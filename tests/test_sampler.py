@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fp8engine import SamplingParams
+from fp8engine.model_executor import kernel_set
 from fp8engine.model_executor.layers import sampler as sampler_mod
 from fp8engine.model_executor.layers.sampler import SampleRow, processed_logprobs, sample, truncation_mask
 from tests.conftest import cpu_kernels, require_cpu_op
@@ -119,6 +120,27 @@ def test_fused_kernel_matches_the_reference(dtype, temperature, mode):
     same = [i for i in range(24) if i not in mismatched]
     assert torch.allclose(torch.tensor(got.logprobs)[same], torch.tensor(want.logprobs)[same], atol=2e-5)
     assert got.log_kept_mass == want.log_kept_mass and got.top_logprobs == want.top_logprobs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_device_form_of_the_fused_sampler_is_the_reference_bitwise(dtype):
+    """sample_rows_torch (what a CUDA engine's fused rows take, in its decode graph too) gives each row the
+    reference's token, logprob and kept mass bit for bit: greedy and tempered rows, raw and processed, mixed in
+    one batch, drawn and forced (trainer replay); it syncs nothing, so its temperatures and uniforms are tensors."""
+    device_kernel = kernel_set._sample_rows_on_device
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(12, 2053, generator=gen) * 3).to(dtype)
+    logits[:, :5] = float("-inf")
+    rows = [SampleRow(SamplingParams(temperature=t, logprobs=0 if i % 4 else None, logprobs_mode=m),
+                      seed=i, position=50 + i)
+            for i, (t, m) in enumerate([(t, m) for t in (0.0, 0.6, 1.0) for m in ("raw", "processed")] * 2)]
+    assert sampler_mod._fused_kernel(device_kernel, logits, rows) is device_kernel
+    got, want = sample(logits, rows, kernel=device_kernel), _reference_sample(logits, rows)
+    assert got == want and min(got.token_ids) >= 5
+    assert len(set(got.token_ids)) > 6 and {lp for lp in got.logprobs if lp is not None} - {0.0}
+    forced = [(t + 1) % 2053 for t in got.token_ids]
+    assert (sample(logits, rows, forced=forced, kernel=device_kernel)
+            == sample(logits.clone(), rows, forced=forced))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -42,6 +42,7 @@ ENGINE_GROUPS = {"model": "model", "dtype": "model", "device": "model", "seed": 
                  "lm_head_fp8": "kv",
                  "speculative": "scheduling", "num_speculative_tokens": "scheduling",
                  "speculative_forget_on_update": "scheduling", "max_lora_rank": "model", "enforce_eager": "model",
+                 "async_scheduling": "scheduling",
                  "sleep_spill_dir": "model", "tensor_parallel_size": "model", "expert_parallel": "model"}
 BENCH_ENGINE_OPTIONS = ("model", "dtype", "device")  # --modes sets the rest per mode, --speculative takes a list
 COMMANDS = ("serve", "generate", "bench")

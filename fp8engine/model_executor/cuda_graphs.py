@@ -24,6 +24,11 @@ shapes, every pointer and every Python number handed to a kernel. So:
   * MoE models: the routing (kernels/moe_triton.align_rows) sorts a step's rows by expert on the device into a
     fixed number of tiles for the row count, so a graph holds it; padding rows record their experts at slot -1,
     the routed-experts buffer's spare last row.
+  * The sampler: when every row of a graph step takes the fused sampler (greedy or temperature alone, the
+    sampled token's logprob at most: sampler.sample_rows_torch), a second, small graph per bucket (and per
+    raw-logprob need) samples the captured logits; the rows' temperatures and uniforms go to the device in one
+    copy (padding rows greedy), and one copy brings back the tokens and logprobs. Its bits are the eager
+    sampler's. It reads the bucket graph's output, so it is dropped whenever that graph is.
   * Only pure decode steps: one new token per sequence, every row sampled, no draft tokens, no prompt logprobs,
     no KV observer (calibration). Anything else runs eagerly, as do engines the graphs cannot serve (not CUDA,
     `enforce_eager=True`, FlashInfer attention, which plans on the host); `get_stats().kernels["cuda_graphs"]`
@@ -39,6 +44,7 @@ from collections.abc import Callable
 
 import torch
 
+from fp8engine.model_executor.layers import sampler
 from fp8engine.model_executor.layers.attention import AttentionMetadata
 from fp8engine.request import ScheduledSeq
 
@@ -103,13 +109,24 @@ class DecodeGraphs:
         self.hybrid = bool(runner.gdn_layers)
         self.fields = 5 if self.hybrid else 4
         numel = top * (self.fields + self.max_blocks)
-        self.staging = pinned(numel)
+        # Host buffers, two of each, a step taking them in turn: a step may be staged while the one before still
+        # runs (async_scheduling), and a buffer is written again only once the copy out of it two steps ago is done
+        # (that step's results were read back, or the host waited for them)
+        self.stagings = [pinned(numel), pinned(numel)]
+        self.turn = 0
         self.inputs = torch.zeros(numel, dtype=torch.int64, device=runner.device)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=runner.device)  # a token a row
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        # The sampler's graphs, by (bucket, raw logprobs wanted), and their static [temperatures | uniforms]
+        self.samplers: dict[tuple[int, bool], tuple[Callable[[], None], torch.Tensor]] = {}
+        self.sample_stagings = [pin(torch.zeros(2 * top, dtype=torch.float32)) for _ in range(2)]
+        self.results = [pin(torch.zeros(top, 3, dtype=torch.float64)) for _ in range(2)]  # the sampler's, read back
+        self.sample_inputs = torch.zeros(2 * top, dtype=torch.float32, device=runner.device)
+        self.last: tuple[torch.Tensor, int] | None = None  # the last replay's logits and bucket, until sampled
         self.key: tuple | None = None
         self.num_captures = 0
         self.num_replays = 0
+        self.num_sampler_replays = 0
 
     # ------------------------------------------------------------------ when
     def takes(self, scheduled: list[ScheduledSeq]) -> bool:
@@ -130,24 +147,53 @@ class DecodeGraphs:
         return scales, lora
 
     # ------------------------------------------------------------------ run
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits [n, vocab] of a decode step of n sequences, from the bucket's graph."""
+    def run(self, scheduled: list[ScheduledSeq], feed: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, vocab] of a decode step of n sequences, from the bucket's graph. feed: the step before's
+        sampler output [n, 3] on the device, whose tokens are these rows' inputs (async_scheduling: the host
+        holds placeholders for them)."""
         key = self._baked()
         if key != self.key:
             if self.graphs:
                 logger.info("CUDA graphs: the KV scales or the LoRA adapter changed; graphs are captured again")
             self.graphs.clear()
+            self.samplers.clear()
             self.key = key
         n = len(scheduled)
         size = next(b for b in self.sizes if b >= n)
+        self.turn ^= 1
         self._stage(scheduled, size)
+        if feed is not None:
+            self.inputs[:n].copy_(feed[:, 0])  # the ids field: the tokens the step before drew, float64 -> int64
         if size not in self.graphs:
             self.graphs[size] = self.capture(lambda: self._forward(size))
             self.num_captures += 1
         replay, logits = self.graphs[size]
         replay()
         self.num_replays += 1
-        return logits[:n]
+        self.last = (logits[:n], size)  # for sample()
+        return self.last[0]
+
+    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor,
+               need_raw: bool) -> torch.Tensor | None:
+        """The fused sampler's [n, 3] (sampler.sample_rows_torch) over the last replay's logits, from the bucket's
+        sampler graph; None when `logits` are not those (an eager step, rows gathered for forks or a mixed batch).
+        temperature, uniform: [n] host tensors, staged in one copy from this turn's buffer."""
+        if self.last is None or logits is not self.last[0]:
+            return None
+        n, size = len(logits), self.last[1]
+        self.last = None
+        staging = self.sample_stagings[self.turn]
+        staged = staging[:2 * size].view(2, size)
+        staged[:, n:] = 0.0  # padding rows: greedy
+        staged[0, :n], staged[1, :n] = temperature, uniform
+        self.sample_inputs[:2 * size].copy_(staging[:2 * size], non_blocking=True)
+        key = (size, need_raw)
+        if key not in self.samplers:
+            self.samplers[key] = self.capture(lambda: self._sample_forward(size, need_raw))
+        replay, out = self.samplers[key]
+        replay()
+        self.num_sampler_replays += 1
+        return out[:n]
 
     def capture_all(self) -> None:
         """Every bucket's graph, largest first, on padding rows alone (nothing is written to the cache): the
@@ -174,14 +220,18 @@ class DecodeGraphs:
         model = self.runner.model
         return model.compute_logits(model(ids, positions, meta))
 
+    def _sample_forward(self, size: int, need_raw: bool) -> torch.Tensor:
+        temperature, uniform = self.sample_inputs[:2 * size].view(2, size)
+        return sampler.sample_rows_torch(self.graphs[size][1], temperature, uniform, need_raw)
+
     def _stage(self, scheduled: list[ScheduledSeq], size: int, wait: bool = False) -> None:
         """The step's inputs into the pinned buffer, rows n..size as padding (token 0 at position 0, slot -1, a
         one-token context over block 0, the state pool's scratch slot), then to the device in one copy. Table
-        columns past a sequence's blocks keep what they held: attention reads a sequence's blocks only. The buffer
-        is written again only after the copy is done: a graph step ends with the sampler's read of its results, and
-        capture_all waits (`wait`)."""
+        columns past a sequence's blocks keep what they held: attention reads a sequence's blocks only. This turn's
+        buffer (see __init__; capture_all waits for its copies: `wait`)."""
         n, bs = len(scheduled), self.runner.block_size
-        ids, positions, slots, lens, states, tables = self._views(self.staging, size)
+        staging = self.stagings[self.turn]
+        ids, positions, slots, lens, states, tables = self._views(staging, size)
         tok, pos, slot, length, rows = [], [], [], [], []
         for item in scheduled:
             seq = item.seq
@@ -205,7 +255,25 @@ class DecodeGraphs:
             states[:size] = torch.tensor([item.seq.state_slot for item in scheduled] + [scratch] * pad,
                                          dtype=torch.int64)
         used = size * (self.fields + self.max_blocks)
-        self.inputs[:used].copy_(self.staging[:used], non_blocking=not wait)
+        self.inputs[:used].copy_(staging[:used], non_blocking=not wait)
+
+    def read_back(self, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start the copy of a step's sampler output [n, 3] to this turn's host buffer (see read_back)."""
+        return read_back(out, self.results[self.turn])
+
+
+def read_back(src: torch.Tensor, host: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+    """Start copying a device tensor to the host (into the front of `host`, page-locked, when given) without
+    waiting; the function returned waits for the copy (a CUDA event) and returns the host copy."""
+    dst = pin(torch.empty(src.shape, dtype=src.dtype)) if host is None else host[:len(src)]
+    dst.copy_(src, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def wait() -> torch.Tensor:
+        done.synchronize()
+        return dst
+    return wait
 
 
 def pinned(numel: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from fp8engine import envs
 from fp8engine.config import EngineConfig
 from fp8engine.model_executor import host_memory
 from fp8engine.model_executor.kernels import attention_ref, cpu_ops, layer_ops_ref
+from fp8engine.model_executor.layers import sampler
 from fp8engine.weights import quant
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ class KernelSet:
                     fp8_q_scale) -> out
     fused_moe(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, scale_rows, scale_fmt) -> y, or None:
                                                              experts grouped over the linears above
-    sample_rows: the fused C++ sampler op, or None (the torch sampler)
+    sample_rows: the fused sampler (the C++ op on CPU, sampler.sample_rows_torch on CUDA), or None (the torch
+                 sampler alone)
     quantize_into(w, out_q, out_scale, scale_fmt=None[, scales=]) and block_scales(w, scale_fmt) (or None):
                                                              BF16 -> FP8 block quantization for loads and updates
     """
@@ -257,7 +259,7 @@ def _cuda(config: EngineConfig) -> KernelSet:
     attend_quant = functools.partial(attention_triton.paged_attention_quant_triton, batch_invariant=bi,
                                      flashinfer=flashinfer)
     names["attention"] = "flashinfer+triton" if flashinfer else "triton"
-    names["sampler"], names["moe"], names["gated_delta"] = "torch", "triton", "triton-recurrent"
+    names["sampler"], names["moe"], names["gated_delta"] = "torch-fused+torch", "triton", "triton-recurrent"
 
     def quantize_into(w, out_q, out_scale, scale_fmt=None):
         fp8_triton.quantize_weight_blockwise_triton(w, out_q, out_scale, scale_fmt=scale_fmt)
@@ -266,13 +268,22 @@ def _cuda(config: EngineConfig) -> KernelSet:
     return KernelSet(bi, config.lm_head_fp32, dense, fp8_linear, lm_head, rms_norm,
                      layer_ops_ref.rotary_ref, layer_ops_ref.silu_and_mul_ref,
                      dense_triton.lora_add_triton, attention_triton.write_kv_cache_triton,
-                     attend, functools.partial(moe_triton.fused_moe_triton, batch_invariant=bi), None, quantize_into,
+                     attend, functools.partial(moe_triton.fused_moe_triton, batch_invariant=bi), _sample_rows_on_device,
+                     quantize_into,
                      None, 0, ("", ""), False, False, False, False, False, None, names,
                      gdn_recurrent=dense_triton.gdn_recurrent_triton,
                      norm_quant=fused_triton.norm_quant if fusion else None,
                      qkv_epilogue=fused_triton.qkv_epilogue if fusion else None,
                      silu_mul_quant=fused_triton.silu_mul_quant if fusion else None, fp8_gemm=fp8_gemm,
                      attention_quant=attend_quant if fusion and fp8_gemm is not None else None)
+
+
+def _sample_rows_on_device(logits, temperature, uniform, need_raw, forced=None):
+    """The fused sampler's contract on the logits' device (sampler.sample_rows_torch), its host inputs copied
+    there."""
+    dev = logits.device
+    return sampler.sample_rows_torch(logits, temperature.to(dev), uniform.to(dev), need_raw,
+                                     None if forced is None else forced.to(dev))
 
 
 def _probed(library: str, probe, device: torch.device) -> bool:

@@ -5,6 +5,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -667,12 +668,16 @@ class ModelRunner:
 
     @_exclusive
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> StepOutput:
+    def execute(self, scheduled: list[ScheduledSeq], feed: torch.Tensor | None = None) -> StepOutput:
+        """The step's logits (and prompt logits). feed: with async scheduling, the sampler output [n, 3] of the step
+        before, still on the device, whose tokens are this decode step's inputs (the host holds placeholders)."""
         if self.graphs is not None and self.graphs.takes(scheduled):
-            logits = self._graphs_guarded(self.graphs.run, scheduled)
+            logits = self._graphs_guarded(self.graphs.run, scheduled, feed)
             if logits is not None:
                 return StepOutput(logits, {})
         flat, prompt_rows = self._flatten(scheduled)
+        if feed is not None:  # no graph after all (a capture failed): the tokens read here, one a row
+            flat[0][:] = [int(t) for t in feed[:, 0].tolist()]
         if self.tp_leader is not None:
             self.tp_leader.send("execute", flat, self._calibration())
         with self._following():
@@ -682,6 +687,21 @@ class ModelRunner:
         prompt_logits = {seq_id: PromptLogits(self.head_logits, hidden[rows], self.vocab_size)
                          for seq_id, rows in prompt_rows.items()} if prompt_rows else {}  # rows: slices of the step
         return StepOutput(logits, prompt_logits)
+
+    @property
+    def fused_sampler(self) -> Callable | None:
+        """The fused sampler the output processor calls (the kernel set's sample_rows), through the decode graphs'
+        sampler graph where graphs run."""
+        if self.kernels.sample_rows is None or self.graphs_off is not None:
+            return self.kernels.sample_rows
+        return self._sample_rows
+
+    def _sample_rows(self, logits, temperature, uniform, need_raw, forced=None):
+        if self.graphs is not None and forced is None:
+            out = self._graphs_guarded(self.graphs.sample, logits, temperature, uniform, need_raw)
+            if out is not None:
+                return out
+        return self.kernels.sample_rows(logits, temperature, uniform, need_raw, forced)
 
     def _sampled_logits(self, hidden: torch.Tensor, sample_rows: torch.Tensor) -> torch.Tensor | None:
         """The LM head over a step's rows to sample (every row of a decode step: its hidden states as they are);

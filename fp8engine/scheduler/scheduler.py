@@ -43,6 +43,21 @@ class Scheduler:
                 item.snapshots = self.bm.plan_snapshots(item.seq, item.num_new_tokens)
         return scheduled
 
+    def decodes_only(self) -> bool:
+        """Whether schedule() would now run each running sequence one token and nothing else: every one has exactly
+        one token to compute, the token budget and the free blocks cover them all (no preemption), and no waiting
+        sequence could be admitted beside them (async scheduling schedules such a step before the host reads the
+        tokens of the step before)."""
+        running = self.running
+        if not running or len(running) > self.max_num_batched_tokens:
+            return False
+        if any(s.num_tokens - s.num_computed_tokens != 1 for s in running):
+            return False
+        if self.waiting and sum(map(_width, running)) + _width(self.waiting[0]) <= self.max_num_seqs:
+            return False
+        needed = sum(self.bm.blocks_needed(s, s.num_computed_tokens + 1) for s in running)
+        return needed <= self.bm.num_free_blocks
+
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], bool]:
         scheduled, preempted, i = [], False, 0
         while i < len(self.running) and budget > 0:

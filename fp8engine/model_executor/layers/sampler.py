@@ -19,7 +19,8 @@ is a counter-based hash of the request's seed, the sample's index and the positi
 being drawn: the noise of a token depends on nothing else (batch, preemption, earlier draws).
 On CPU, rows without truncation, adjustments, banned tokens or top-k alternatives take a fused C++ kernel
 (csrc/sampler.cpp, the kernel set's sample_rows) with the same definition and the same uniforms; this module is
-its reference.
+its reference. On CUDA those rows take `sample_rows_torch`, the reference's ops for them without a host
+synchronisation (a decode step's CUDA graph replays it after the model: cuda_graphs.DecodeGraphs.sample).
 The two sum the CDF in different orders, so at a float32 near-tie (1 - u within rounding of a CDF
 step) they may pick neighbouring tokens; which path a row takes depends on that row alone.
 """
@@ -274,18 +275,44 @@ def _allowed(rows: list[SampleRow], device: torch.device) -> torch.Tensor | None
 
 
 def _fused_kernel(kernel, logits: torch.Tensor, rows: list[SampleRow]):
-    """`kernel` (the fused C++ sampler) when it covers these rows of these logits, else None."""
-    if kernel is None or logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+    """`kernel` (the fused sampler of the logits' device) when it covers these rows of these logits, else None;
+    the C++ one takes float32 and BF16 logits."""
+    if kernel is None or (logits.device.type == "cpu" and logits.dtype not in (torch.float32, torch.bfloat16)):
         return None
     return kernel if all(map(_fusable, rows)) else None
 
 
+def sample_on_device(kernel, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor | None:
+    """The device's [R, 3] of the fused sampler (sample_rows_torch's; see fused_result), left on the device, when
+    `kernel` covers every row; else None. For a step whose host work overlaps the device's (LLMEngine's
+    async_scheduling): its tokens feed the next step on the device, and the host reads them later."""
+    if _fused_kernel(kernel, logits, rows) is None or logits.device.type == "cpu":
+        return None
+    uniform = sampling_uniforms([r.seed for r in rows], [r.index for r in rows], [r.position for r in rows])
+    return _fused_rows(kernel, logits, rows, uniform)
+
+
+def _fused_rows(kernel, logits: torch.Tensor, rows: list[SampleRow], uniform: torch.Tensor,
+                forced: torch.Tensor | None = None):
+    temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
+    return kernel(logits, temperature, uniform, any(_wants(r, "raw") for r in rows), forced)
+
+
 def _sample_fused(kernel, logits: torch.Tensor, rows: list[SampleRow], uniform: torch.Tensor,
                   forced: torch.Tensor | None = None) -> SampleResult:
-    temperature = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
-    tokens, processed, raw = kernel(logits, temperature, uniform, any(_wants(r, "raw") for r in rows), forced)
-    result = SampleResult(tokens.tolist(), [None] * len(rows), [None] * len(rows), [None] * len(rows))
-    processed, raw = processed.tolist(), raw.tolist()
+    out = _fused_rows(kernel, logits, rows, uniform, forced)
+    return fused_result(out.cpu() if isinstance(out, torch.Tensor) else out, rows)
+
+
+def fused_result(out, rows: list[SampleRow]) -> SampleResult:
+    """SampleResult from the fused sampler's output on the host: the C++ op's (tokens, processed, raw) tensors, or
+    a device's [R, 3] float64 copied back in one piece (sample_rows_torch)."""
+    if isinstance(out, torch.Tensor):
+        tokens, processed, raw = zip(*out.tolist()) if len(out) else ((), (), ())
+        tokens = [int(t) for t in tokens]
+    else:
+        tokens, processed, raw = (t.tolist() for t in out)
+    result = SampleResult(tokens, [None] * len(rows), [None] * len(rows), [None] * len(rows))
     for i, row in enumerate(rows):
         if row.params.logprobs is None:
             continue
@@ -294,6 +321,27 @@ def _sample_fused(kernel, logits: torch.Tensor, rows: list[SampleRow], uniform: 
         else:
             result.logprobs[i], result.log_kept_mass[i] = processed[i], 0.0
     return result
+
+
+def sample_rows_torch(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, need_raw: bool,
+                      forced: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused sampler's contract (csrc/sampler.cpp's sample_rows: rows without truncation, adjustments, bans or
+    top-k alternatives) in torch ops on the logits' device, for a device without the C++ op: [R, 3] float64 of
+    (token, processed logprob at it, raw logprob at it or 0 without need_raw), so the host reads it in one copy.
+    temperature, uniform [R] (and forced [R]) on the logits' device. Per row the same ops and rounding as
+    _sample_reference gives that row (x / 1.0 is x; greedy rows: argmax, a point mass), so the two agree bit for
+    bit; no host synchronisation, so a CUDA graph can hold it (cuda_graphs.DecodeGraphs.sample)."""
+    logits = logits.to(torch.float32)
+    draws = temperature > 0
+    logp = torch.log_softmax(logits / torch.where(draws, temperature, 1.0)[:, None], dim=-1)
+    if forced is not None:
+        tokens = forced
+    else:
+        tokens = torch.where(draws, _draw(logp.exp(), uniform), logits.argmax(dim=-1))
+    at = tokens[:, None]
+    processed = torch.where(draws, logp.gather(1, at)[:, 0], 0.0)
+    raw = torch.log_softmax(logits, dim=-1).gather(1, at)[:, 0] if need_raw else torch.zeros_like(processed)
+    return torch.stack([tokens.to(torch.float64), processed.to(torch.float64), raw.to(torch.float64)], dim=1)
 
 
 def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
