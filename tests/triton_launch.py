@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -46,6 +47,11 @@ INTERPRETER_FLAGS = ("E4M3_BY_BITS", "INTERPRET")
 
 # Per-block shared memory limits (opt-in maximum): H100/H200 227 KiB, Ada (sm_89) 99 KiB.
 SHARED_LIMIT = {90: 232448, 89: 101376}
+# Per-SM limits for occupancy (the CUDA occupancy calculator's rules): registers (allocated 256 a warp), shared
+# memory (1 KiB reserved a block), warps, blocks; and the SMs of the device the arch is checked for (H100 SXM and
+# H200: 132; L40S: 142).
+SM_LIMITS = {90: dict(regs=65536, shared=233472, warps=64, blocks=32, sms=132),
+             89: dict(regs=65536, shared=102400, warps=48, blocks=24, sms=142)}
 MAX_REGS = 255
 TARGETS = (90, 89)
 
@@ -759,6 +765,7 @@ class CompiledLaunch:
     spill_loads: int  # LDL instructions in the SASS
     shared: int  # bytes per block: Triton's dynamic shared memory plus any static
     pdl: bool = False  # launched with programmatic dependent launch (kernels/pdl.py)
+    grids: list = dataclasses.field(default_factory=list)  # (case, grid) of each launch this binary serves
 
     @property
     def mma(self) -> dict[str, set[str]]:
@@ -780,7 +787,7 @@ def _constexpr_names(kernel, constexprs: dict) -> dict:
 
 
 def compile_launch(launch: Launch, arch: int, cases: list[str] | None = None,
-                   native_only: bool = True) -> CompiledLaunch:
+                   native_only: bool = True, grids: list | None = None) -> CompiledLaunch:
     """Compiles the launch natively for sm_<arch> (through ptxas) and reads its resource use. native_only:
     refuse interpreter-only constexprs set True."""
     import triton
@@ -801,7 +808,8 @@ def compile_launch(launch: Launch, arch: int, cases: list[str] | None = None,
         name=launch.name, arch=arch, cases=cases or [launch.case], constexprs=names,
         num_warps=options.num_warps, num_stages=options.num_stages, ptx=compiled.asm["ptx"],
         n_regs=usage["regs"], stack_bytes=usage["stack"], spill_stores=usage["stl"], spill_loads=usage["ldl"],
-        shared=compiled.metadata.shared + usage["static_shared"], pdl=bool(compiled.metadata.launch_pdl))
+        shared=compiled.metadata.shared + usage["static_shared"], pdl=bool(compiled.metadata.launch_pdl),
+        grids=grids or [(launch.case, launch.grid)])
 
 
 def cubin_usage(cubin: bytes) -> dict:
@@ -823,13 +831,14 @@ def cubin_usage(cubin: bytes) -> dict:
 
 def compile_cases(cases: list[Case], arch: int, mods: SimpleNamespace | None = None) -> list[CompiledLaunch]:
     """Every distinct launch of the cases compiled for sm_<arch> (identical specialisations once)."""
-    distinct: dict[str, tuple[Launch, list[str]]] = {}
+    distinct: dict[str, tuple[Launch, list[str], list]] = {}
     for case in cases:
         for launch in case_launches(case, mods):
-            entry = distinct.setdefault(launch_key(launch, arch), (launch, []))
+            entry = distinct.setdefault(launch_key(launch, arch), (launch, [], []))
             if case.name not in entry[1]:
                 entry[1].append(case.name)
-    return [compile_launch(launch, arch, names) for launch, names in distinct.values()]
+            entry[2].append((case.name, tuple(launch.grid)))
+    return [compile_launch(launch, arch, names, grids=grids) for launch, names, grids in distinct.values()]
 
 
 def _compile_set(label: str, arch: int) -> list[CompiledLaunch]:
@@ -965,6 +974,69 @@ def assert_resources(compiled: CompiledLaunch, spills_allowed: bool = False) -> 
                              f"stores, {compiled.spill_loads} loads, {compiled.n_regs} registers)")
 
 
+# Global loads in PTX, with their bytes: ld.global[.nc][.v2|.v4].<type> and cp.async's copy size.
+_LD_GLOBAL = re.compile(r"\bld\.global(?:\.\w+)*?(?:\.v(\d))?\.[bfsu](\d+)\s")
+_CP_ASYNC = re.compile(r"\bcp\.async\.c[ag]\.shared\.global(?:\.\w+)*\s+\[[^]]*\],\s*\[[^]]*\],\s*(0x[0-9a-f]+|\d+)")
+
+
+def global_loads(ptx: str) -> dict[int, int]:
+    """{bytes a thread moves in one instruction: how many such global loads} over the PTX's ld.global and
+    cp.async (global -> shared) instructions."""
+    found: dict[int, int] = {}
+    for vec, bits in _LD_GLOBAL.findall(ptx):
+        size = int(vec or 1) * int(bits) // 8
+        found[size] = found.get(size, 0) + 1
+    for size in _CP_ASYNC.findall(ptx):
+        size = int(size, 0)
+        found[size] = found.get(size, 0) + 1
+    return found
+
+
+def occupancy(compiled: CompiledLaunch, grid: tuple) -> dict:
+    """A launch's residency on its arch's device, from the compiled resources: blocks per SM and what limits them
+    (registers, shared memory, warps, blocks), warps resident per SM, the grid's CTAs per SM and its waves."""
+    limits = SM_LIMITS[compiled.arch]
+    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256
+    by = {"registers": limits["regs"] // (regs_per_warp * compiled.num_warps),
+          "shared": limits["shared"] // (compiled.shared + 1024),
+          "warps": limits["warps"] // compiled.num_warps, "blocks": limits["blocks"]}
+    limited_by = min(by, key=by.get)
+    blocks = by[limited_by]
+    ctas = math.prod(grid)
+    return {"blocks_per_sm": blocks, "limited_by": limited_by, "warps_per_sm": blocks * compiled.num_warps,
+            "ctas": ctas, "ctas_per_sm": ctas / limits["sms"],
+            "waves": -(-ctas // (blocks * limits["sms"])) if blocks else math.inf}
+
+
+def occupancy_rows(compiled: list[CompiledLaunch], steps: tuple[str, ...] = ("decode", "decode_long")) -> list[dict]:
+    """One row a launch of the cases ending in `steps`: kernel, case, grid, resources, global loads by width
+    (global_loads) and occupancy."""
+    rows = []
+    for c in compiled:
+        loads = global_loads(c.ptx)
+        for case, grid in c.grids:
+            if case.rsplit("/", 1)[1] in steps:
+                rows.append({"case": case, "kernel": c.name, "grid": grid, "num_warps": c.num_warps, "regs": c.n_regs,
+                             "shared": c.shared, "loads": loads, **occupancy(c, grid)})
+    return sorted(rows, key=lambda r: (r["case"], r["kernel"]))
+
+
+def occupancy_table(rows: list[dict]) -> str:
+    """occupancy_rows as a markdown table."""
+    lines = ["| case | kernel | grid | warps | regs | shared B | global loads (B x count) | blocks / SM (limit) "
+             "| CTAs / SM |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        loads = " ".join(f"{size}x{n}" for size, n in sorted(r["loads"].items(), reverse=True))
+        lines.append(f"| {r['case'].split('/', 1)[1]} | {r['kernel']} | {'x'.join(map(str, r['grid']))} | "
+                     f"{r['num_warps']} | {r['regs']} | {r['shared']} | {loads} | {r['blocks_per_sm']} "
+                     f"({r['limited_by']}) | {r['ctas_per_sm']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _occupancy_report(arch: int) -> str:
+    return occupancy_table(occupancy_rows(compile_cases(case_sets()["llama-7b"], arch)))
+
+
 # Native conversions in PTX. The interpreter-only branches replace them by integer arithmetic.
 NATIVE_CVT = {
     "f32->e4m3": re.compile(r"cvt\.rn\.satfinite\.e4m3x2\.f32"),
@@ -979,3 +1051,8 @@ def assert_native_cvt(compiled: CompiledLaunch, *conversions: str) -> None:
     if missing:
         raise AssertionError(f"{compiled.name} sm_{compiled.arch}: no native {', '.join(missing)} conversion "
                              f"({compiled.cases[0]})")
+
+
+if __name__ == "__main__":  # python -m tests.triton_launch: the 8B decode launches' occupancy table (docs/gpu.md)
+    with clean_process_pool(1) as pool:
+        print(pool.submit(_occupancy_report, int(sys.argv[1]) if len(sys.argv) > 1 else 90).result(), end="")

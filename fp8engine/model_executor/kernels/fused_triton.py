@@ -198,7 +198,7 @@ def qkv_epilogue(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm
             qkv, cos, sin, q_norm, k_norm, q, k_cache, v_cache, slot_mapping, k_scale, v_scale, eps, qkv.stride(0),
             cos.stride(0), q.stride(0), *k_cache.stride()[:3], HQ=num_heads, HKV=num_kv_heads, D=head_dim,
             LOG2_D=head_dim.bit_length() - 1, HEADS=per_program, BLOCK_SIZE=k_cache.shape[1],
-            HAS_NORM=q_norm is not None, INTERPRET=_INTERPRET, num_warps=4, **pdl.launch_options())
+            HAS_NORM=q_norm is not None, INTERPRET=_INTERPRET, num_warps=2, **pdl.launch_options())
     return q
 
 
