@@ -164,12 +164,13 @@ class LLMEngine:
             self.check_ready()
         start = time.perf_counter()
         if self._in_flight is not None:
-            touched, launched = self._step_ahead()
+            touched, ran, launched = self._step_ahead()
             outputs += [self.outputs.emit(r) for r in touched if r.finished or not finished_only]
             if launched is not None:  # the next step runs on the device; its tokens land at the next call
                 self.outputs.advance_ahead(launched)
                 self._in_flight = launched
                 self.num_steps_ahead += 1
+            if ran:
                 self.step_seconds_total += time.perf_counter() - start
                 return outputs
         scheduled = self.scheduler.schedule()
@@ -218,13 +219,13 @@ class LLMEngine:
             return None
         return self.outputs.sample_ahead(scheduled, result.logits, self.runner.graphs.read_back)
 
-    def _step_ahead(self) -> tuple[list[Request], InFlight | None]:
+    def _step_ahead(self) -> tuple[list[Request], bool, InFlight | None]:
         """With a decode step in flight: when the scheduler would run the same sequences one token each again, that
         next step is scheduled and launched first, its input tokens taken from the device; then the step in flight
         lands (its tokens read, stops checked). A sequence that stopped there leaves its row of the next step
         unused; one that reaches its length there is known to the host, and no step is launched for it before it
-        lands. Returns the touched requests and the step launched (None: none was; a step that could not be sampled
-        on the device is processed here)."""
+        lands. Returns the touched requests, whether a step ran, and the step launched ahead (None: none was, or
+        one that could not be sampled on the device ran and was processed here)."""
         current, self._in_flight = self._in_flight, None
         launched, scheduled, result = None, None, None
         graphs = self.runner.graphs
@@ -240,8 +241,8 @@ class LLMEngine:
             launched = self._sample_ahead(scheduled, result)
         touched = self.outputs.land(current)
         if scheduled is not None and launched is None:
-            touched += self.outputs.process(scheduled, result)
-        return touched, launched
+            touched = list(dict.fromkeys(touched + self.outputs.process(scheduled, result)))  # each request once
+        return touched, scheduled is not None, launched
 
     def _retract(self) -> None:
         """Take back the decode step in flight before anything changes the sequences, the weights or the cache

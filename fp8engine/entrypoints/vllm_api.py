@@ -343,7 +343,8 @@ class VllmRoutes:
                                 "data_parallel_size": 1, "world_size": c.tensor_parallel_size,
                                 "enable_expert_parallel": c.expert_parallel},
             "scheduler_config": {"max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
-                                 "enable_chunked_prefill": True, "runner_type": "generate"},
+                                 "enable_chunked_prefill": True, "runner_type": "generate",
+                                 "async_scheduling": llm.async_off is None},
             "device_config": {"device": stats.device},
             "lora_config": None if c.max_lora_rank == 0 else {"max_lora_rank": c.max_lora_rank, "max_loras": 1},
             "speculative_config": None if c.speculative is None else {
