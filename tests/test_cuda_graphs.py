@@ -128,6 +128,21 @@ def test_async_scheduling_gives_the_outputs_of_steps_that_wait(dev, model):
             for engine in (plain, ahead)]
     assert rest[0] == rest[1] and rest[0]["r0"][1] == [0] * 6 + [1] * 6
     assert len(dev.captured) > 3  # the sampler's graphs too
+    # A capture that fails under a step launched ahead: that step runs eagerly on the tokens read from the device,
+    # and the engine goes on without graphs, its outputs still those of the steps that wait
+    for engine in (plain, ahead):
+        for i, prompt in enumerate(PROMPTS[:2]):
+            engine.add_request(prompt, dataclasses.replace(params[1], n=1, max_tokens=5), request_id=f"s{i}")
+    for _ in range(3):
+        ahead.step()
+    assert ahead._in_flight is not None
+
+    def broken(forward):
+        raise RuntimeError("no memory for a graph")
+    ahead.runner.graphs.graphs.clear()
+    ahead.runner.graphs.capture = broken
+    ends = [{o.request_id: o.outputs[0].token_ids for o in _drain(engine)} for engine in (plain, ahead)]
+    assert ends[0] == ends[1] and len(ends[0]) == 2 and ahead.runner.graphs is None
 
 
 def _drain(engine):
