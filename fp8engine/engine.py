@@ -207,7 +207,7 @@ class LLMEngine:
             return "async_scheduling=False"
         why = ("no decode graphs" if self.runner.graphs is None
                else "speculative decoding" if self.speculator is not None
-               else "hybrid models' state snapshots" if self.runner.gdn_layers
+               else "a hybrid model (a step's state update cannot be taken back)" if self.runner.gdn_layers
                else "no fused sampler" if self.outputs.sample_kernel is None else None)
         if why is not None:
             logger.warning("fp8engine: async_scheduling stays off: %s", why)
