@@ -142,8 +142,8 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; its blocks are freed. Returns its partial output (None if unknown)."""
-        self._retract()
+        """Stop a request now; its blocks are freed. Returns its partial output (None if unknown): the tokens step()
+        has returned (with async scheduling, a token drawn by the step in flight is dropped)."""
         return self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -245,9 +245,9 @@ class LLMEngine:
         return touched, scheduled is not None, launched
 
     def _retract(self) -> None:
-        """Take back the decode step in flight before anything changes the sequences, the weights or the cache
-        under it (an abort, an update, a sleep): its tokens are dropped and computed again by the next step, as
-        if it had not run."""
+        """Take back the decode step in flight before anything changes the weights or the cache under it (an
+        update, a sleep, a prefix-cache flush): its tokens are dropped and computed again by the next step, as if it
+        had not run. (An abort drops only its own sequences' tokens: OutputProcessor.abort.)"""
         current, self._in_flight = self._in_flight, None
         if current is not None:
             self.outputs.retract(current)

@@ -64,6 +64,9 @@ class OutputProcessor:
             return None
         for seq in request.seqs:
             if not seq.is_finished:
+                if seq.token_ids[-1] == PLACEHOLDER:  # drawn by a step in flight (async): dropped, as if not run
+                    seq.token_ids.pop()
+                    seq.num_computed_tokens -= 1
                 seq.finish_reason = "abort"
                 self._finish(seq)
         request.aborted = True
