@@ -266,8 +266,10 @@ def test_decode_launches_load_16_bytes_at_a_time_and_keep_blocks_resident(compil
 
 
 @pytest.mark.xfail(strict=True, reason="found by the load check: with an E4M3 cache the attention kernel copies its "
-                   "K/V tiles 8 bytes a thread (cp.async 8), half the vectorised width it reaches on a BF16 cache; "
-                   "the copies stay whole 32-byte sectors, so the bytes read are the same, in twice the instructions. "
+                   "V tiles 8 bytes a thread (cp.async 8; K's go 16 at a time), half the vectorised width it reaches "
+                   "on a BF16 cache: Triton gives V's shared buffer (p @ v's B operand, rows along the keys) vec = 8 "
+                   "elements, as for a 16-bit operand, and a multiple_of hint on the rows changes nothing. The "
+                   "copies stay whole 32-byte sectors, so the bytes read are the same, in twice the instructions. "
                    "Unmeasured on a GPU; the attention rows of make gpu-perf will say whether it matters")
 def test_fp8_kv_tiles_copy_16_bytes_at_a_time(compiled):
     rows = tl_launch.occupancy_rows(compiled["llama-7b", 90])
