@@ -54,8 +54,8 @@ def measure(model: str, batch: int, steps: int, options: dict, params: SamplingP
             rows.append([a - b for a, b in zip(counters(dev), before)] + [seconds])
     med = [statistics.median(col) for col in zip(*rows)]
     assert (engine.runner.graphs is not None) == graphs, engine.get_stats().kernels["cuda_graphs"]
-    return {"batch": batch, "graphs": graphs, "async": async_scheduling, "torch_calls": med[0], "device_ops": med[1], "triton_launches": med[2],
-            "torch_kernels": med[3], "launches": med[2] + med[3], "host_syncs": med[4], "host_ms": med[-1] * 1e3}
+    return {"batch": batch, "graphs": graphs, "async": async_scheduling, "torch_calls": med[0], "device_ops": med[1],
+            "triton_launches": med[2], "torch_kernels": med[3], "launches": med[2] + med[3], "host_syncs": med[4], "host_ms": med[-1] * 1e3}
 
 
 def counters(dev: FakeCuda) -> tuple:
