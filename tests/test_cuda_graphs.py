@@ -106,7 +106,7 @@ def test_async_scheduling_gives_the_outputs_of_steps_that_wait(dev, model):
            for o in ahead.generate(PROMPTS, params)]
     assert got == want and ahead.num_steps_ahead >= 3
     assert {c[2] for o in got for c in o} == {"stop", "length"}
-    # An abort after three steps: the tokens step() returned, whatever the device drew since
+    # An abort after four steps: the tokens step() returned, whatever the device drew since
     for engine in (plain, ahead):
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(prompt, dataclasses.replace(params[1], n=1, max_tokens=12), request_id=f"r{i}")
