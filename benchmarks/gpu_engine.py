@@ -375,7 +375,9 @@ def decode_speed(model: str, device: str, batch: int, quantization, steps: int, 
     mode = (quantization or "bf16") + ("-head" if lm_head_fp8 else "") + ("-bi" if batch_invariant else "")
     if async_scheduling is not None:
         mode += "-async" if async_scheduling else "-sync"
-    row = {"batch": batch, "mode": mode, "graphs": graphs, "pdl": pdl, "ms_per_step": float(f"{ms:.4g}"),
+    overlap = engine.get_stats().kernels["async_scheduling"]
+    row = {"batch": batch, "mode": mode, "graphs": graphs, "pdl": pdl, "async": overlap,
+           "ms_per_step": float(f"{ms:.4g}"),
            "tok_per_s": float(f"{batch / ms * 1e3:.4g}"), "hbm_floor_ms": float(f"{floor_ms:.3g}"),
            "weight_gb": float(f"{weights / 1e9:.3g}")}
     print(f"    speed {row['mode']:5s} batch {batch:4d}: {ms:8.2f} ms/step {row['tok_per_s']:9.1f} tok/s "
