@@ -353,21 +353,22 @@ def decode_speed(model: str, device: str, batch: int, quantization, steps: int, 
                                     lm_head_fp8=lm_head_fp8, async_scheduling=bool(async_scheduling)))
     start_decoding(engine, batch, prompt_len, SamplingParams(temperature=1.0, max_tokens=steps + 4, ignore_eos=True,
                                                              seed=0, logprobs=0))
-    times = []
-    if async_scheduling is not None:
+    if async_scheduling is None:  # each step alone
+        times = []
+        for _ in range(steps):
+            _sync(device)
+            start = time.perf_counter()
+            engine.step()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times) * 1e3
+    else:  # one loop
         _sync(device)
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         _sync(device)
-        times = [(time.perf_counter() - start) / steps]
-    for _ in range(steps if async_scheduling is None else 0):
-        _sync(device)
-        start = time.perf_counter()
-        engine.step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    ms = statistics.median(times) * 1e3
+        ms = (time.perf_counter() - start) / steps * 1e3
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     kv = batch * (prompt_len + steps) * engine.runner.kv_bytes_per_block() / engine.config.block_size
     floor_ms = (weights + kv) / HBM_BYTES_PER_S * 1e3

@@ -230,7 +230,7 @@ class LLMEngine:
         launched, scheduled, result = None, None, None
         graphs = self.runner.graphs
         if (graphs is not None and self.scheduler.decodes_only()
-                and [s for s in self.scheduler.running] == [item.seq for item in current.scheduled]
+                and self.scheduler.running == [item.seq for item in current.scheduled]
                 and not any(self.outputs.ends_by_length(s) for s in self.scheduler.running)
                 and graphs.takes([ScheduledSeq(s, 1) for s in self.scheduler.running])):
             scheduled = self.scheduler.schedule()

@@ -64,8 +64,7 @@ class OutputProcessor:
             return None
         for seq in request.seqs:
             if not seq.is_finished:
-                if seq.token_ids[-1] == PLACEHOLDER:  # drawn by a step in flight (async): dropped, as if not run
-                    seq.token_ids.pop()
+                if _take_placeholder(seq):  # drawn by a step in flight (async): dropped, as if not run
                     seq.num_computed_tokens -= 1
                 seq.finish_reason = "abort"
                 self._finish(seq)
@@ -147,9 +146,8 @@ class OutputProcessor:
         touched: dict[str, Request] = {}
         for i, item in enumerate(step.scheduled):
             seq = item.seq
-            if seq.is_finished or seq.token_ids[-1] != PLACEHOLDER:
+            if not _take_placeholder(seq):  # ended since (a stop it met earlier, an abort): its row is not used
                 continue
-            seq.token_ids.pop()
             self._append_token(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i],
                                result.log_kept_mass[i])
             touched[seq.request.request_id] = seq.request
@@ -161,10 +159,8 @@ class OutputProcessor:
         host buffers can be written again."""
         step.read()
         for item in step.scheduled:
-            seq = item.seq
-            if not seq.is_finished and seq.token_ids[-1] == PLACEHOLDER:
-                seq.token_ids.pop()
-                seq.num_computed_tokens -= item.num_new_tokens
+            if _take_placeholder(item.seq):
+                item.seq.num_computed_tokens -= item.num_new_tokens
 
     def _finish_unsampled(self, seq: Sequence) -> None:
         """max_tokens=0: the prompt is computed (and scored); every sample ends empty, nothing is drawn."""
@@ -370,3 +366,12 @@ class OutputProcessor:
         if not seq.params.return_routed_experts or seq.is_finished:
             return seq.routed_experts
         return self.read_routed(seq)
+
+
+def _take_placeholder(seq: Sequence) -> bool:
+    """Remove seq's PLACEHOLDER (the token a step in flight drew), if its last token is one; whether it was. A
+    sequence that ended holds none."""
+    if seq.token_ids[-1] != PLACEHOLDER:
+        return False
+    seq.token_ids.pop()
+    return True

@@ -106,8 +106,7 @@ class DecodeGraphs:
         # A bucket of b rows reads [ids | positions | slots | context lengths | (state slots) | block tables
         # (b x max_blocks)], b of each, from the front of one int64 buffer: one host-to-device copy a step; the
         # graph converts.
-        self.hybrid = bool(runner.gdn_layers)
-        self.fields = 5 if self.hybrid else 4
+        self.fields = 5 if runner.gdn_layers else 4
         numel = top * (self.fields + self.max_blocks)
         # Host buffers, two of each, a step taking them in turn: a step may be staged while the one before still
         # runs (async_scheduling), and a buffer is written again only once the copy out of it two steps ago is done
@@ -258,22 +257,17 @@ class DecodeGraphs:
         self.inputs[:used].copy_(staging[:used], non_blocking=not wait)
 
     def read_back(self, out: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Start the copy of a step's sampler output [n, 3] to this turn's host buffer (see read_back)."""
-        return read_back(out, self.results[self.turn])
+        """Start copying a step's sampler output [n, 3] into the front of this turn's page-locked host buffer
+        without waiting; the function returned waits for the copy (a CUDA event) and returns the host rows."""
+        dst = self.results[self.turn][:len(out)]
+        dst.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
 
-
-def read_back(src: torch.Tensor, host: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
-    """Start copying a device tensor to the host (into the front of `host`, page-locked, when given) without
-    waiting; the function returned waits for the copy (a CUDA event) and returns the host copy."""
-    dst = pin(torch.empty(src.shape, dtype=src.dtype)) if host is None else host[:len(src)]
-    dst.copy_(src, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-
-    def wait() -> torch.Tensor:
-        done.synchronize()
-        return dst
-    return wait
+        def wait() -> torch.Tensor:
+            done.synchronize()
+            return dst
+        return wait
 
 
 def pinned(numel: int) -> torch.Tensor:
