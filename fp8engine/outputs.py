@@ -123,7 +123,8 @@ class EngineStats:
     kv_cache_dtype: str = "auto"
     linear_backend: str = "torch"
     attention_backend: str = "torch"
-    decoder_backend: str = "python"  # "cpp-plan": the decoder layers run as one C++ call (fused_decoder.py)
+    decoder_backend: str = "python"  # "cpp-plan": the decoder layers in one C++ call (fused_decoder.py);
+    # "cpp-plan-decode": a hybrid model's decode steps in one
     kernels: dict[str, str] = field(default_factory=dict)  # every kernel the engine chose (kernel_set.py), by role
     device: str = "cpu"
     last_weight_update_seconds: float = 0.0

@@ -138,6 +138,8 @@ def test_where_the_plan_is_not_built(tiny_dir, monkeypatch):  # noqa: F811
     moe = make_engine(tiny_dir("qwen3_moe"), quantization="fp8")
     assert moe.runner.model.fused is None and moe.get_stats().decoder_backend == "python"
     assert make_engine(tiny_dir("qwen2"), dtype="float32").runner.model.fused is None
+    for arch in ("qwen3_5_moe", "qwen3_next"):  # hybrids with MoE blocks
+        assert make_engine(tiny_dir(arch), kv_cache_memory_bytes=4 << 20).runner.model.fused is None
     monkeypatch.setenv("FP8ENGINE_FUSED_DECODER", "0")
     assert make_engine(tiny_dir("qwen2")).runner.model.fused is None
     monkeypatch.setenv("FP8ENGINE_FUSED_DECODER", "yes")
@@ -192,3 +194,77 @@ def test_plan_runs_a_lora_adapter_as_the_python_layers_do(tiny_dir, mode, batch_
     assert fused != base and run(engine, fused=False) == fused
     engine.update_lora({})
     assert run(engine, fused=True) == base
+
+
+class StepChecked:
+    """A hybrid plan that also runs each of its steps through the Python layers, from the same KV caches and states,
+    and asserts the same output, residual, caches and states, bit for bit; `steps` counts them."""
+
+    def __init__(self, model):
+        self.plan, self.model, self.steps = model.fused, model, 0
+        self.pools = [t for g in model.gdn_layers() for t in (g.conv_state, g.rec_state)]
+        self.pools += [t for a in model.attention_layers() for t in (a.k_cache, a.v_cache)]
+
+    def usable(self, rows, meta):
+        return self.plan.usable(rows, meta)
+
+    def __call__(self, x, positions, meta):
+        before = [p.clone() for p in self.pools]
+        out = self.plan(x, positions, meta)
+        after = [p.clone() for p in self.pools]
+        for pool, saved in zip(self.pools, before):
+            pool.copy_(saved)
+        y, residual = x, None
+        for layer in self.model.model.layers:
+            y, residual = layer(positions, y, residual, meta)
+        assert torch.equal(out[0], y) and torch.equal(out[1], residual)
+        assert all(torch.equal(pool, saved) for pool, saved in zip(self.pools, after))
+        self.steps += 1
+        return out
+
+
+@pytest.mark.parametrize("mode,batch_invariant", [("bf16", False), ("fp8-linear", False), ("full-fp8", False),
+                                                  ("fp8-linear", True)])
+def test_hybrid_decode_steps_match_the_python_layers(tiny_dir, mode, batch_invariant):  # noqa: F811
+    """Qwen3.5's decode steps in one C++ call (fused_decoder.HybridDecoder): GDN layers (their conv and recurrent
+    states), gated attention, zero-centred norms; each step's output, KV caches and states bit for bit the Python
+    layers' from the same inputs, and so the tokens and logprobs. Prefill steps run in Python either way."""
+    engine = make_engine(tiny_dir("qwen3_5"), batch_invariant=batch_invariant, max_num_seqs=4,
+                         kv_cache_memory_bytes=4 << 20, **MODES[mode])  # small pools: a step copies them twice
+    assert engine.get_stats().decoder_backend == "cpp-plan-decode"
+    python = run(engine, fused=False)
+    model = engine.runner.model
+    plan = model.fused
+    model.fused = checked = StepChecked(model)
+    try:
+        fused = run(engine, fused=True)
+    finally:
+        model.fused = plan
+    # the 9 decode steps but those that write a state snapshot (a sequence completing a KV block)
+    assert 5 <= checked.steps < 9
+    assert fused == python and all(len(tokens) == 10 for tokens, _ in fused)
+
+
+def test_hybrid_plan_runs_lora_and_sees_updates(tiny_dir):  # noqa: F811
+    """An FP8 Qwen3.5 engine's plan with a LoRA adapter on GDN and attention projections, then after an update of the
+    GDN's conv, A_log, dt_bias, in_proj_a (model dtype) and in_proj_qkv (FP8) and the gated attention's q_proj: every
+    decode step bit for bit the Python layers (StepChecked), and the outputs change with each."""
+    engine = make_engine(tiny_dir("qwen3_5"), quantization="fp8", max_lora_rank=4, max_num_seqs=4,
+                         kv_cache_memory_bytes=4 << 20)
+    model = engine.runner.model
+    model.fused = checked = StepChecked(model)
+    base = run(engine, fused=True)
+    gen = torch.Generator().manual_seed(0)
+    adapter = {}
+    for module, (k, n) in {"model.layers.0.linear_attn.in_proj_qkv": (128, 256),
+                           "model.layers.1.linear_attn.out_proj": (128, 128),
+                           "model.layers.3.self_attn.q_proj": (128, 256)}.items():
+        adapter[f"base_model.model.{module}.lora_A.weight"] = torch.randn(4, k, generator=gen) * 0.2
+        adapter[f"base_model.model.{module}.lora_B.weight"] = torch.randn(n, 4, generator=gen) * 0.2
+    engine.update_lora(adapter, 2.0)
+    with_lora = run(engine, fused=True)
+    gdn = ("conv1d.weight", "A_log", "dt_bias", "in_proj_a.weight", "in_proj_qkv.weight")
+    names = [f"model.layers.0.linear_attn.{n}" for n in gdn] + ["model.layers.3.self_attn.q_proj.weight"]
+    engine.update_weights({name: engine.get_weights_by_name(name) * 1.5 for name in names})
+    updated = run(engine, fused=True)
+    assert base != with_lora != updated and checked.steps >= 15

@@ -24,88 +24,11 @@
 #include <tuple>
 #include <vector>
 
-#include "next_weight.h"
+#include "decoder_ops.h"
 
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
-
-template <typename Sig>
-c10::TypedOperatorHandle<Sig> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
-}
-
-// The ops a layer calls, looked up once (a plan cannot be built where one is missing, e.g. without AVX-512).
-struct Ops {
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&,
-                                                              double)>
-      rms_norm = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const OptTensor&, const at::Tensor&,
-                                                            double)>("fp8engine::rms_norm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
-                                      const OptTensor&, bool, const std::string&, bool)>
-      fp8_linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, bool,
-                                      const OptTensor&, bool, const std::string&, bool)>("fp8engine::fp8_block_linear");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool,
-                                      const std::string&, bool)>
-      bf16_linear = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, bool, bool,
-                                       const std::string&, bool)>("fp8engine::bf16_linear");
-  c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
-      rotary = find_op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-          "fp8engine::rotary_embedding_");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-                                double, double)>
-      write_kv = find_op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, double,
-                              double)>("fp8engine::write_kv_cache");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, double, double, double, double, int64_t)>
-      attention = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     const at::Tensor&, const at::Tensor&, double, double, double, double, int64_t)>(
-          "fp8engine::paged_attention");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const OptTensor&, const at::Tensor&, double, at::Tensor&,
-                                const OptTensor&)>
-      rms_norm_out = find_op<void(const at::Tensor&, const OptTensor&, const at::Tensor&, double, at::Tensor&,
-                                  const OptTensor&)>("fp8engine::rms_norm_out");
-  c10::TypedOperatorHandle<void(const at::Tensor&, at::Tensor&)> silu_and_mul_out =
-      find_op<void(const at::Tensor&, at::Tensor&)>("fp8engine::silu_and_mul_out");
-  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&)>
-      lora_add = find_op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&)>("fp8engine::lora_add_");
-};
-
-// How a step's projections run, as the engine chose them (kernel_set.py): the GEMM of the FP8 and of the BF16
-// kernel, and whether the BF16 layers take the C++ kernel at this step's row count or torch's GEMM
-// (bf16_linear_cpu.kernel_takes, decided in Python for each call).
-struct ProjPath {
-  bool batch_invariant;
-  bool nt16;  // the projections' weights (all FP8 or all BF16) are in the nt16 layout (weights/layout.py)
-  const std::string& fp8_gemm;
-  const std::string& bf16_gemm;
-  bool bf16_kernel;
-  bool prefetch_next;  // each projection names the next one's weight to its kernel (next_weight.h)
-};
-
-// One projection as layers/linear.py calls it: FP8 (weight E4M3 + block scales, optional row -> scale-row map)
-// or the model dtype through the BF16 kernel or torch's linear (aten::linear, what F.linear calls); with a LoRA
-// adapter loaded (`lora`), y += (x A^T) B^T by the kernel layers/lora.py calls (lora_add_).
-struct Proj {
-  at::Tensor weight;
-  OptTensor scale, bias, scale_rows, lora_a, lora_b, lora_segments;
-  bool ue8m0 = false;
-
-  // next: the projection the layer runs after this one, whose weight's start the kernel prefetches (next_weight.h)
-  // where path.prefetch_next.
-  at::Tensor operator()(const Ops& ops, const at::Tensor& x, const ProjPath& path, bool lora, const Proj* next) const {
-    const fp8e::NextWeightScope hint(path.prefetch_next && next != nullptr ? &next->weight : nullptr);
-    at::Tensor y = scale ? ops.fp8_linear.call(x, weight, *scale, bias, ue8m0, scale_rows, path.batch_invariant,
-                                               path.fp8_gemm, path.nt16)
-                         : path.bf16_kernel ? ops.bf16_linear.call(x, weight, bias, path.batch_invariant, false,
-                                                                   path.bf16_gemm, path.nt16)
-                                            : at::linear(x, weight, bias);
-    if (lora && lora_a) ops.lora_add.call(y, x.contiguous(), *lora_a, *lora_b, *lora_segments);
-    return y;
-  }
-};
+using namespace fp8e::plan;
 
 struct Layer {
   at::Tensor input_norm, post_norm;
@@ -220,11 +143,6 @@ class DecoderPlan : public torch::CustomClassHolder {
   }
 
  private:
-  static const Ops& get_ops() {
-    static const Ops ops;
-    return ops;
-  }
-
   std::vector<Layer> layers_;
   at::Tensor cos_, sin_;
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, partition_ = 0;
@@ -235,16 +153,7 @@ class DecoderPlan : public torch::CustomClassHolder {
   std::string fp8_gemm_, bf16_gemm_;
 };
 
-// Whether every op a plan calls is registered (the attention and layer ops need AVX-512, the BF16 linear
-// AVX512-BF16); Python builds a plan only then.
-bool decoder_plan_supported() {
-  try {
-    (void)Ops();
-    return true;
-  } catch (const c10::Error&) {
-    return false;
-  }
-}
+bool decoder_plan_supported() { return ops_supported(); }
 
 }  // namespace
 

@@ -377,6 +377,7 @@ LINEAR_BACKENDS = {
 ATTENTION_BACKENDS = {"cpp": "the C++ paged-attention kernel", "triton": "the Triton paged-attention kernel",
                       "torch": "the plain-torch paged-attention reference"}
 DECODER_BACKENDS = {"cpp-plan": "one C++ call a step (the same ops as the Python layers)",
+                    "cpp-plan-decode": "one C++ call a decode step, the Python layers for the others (the same ops)",
                     "python": "the Python layers, op by op"}
 
 

@@ -1,4 +1,5 @@
-"""The decoder layers of a dense Llama-family model in one C++ call (csrc/decoder.cpp, DecoderPlan).
+"""The decoder layers of a dense Llama-family model in one C++ call (csrc/decoder.cpp, DecoderPlan), and a hybrid
+model's decode steps (csrc/hybrid_decoder.cpp, HybridPlan: HybridDecoder below).
 
 The plan calls the same ops as the Python layers (models/llama.py), with the same arguments, so the output is
 the Python path's bit for bit; it only drops the Python around them, which at batch 1 on a small CPU is a large
@@ -18,6 +19,7 @@ from fp8engine.model_executor.kernel_set import KernelSet
 from fp8engine.model_executor.kernels import bf16_linear_cpu
 from fp8engine.model_executor.layers.attention import AttentionMetadata
 from fp8engine.model_executor.layers.linear import Linear
+from fp8engine.weights import layout
 
 
 def _proj(linear: Linear) -> list:
@@ -29,6 +31,8 @@ def _proj(linear: Linear) -> list:
 
 class FusedDecoder:
     """Runs a model's decoder layers through one DecoderPlan; `usable` says when a step may take it."""
+
+    name = "cpp-plan"  # get_stats().decoder_backend
 
     def __init__(self, model, kernels: KernelSet, scale_fmt: str | None):
         layers = model.model.layers
@@ -80,13 +84,106 @@ class FusedDecoder:
                                         *self._args(input_ids.shape[0], positions, meta))
 
 
-def build(model, kernels: KernelSet, scale_fmt: str | None) -> FusedDecoder | None:
-    """A FusedDecoder for this model and kernel set, or None where the plan does not apply: the kernel set has
-    no plan (not the CPU, turned off, kernels other than the C++ ones), or a model whose layers are not the dense
-    Llama ones."""
+def _layout(linear: Linear, kernels: KernelSet) -> int:
+    """Where a hybrid plan's projection reads its weight (csrc/decoder_ops.h Proj::nt16): 1 the nt16 layout, 0 rows, as
+    Linear._base picks its kernel."""
+    if linear.is_fp8:
+        return int(kernels.fp8_nt16)
+    return int(kernels.dense_nt16 is not None and layout.is_marked(linear.weight))
+
+
+# csrc/hybrid_decoder.cpp's tensors per layer (kPerLayer) and where its 7 projections start (kProjSlots)
+PER_LAYER, PROJ_SLOTS = 55, (2, 9, 16, 23, 30, 41, 48)
+
+
+class HybridDecoder:
+    """Runs a hybrid model's decoder layers (Qwen3.5 dense, models/qwen3_5.py) through one HybridPlan
+    (csrc/hybrid_decoder.cpp) on decode steps; `usable` says which steps: every sequence one new token, its state
+    slot given, no snapshot to write, no KV-scale calibration running. Prefill, chunked and speculative steps run the
+    Python layers, which give the same bits (the plan calls their ops), so where a step runs changes nothing."""
+
+    name = "cpp-plan-decode"
+
+    def __init__(self, model, kernels: KernelSet, scale_fmt: str | None):
+        layers = model.model.layers
+        attn = next(layer.self_attn for layer in layers if not layer.is_linear)
+        gdn = next((layer.linear_attn for layer in layers if layer.is_linear), None)
+        tensors, kinds, nt16 = [], [], []
+        for layer in layers:  # each layer's PER_LAYER slots, as csrc/hybrid_decoder.cpp reads them
+            slots = [None] * PER_LAYER
+            slots[0:2] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if layer.is_linear:
+                m = layer.linear_attn
+                projs = [m.in_proj_qkv, m.in_proj_z, m.in_proj_a, m.in_proj_b, m.out_proj]
+                slots[37:41] = [m.conv1d.weight[:, 0], m.A_log, m.dt_bias, m.norm.weight]
+            else:
+                m = layer.self_attn
+                projs = [m.qkv_proj, m.o_proj, None, None, None]
+                slots[16:18] = [m.q_norm.weight, m.k_norm.weight]
+            projs += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            for start, linear in zip(PROJ_SLOTS, projs):
+                if linear is not None:
+                    slots[start:start + 7] = _proj(linear)
+            tensors += slots
+            kinds.append(0 if layer.is_linear else 1)
+            nt16 += [-1 if linear is None else _layout(linear, kernels) for linear in projs]
+        dims = [attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary.rotary_dim, kernels.attention_partition]
+        dims += [0] * 5 if gdn is None else [gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim,
+                                             gdn.kernel_size]
+        self.plan = torch.classes.fp8engine.HybridPlan(
+            tensors, kinds, nt16, attn.rotary.cos, attn.rotary.sin, dims, layers[0].input_layernorm.eps,
+            attn.attn.scale, scale_fmt == "ue8m0", kernels.batch_invariant, list(kernels.gemms),
+            envs.flag("FP8ENGINE_PREFETCH_NEXT"))
+        self.attn = model.attention_layers()
+        self.gdn = model.gdn_layers()
+        self.loras = [m.lora for m in model.modules() if isinstance(m, Linear) and m.lora is not None]
+        self.batch_invariant = kernels.batch_invariant
+        self.bf16_gemm = kernels.gemms[1]
+
+    def usable(self, rows: int, meta: AttentionMetadata) -> bool:
+        """A decode step (rows: its tokens, one a sequence) with state slots, no snapshot written and no observer."""
+        return (meta.state_slots is not None and not meta.state_snapshots and rows == meta.query_start_loc.numel() - 1
+                and all(a.observer is None for a in self.attn))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers on the embeddings x -> (last layer's output, its residual)."""
+        caches = [c for a in self.attn for c in (a.k_cache, a.v_cache)]
+        scales = [float(s) for a in self.attn for s in (a.k_scale, a.v_scale, a.q_scale)]
+        bf16_kernel = bf16_linear_cpu.kernel_takes(x.shape[0], self.batch_invariant, self.bf16_gemm)
+        lora = any(lora.active for lora in self.loras)
+        return self.plan.forward(x, positions, caches, scales, [g.conv_state for g in self.gdn],
+                                 [g.rec_state for g in self.gdn], meta.slot_mapping, meta.query_start_loc,
+                                 meta.seq_lens, meta.block_tables, meta.state_slots, bf16_kernel, lora)
+
+
+def _build_hybrid(model, kernels: KernelSet, scale_fmt: str | None) -> HybridDecoder | None:
+    """A HybridDecoder where its ops are the layers': dense MLPs (no MoE block), the C++ linears (the GDN's a and b
+    projections in the model dtype included), the C++ gated delta rule, one eps for every norm."""
+    from fp8engine.model_executor.models.llama import MLP
+    layers = model.model.layers
+    if (not all(type(layer.mlp) is MLP for layer in layers) or kernels.gdn_recurrent is None
+            or not kernels.names["dense_linear"].startswith("cpp") or not kernels.linear_name.startswith("cpp")):
+        return None
+    gdns = [layer.linear_attn for layer in layers if layer.is_linear]
+    attns = [layer.self_attn for layer in layers if not layer.is_linear]
+    norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    norms += [n for a in attns for n in (a.q_norm, a.k_norm)]
+    eps = {n.eps for n in norms} | {g.eps for g in gdns}
+    if len(eps) != 1 or len({id(a.rotary) for a in attns}) != 1 or len({g.kernel_size for g in gdns}) > 1:
+        return None
+    return HybridDecoder(model, kernels, scale_fmt)
+
+
+def build(model, kernels: KernelSet, scale_fmt: str | None) -> FusedDecoder | HybridDecoder | None:
+    """A FusedDecoder (dense Llama-family layers) or HybridDecoder (Qwen3.5 dense) for this model and kernel set, or
+    None where no plan applies: the kernel set has no plan (not the CPU, turned off, kernels other than the C++
+    ones), or a model whose layers are neither."""
     from fp8engine.model_executor.models.llama import MLP, DecoderAttention
     if not kernels.decoder_plan:
         return None
+    if getattr(model, "hybrid", False):
+        return _build_hybrid(model, kernels, scale_fmt)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers or not all(isinstance(getattr(layer, "self_attn", None), DecoderAttention)
                              and type(layer.mlp) is MLP for layer in layers):

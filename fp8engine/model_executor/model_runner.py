@@ -194,7 +194,7 @@ class ModelRunner:
         live ("huge-pages" or "mapping": host_memory.rehome moved them)."""
         graphs = "decode" if self.graphs is not None else f"off: {self.graphs_off}"
         home = "allocator" if self.home is None else "huge-pages" if self.home.mapping.huge else "mapping"
-        names = self.kernels.names | {"decoder": "python" if self.model.fused is None else "cpp-plan",
+        names = self.kernels.names | {"decoder": "python" if self.model.fused is None else self.model.fused.name,
                                       "cuda_graphs": graphs, "host_memory": home}
         if self.tp is not None:
             order = "fixed-order" if self.tp.fixed_order else "gloo"

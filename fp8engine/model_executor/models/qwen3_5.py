@@ -204,7 +204,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                                      make_linear.scale_fmt)
         else:
             self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, make_linear.kernels, tied_to=tied)
-        self.fused = None  # no C++ decoder plan for hybrid layers
+        self.fused = None  # decode steps' layers in one C++ call (fused_decoder.HybridDecoder), set by the runner
         self.vocab_gather = None  # tensor parallelism: as LlamaForCausalLM's (tensor_parallel.shard_model)
 
     def make_mlp(self, cfg, layer_idx: int, make_linear: LinearFactory) -> nn.Module:
@@ -217,8 +217,11 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            x, residual = layer(positions, x, residual, meta)
+        if self.fused is not None and self.fused.usable(x.shape[0], meta):  # a decode step in one C++ call
+            x, residual = self.fused(x, positions, meta)
+        else:
+            for layer in self.model.layers:
+                x, residual = layer(positions, x, residual, meta)
         if self.lm_head.fp32:
             return self.model.norm.forward_float32(x, residual)
         return self.model.norm(x, residual)[0]
