@@ -15,7 +15,7 @@ that no longer fits --budget-s skipped (its file says so). In this order:
                 launch (FP8ENGINE_PDL=1) against without at batch 1;
   4. gemm       the FP8 GEMM (default and batch-invariant launch) and torch's BF16 matmul at M = 1 / 4 / 16 / 64 /
                 256 on the 8B's layers, each call replayed from a CUDA graph over weight copies that do not fit the
-                L2 cache together, GB/s;
+                L2 cache together, GB/s; at 256 rows also with TMA tiles (FP8ENGINE_TMA_GEMM's kernel);
   5. attention  decode attention at 128 / 2K / 8K tokens of context, BF16 and FP8 caches, batch 1 and 64, beside
                 the KV-read floor;
   6. profile    the kernels of an eager FP8 decode step by device time (benchmarks/gpu_profile.py);
@@ -226,7 +226,7 @@ def gemm(run: Run) -> dict:
     layers = {"tiny": (256, 128)} if run.dry else {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096),
                                                     "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
     rows = []
-    for (layer, (n, k)), m in ((lk, m) for lk in layers.items() for m in ((1, 4) if run.dry else GEMM_ROWS)):
+    for (layer, (n, k)), m in ((lk, m) for lk in layers.items() for m in ((1, 4, 80) if run.dry else GEMM_ROWS)):
         copies = 2 if run.dry else max(2, -(-2 * L2_BYTES // (n * k)))  # FP8 weights: n * k bytes a copy
         weights = [ft.quantize_weight_blockwise_triton(torch.randn(n, k, device="cuda") * 0.02) for _ in range(copies)]
         bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(max(2, copies // 2))]
@@ -239,10 +239,18 @@ def gemm(run: Run) -> dict:
         bi_us = per_call_us(lambda w: ft.w8a8_block_fp8_matmul(x_q, x_s, *w, torch.bfloat16, batch_invariant=True),
                             weights)
         bf16_us = per_call_us(lambda w: x @ w.T, bf16)
+        # FP8ENGINE_TMA_GEMM's tiles (more than 64 rows, sm_90 and later) against the pointer loads above: time, bits
+        tma_us = tma_bitwise = None
+        if m > 64 and (run.dry or torch.cuda.get_device_capability()[0] >= 9):
+            def call(w):
+                return ft.w8a8_block_fp8_matmul(x_q, x_s, *w, torch.bfloat16)
+            pointer = call(weights[0])
+            with ft.tma_forced(True):
+                tma_bitwise, tma_us = torch.equal(call(weights[0]), pointer), round(per_call_us(call, weights), 2)
         moved = n * k + m * k + 2 * m * n
         rows.append({"layer": layer, "m": m, "n": n, "k": k, "fp8_us": round(fp8_us, 2), "fp8_bi_us": round(bi_us, 2),
-                     "bf16_matmul_us": round(bf16_us, 2), "fp8_gb_s": round(moved / fp8_us / 1e3, 1),
-                     "config": list(ft.gemm_config(m, n, k, False))})
+                     "fp8_tma_us": tma_us, "tma_bitwise": tma_bitwise, "bf16_matmul_us": round(bf16_us, 2),
+                     "fp8_gb_s": round(moved / fp8_us / 1e3, 1), "config": list(ft.gemm_config(m, n, k, False))})
         del weights, bf16
     return {"rows": rows}
 

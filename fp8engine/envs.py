@@ -58,6 +58,9 @@ VARIABLES = (
            "1: on CUDA sm_90 and later, the decode path's Triton kernels take programmatic dependent launch (each "
            "may start while the one before ends, and waits for it before touching memory: kernels/pdl.py); off "
            "until a device run has checked it"),
+    EnvVar("FP8ENGINE_TMA_GEMM", "0", ("0", "1"),
+           "1: on CUDA sm_90 and later, FP8 GEMMs of more than 64 rows copy their tiles with TMA descriptors "
+           "(kernels/fp8_triton.py); off until a device run has timed it against the pointer loads"),
     EnvVar("FP8ENGINE_TP_ALL_REDUCE", "auto", ("auto", "fixed", "library"),
            "tensor parallelism: how row-parallel partial sums are added over the ranks: gathered and added in rank "
            "order (fixed: the same bits at any batch) or by gloo's all-reduce (library); auto = fixed with "

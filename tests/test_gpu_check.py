@@ -62,8 +62,11 @@ def test_gpu_perf_writes_a_json_per_section_and_skips_what_the_budget_leaves_out
     out = tmp_path / "perf"
     assert gpu_perf.main(["--dry-run", "--out", str(out), "--sections", "bandwidth,gemm,attention,peers"]) == 0
     gemm = json.loads((out / "gemm.json").read_text())
-    assert [(r["layer"], r["m"]) for r in gemm["rows"]] == [("tiny", 1), ("tiny", 4)]
+    assert [(r["layer"], r["m"]) for r in gemm["rows"]] == [("tiny", 1), ("tiny", 4), ("tiny", 80)]
     assert all(r["fp8_us"] > 0 and r["bf16_matmul_us"] > 0 and r["config"] for r in gemm["rows"])
+    # the TMA tiles past 64 rows, bit for bit the pointer loads
+    tma = [(r["fp8_tma_us"] is not None, r["tma_bitwise"]) for r in gemm["rows"]]
+    assert tma == [(False, None), (False, None), (True, True)]
     attention = json.loads((out / "attention.json").read_text())
     assert {(r["context"], r["batch"], r["cache"]) for r in attention["rows"]} == {
         (c, b, k) for c in (32, 64) for b in (1, 2) for k in ("bfloat16", "float8_e4m3fn")}

@@ -104,9 +104,10 @@ def _kernel_names() -> set[str]:
 
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
 def test_every_kernel_compiles_natively(arch, compiled, clean_pool):
-    """Each @triton.jit kernel of both modules is launched by some case and compiles natively."""
+    """Each @triton.jit kernel of both modules is launched by some case and compiles natively (the TMA GEMM, which
+    a switch turns on for sm_90 only, by test_gemm_tma_tiles_compile_to_bulk_tensor_copies_and_fp8_wgmma)."""
     launched = {c.name for label in CASE_SETS for c in compiled[label, arch]}
-    assert launched == clean_pool.submit(_kernel_names).result()
+    assert launched | {"_w8a8_block_matmul_tma_kernel"} == clean_pool.submit(_kernel_names).result()
     for label in CASE_SETS:
         for c in compiled[label, arch]:
             for flag in tl_launch.INTERPRETER_FLAGS:
@@ -300,6 +301,21 @@ def test_no_launch_takes_pdl_by_default(compiled):
     for launches in compiled.values():
         for c in launches:
             assert not c.pdl and "griddepcontrol" not in c.ptx and "prefetch.global" not in c.ptx, c.name
+
+
+# ------------------------------------------------------------------------------------------ TMA tiles
+
+
+def test_gemm_tma_tiles_compile_to_bulk_tensor_copies_and_fp8_wgmma(clean_pool):
+    """FP8ENGINE_TMA_GEMM's kernel for an 8B's projections at prefill, sm_90: its A and weight tiles arrive by
+    cp.async.bulk.tensor (TMA), it multiplies with e4m3 wgmma, fits the registers without spills, and two of its
+    64 x 128 tiles fit an SM; the activation quant beside it is unchanged."""
+    compiled = clean_pool.submit(tl_launch.compile_tma, 90).result()
+    assert {c.name for c in compiled} == {"_w8a8_block_matmul_tma_kernel", "_group_quant_kernel"}
+    tma = next(c for c in compiled if c.name == "_w8a8_block_matmul_tma_kernel")
+    assert len(tma.cases) == 4 and tma.ptx.count("cp.async.bulk.tensor") >= 2 and tma.mma["wgmma"] == {"e4m3"}
+    tl_launch.assert_resources(tma)
+    assert tl_launch.occupancy(tma, tma.grids[0][1])["blocks_per_sm"] >= 2
 
 
 # ------------------------------------------------------------------------------------------ batch invariance

@@ -172,6 +172,33 @@ def test_matmul_launches_agree(config):
         assert not torch.equal(got, want) or config.split_k >= 7  # the split really ran (partials in another order)
 
 
+@pytest.mark.parametrize("k", [848, 840])
+def test_tma_tiles_give_the_pointer_loads_bits(k, monkeypatch):
+    """FP8ENGINE_TMA_GEMM's kernel: A and weight tiles through TMA descriptors, zeros past every edge (70 rows over two
+    64-row tiles, 200 columns over two 128-wide ones, 7 K blocks the last one partial), bias; bit for bit the pointer
+    kernel's result. K = 840 rows are not 16-byte multiples, which a descriptor needs: the pointer kernel runs."""
+    m, n = 70, 200
+    w_q, w_s = _weight(n, k)
+    torch.manual_seed(2)
+    x_q, x_s = quant.quantize_activation_groups(torch.randn(m, k))
+    bias = torch.randn(n)
+    want = ft.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, bias)
+    launched, kernel = [], ft._w8a8_block_matmul_tma_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(ft, "_w8a8_block_matmul_tma_kernel", Counted())
+    with ft.tma_forced(True):
+        config = ft.gemm_config(m, n, k, False)
+        got = ft.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, bias)
+        assert ft.gemm_config(64, n, k, False).tma is False and ft.gemm_config(m, n, k, True).tma is False
+    assert config == ft.GemmConfig(64, 128, 1, 4, 4, tma=True) and not ft.gemm_config(m, n, k, False).tma
+    assert launched == ([(2, 2)] if k % 16 == 0 else [])
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_launch_rules():
     """docs/gpu.md: decode splits K only for deep layers; the batch-invariant launch depends on N alone."""
     assert ft.gemm_config(1, 4096, 14336, False) == ft.GemmConfig(16, 32, 4, 4, 4)

@@ -872,6 +872,19 @@ def compile_pdl(arch: int = 90) -> list[CompiledLaunch]:
         return compile_cases(pdl_cases(), arch)
 
 
+def tma_cases() -> list[Case]:
+    """An 8B's FP8 projections at prefill (the GEMMs of more than 64 rows that FP8ENGINE_TMA_GEMM moves to TMA)."""
+    return [c for c in case_sets()["llama-7b"] if c.kind == "linear" and c.name.endswith("/prefill")]
+
+
+def compile_tma(arch: int = 90) -> list[CompiledLaunch]:
+    """compile_cases of tma_cases() with the GEMM's TMA tiles on (in native copies of the kernels, whose switch it
+    is)."""
+    mods = native_kernels()
+    with mods.fp8.tma_forced(True):
+        return compile_cases(tma_cases(), arch, mods)
+
+
 def clean_process_pool(workers: int | None = None):
     """Spawned worker processes that import Triton with TRITON_INTERPRET unset.
 

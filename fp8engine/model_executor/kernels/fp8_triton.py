@@ -12,13 +12,17 @@ so there the kernels encode E4M3 with integer ops instead (_E4M3_BY_BITS).
 """
 
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fp8engine import envs
 from fp8engine.model_executor.kernels import pdl
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
 
@@ -162,6 +166,36 @@ def _w8a8_block_matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, 
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _w8a8_block_matmul_tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
+                                  stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """_w8a8_block_matmul_kernel (no K split) with its A and weight tiles copied by the tensor memory accelerator:
+    a_desc / b_desc describe x_q [M, K] and w_q [N, K] in [BLOCK_M | BLOCK_N, BLOCK_K] boxes, whose rows and columns
+    past the edges arrive as zeros (the masked loads' `other`). The same products and sums in the same order."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    _pdl_wait(PDL)
+    as_ptrs = as_ptr + offs_m * stride_asm
+    bs_ptrs = bs_ptr + (offs_n // BLOCK_K) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+        b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
+        a_s = tl.load(as_ptrs + kb * stride_ask, mask=mask_m, other=0.0)
+        b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=mask_n, other=0.0)
+        acc += tl.dot(a, b.T, out_dtype=tl.float32) * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
 # Batch invariant: the same kernel, never specialised on M (Triton would fold M == 1 into the code), launched
 # with one tile shape for every M. No split-K at all, so a row's sum runs over its K blocks in one order.
 _w8a8_block_matmul_kernel_bi = triton.jit(do_not_specialize=["M"])(_w8a8_block_matmul_kernel.fn)
@@ -236,6 +270,37 @@ def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.T
                             batch_invariant, partials)
 
 
+# Whether GEMMs of more than 64 rows copy their tiles with TMA descriptors (_w8a8_block_matmul_tma_kernel):
+# FP8ENGINE_TMA_GEMM=1 on sm_90 and later (configure_tma, process-wide like kernels/pdl.py), off until a device run
+# has timed it against the pointer loads (benchmarks/gpu_perf.py's gemm section runs both).
+_tma_enabled = False
+
+
+def configure_tma(device: torch.device) -> bool:
+    """On where FP8ENGINE_TMA_GEMM=1, the device is sm_90 or later and Triton compiles natively; returns whether."""
+    global _tma_enabled
+    _tma_enabled = (envs.flag("FP8ENGINE_TMA_GEMM") and not triton.knobs.runtime.interpret
+                    and torch.cuda.get_device_capability(device)[0] >= 9)
+    return _tma_enabled
+
+
+@contextlib.contextmanager
+def tma_forced(on: bool) -> Iterator[None]:
+    """TMA tiles on or off within the block, whatever the device (the compile tests capture launches on meta tensors,
+    the interpreter tests run them on the CPU)."""
+    global _tma_enabled
+    saved, _tma_enabled = _tma_enabled, on
+    try:
+        yield
+    finally:
+        _tma_enabled = saved
+
+
+def _tma_fits(x_q: torch.Tensor, w_q: torch.Tensor) -> bool:
+    """A TMA descriptor's rules: rows contiguous, row strides and base addresses multiples of 16 bytes."""
+    return all(t.stride(-1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x_q, w_q))
+
+
 def gemm_config(m: int, n: int, k: int, batch_invariant: bool) -> "GemmConfig":
     """The launch for M rows, N outputs and K inputs, from benchmarks/gpu_gemm_sweep.py and gpu_decode_tiles.py on an
     H200 (docs/gpu.md: 8B-shaped layers at 1-256 rows). Four pipeline stages everywhere (the weights stream from
@@ -247,7 +312,7 @@ def gemm_config(m: int, n: int, k: int, batch_invariant: bool) -> "GemmConfig":
         return GemmConfig(BATCH_INVARIANT_BLOCK_M, 128 if n >= 16384 else 64, 1, 4, 4)
     if m <= 16:
         return GemmConfig(16, 64 if n >= 16384 else 32, 4 if k >= 8192 else 1, 4, 4)
-    return GemmConfig(64, 64 if m <= 64 else 128, 1, 4, 4)
+    return GemmConfig(64, 64 if m <= 64 else 128, 1, 4, 4, tma=_tma_enabled and m > 64)
 
 
 class GemmConfig(NamedTuple):
@@ -258,6 +323,7 @@ class GemmConfig(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # A and weight tiles copied by TMA (no K split; where the tensors fit a descriptor)
 
 
 def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
@@ -276,7 +342,14 @@ def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tenso
     out = None if keep_partials else torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     dest = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x_q.device)
     grid = (cdiv(m, config.block_m), cdiv(n, config.block_n), split)
-    if m and n:
+    if m and n and config.tma and split == 1 and _tma_fits(x_q, w_q):
+        _w8a8_block_matmul_tma_kernel[grid[:2]](
+            TensorDescriptor.from_tensor(x_q, [config.block_m, BLOCK]),
+            TensorDescriptor.from_tensor(w_q, [config.block_n, BLOCK]), out, x_scale, w_scale_inv, bias, m, n, k,
+            out.stride(0), out.stride(1), *x_scale.stride(), *w_scale_inv.stride(),
+            HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK,
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options())
+    elif m and n:
         kernel[grid](
             x_q, w_q, dest, x_scale, w_scale_inv, bias, m, n, k,
             *x_q.stride(), *w_q.stride(), dest.stride(-2), dest.stride(-1), dest.stride(0) if split > 1 else 0,
