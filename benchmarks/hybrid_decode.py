@@ -8,6 +8,10 @@ and its own Qwen3_5ForCausalLM imports torchvision (not in its CPU venv) and run
 which its CPU build disables.
 
     python benchmarks/hybrid_decode.py --batches 1,8,32 --input-len 32 --output-len 64 --rounds 2 [--hf]
+
+`--plan-ab` also times each engine with its decode steps in the Python layers instead of the C++ plan
+(fused_decoder.HybridDecoder) as "<mode>-python", in the same rounds (the same tokens and logprobs bit for bit:
+tests/test_fused_decoder.py).
 """
 
 import argparse
@@ -43,6 +47,21 @@ def time_engine(engine: LLMEngine, batch: int, args) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
 
 
+class WithoutPlan:
+    """An engine whose decode steps run the Python layers while it generates (its plan set aside)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def generate(self, *args, **kwargs):
+        model = self.engine.runner.model
+        plan, model.fused = model.fused, None
+        try:
+            return self.engine.generate(*args, **kwargs)
+        finally:
+            model.fused = plan
+
+
 def time_hf(model, batch: int, args) -> float:
     ids = torch.tensor(prompts(batch, args.input_len))
     start = time.perf_counter()
@@ -61,6 +80,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kv-gib", type=float, default=4.0, help="KV budget (state slots included) per engine")
     parser.add_argument("--hf", action="store_true", help="also transformers' generate (BF16)")
+    parser.add_argument("--plan-ab", action="store_true", help="also each engine without its C++ decode plan")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -73,6 +93,8 @@ def main() -> None:
           f"{stats.num_state_slots_total} slots + {engines['bf16'].runner.num_state_snapshots} snapshots, "
           f"{stats.num_kv_blocks_total} KV blocks; kernels {stats.kernels.get('gated_delta')}")
     systems = dict(engines)
+    if args.plan_ab:
+        systems |= {f"{name}-python": WithoutPlan(engine) for name, engine in engines.items()}
     if args.hf:
         from transformers import AutoModelForCausalLM
         torch.manual_seed(0)
@@ -87,9 +109,10 @@ def main() -> None:
             for name, system in systems.items():
                 runs[name].append((time_hf if name == "hf" else time_engine)(system, batch, args))
         results[batch] = {name: statistics.median(v) for name, v in runs.items()}
-        line = ", ".join(f"{name} {tps:.1f}" for name, tps in results[batch].items())
-        print(f"batch {batch}: tok/s {line}; fp8/bf16 {results[batch]['fp8-linear'] / results[batch]['bf16']:.2f}x",
-              flush=True)
+        r = results[batch]
+        line = ", ".join(f"{name} {tps:.1f}" for name, tps in r.items())
+        plan = "".join(f"; {m} plan/python {r[m] / r[m + '-python']:.2f}x" for m in MODES if m + "-python" in r)
+        print(f"batch {batch}: tok/s {line}; fp8/bf16 {r['fp8-linear'] / r['bf16']:.2f}x{plan}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=1))
 

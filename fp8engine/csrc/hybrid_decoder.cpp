@@ -1,5 +1,5 @@
-// The decoder layers of a hybrid model (Qwen3.5 dense, Qwen3-Next's dense layers) in one call from Python, for a
-// decode step: every sequence one new token, no state snapshot to write (fused_decoder.py HybridDecoder says when).
+// The decoder layers of a hybrid model (Qwen3.5 dense) in one call from Python, for a decode step: every sequence one
+// new token, and a state snapshot, if any, of the state after it (fused_decoder.py HybridDecoder says when).
 //
 // As decoder.cpp does for the dense Llama family, this calls the ops the Python layers call (models/qwen3_5.py,
 // layers/gated_delta.py, kernels/gated_delta_ref.py), with the same arguments and in the same order: the same
@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "decoder_ops.h"
@@ -126,14 +127,16 @@ class HybridPlan : public torch::CustomClassHolder {
 
   // x [T, hidden] (the embeddings) of T sequences, one new token each -> (output of the last layer, its residual).
   // kv_caches: k and v cache of each attention layer; scales: its k, v and q scale (q 0: not full FP8);
-  // conv_states, rec_states: each GDN layer's pools, indexed by state_slots [T]; bf16_kernel: the BF16 projections
-  // whose weights are rows take the C++ kernel at T rows (else torch's linear); lora: an adapter is loaded.
+  // conv_states, rec_states: each GDN layer's pools, indexed by state_slots [T]; snapshot_rows / snapshot_slots: the
+  // sequence (row) whose state after this step each snapshot slot takes; bf16_kernel: the BF16 projections whose
+  // weights are rows take the C++ kernel at T rows (else torch's linear); lora: an adapter is loaded.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, const at::Tensor& positions,
                                              std::vector<at::Tensor> kv_caches, std::vector<double> scales,
                                              std::vector<at::Tensor> conv_states, std::vector<at::Tensor> rec_states,
                                              const at::Tensor& slot_mapping, const at::Tensor& query_start_loc,
                                              const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                                             const at::Tensor& state_slots, bool bf16_kernel, bool lora) const {
+                                             const at::Tensor& state_slots, std::vector<int64_t> snapshot_rows,
+                                             std::vector<int64_t> snapshot_slots, bool bf16_kernel, bool lora) const {
     const int64_t attn_layers = num_layers() - num_linear_;
     TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == 2 * attn_layers &&
                     static_cast<int64_t>(scales.size()) == 3 * attn_layers,
@@ -144,6 +147,13 @@ class HybridPlan : public torch::CustomClassHolder {
     const int64_t t = x.size(0);
     TORCH_CHECK(query_start_loc.numel() == t + 1 && state_slots.numel() == t,
                 "HybridPlan.forward: a decode step (one new token a sequence, a state slot each) expected");
+    TORCH_CHECK(snapshot_rows.size() == snapshot_slots.size(), "HybridPlan.forward: a slot for each snapshot row");
+    // each snapshot as (its slot, the slot of the sequence whose state it takes)
+    std::vector<std::pair<int64_t, int64_t>> snapshots;
+    for (size_t s = 0; s < snapshot_rows.size(); ++s) {
+      TORCH_CHECK(snapshot_rows[s] >= 0 && snapshot_rows[s] < t, "HybridPlan.forward: snapshot row out of range");
+      snapshots.emplace_back(snapshot_slots[s], state_slots[snapshot_rows[s]].item<int64_t>());
+    }
     const Ops& ops = get_ops();
     const ProjPath path{batch_invariant_, false, fp8_gemm_, bf16_gemm_, bf16_kernel, prefetch_next_};
     // PartialRotary's rows for the step (the Python layers gather the same rows in each attention layer)
@@ -158,7 +168,8 @@ class HybridPlan : public torch::CustomClassHolder {
       const at::Tensor h = zc_norm(x, l.input_norm, eps_);
       at::Tensor mixed;  // the token mixer's output
       if (l.linear) {
-        mixed = gdn(ops, l, h, path, lora, conv_states[g], rec_states[g], state_slots, query_start_loc);
+        mixed = gdn(ops, l, h, path, lora, conv_states[g], rec_states[g], state_slots, query_start_loc, snapshot_rows,
+                    snapshots);
         ++g;
       } else {
         mixed = attention(ops, l, h, path, lora, cos, sin, kv_caches[2 * a], kv_caches[2 * a + 1], &scales[3 * a],
@@ -211,10 +222,11 @@ class HybridPlan : public torch::CustomClassHolder {
 
   // GatedDeltaNet.forward on a decode step: in_proj_qkv -> causal conv + SiLU (causal_conv1d_batch), z, decay and
   // beta (decay_and_beta), the delta rule on the prepared inputs (kernel_inputs, gdn_recurrent_), the new conv
-  // inputs written back, the gated norm (gated_rms_norm_ref), out_proj.
+  // inputs written back, the snapshots taken, the gated norm (gated_rms_norm_ref), out_proj.
   at::Tensor gdn(const Ops& ops, const HybridLayer& l, const at::Tensor& x, const ProjPath& path, bool lora,
                  at::Tensor& conv_pool, at::Tensor& rec_pool, const at::Tensor& slots,
-                 const at::Tensor& query_start_loc) const {
+                 const at::Tensor& query_start_loc, const std::vector<int64_t>& snapshot_rows,
+                 const std::vector<std::pair<int64_t, int64_t>>& snapshots) const {
     const int64_t t = x.size(0), key_dim = k_heads_ * dk_, value_dim = v_heads_ * dv_;
     const at::Tensor mixed = l.p0(ops, x, path, lora, &l.p1);
     const at::Tensor z = l.p1(ops, x, path, lora, &l.p2).view({t, v_heads_, dv_});
@@ -239,6 +251,10 @@ class HybridPlan : public torch::CustomClassHolder {
                                            prepared(k), prepared(v), prepared(g), prepared(beta), rec_pool, slots,
                                            query_start_loc);
     conv_pool.index_put_({slots}, new_conv);
+    for (size_t s = 0; s < snapshots.size(); ++s) {
+      conv_pool.select(0, snapshots[s].first).copy_(new_conv.select(0, snapshot_rows[s]));
+      rec_pool.select(0, snapshots[s].first).copy_(rec_pool.select(0, snapshots[s].second));
+    }
     // gated_rms_norm_ref: the norm in float32 rounded to the model dtype, times w, times silu(z) in float32
     const at::Tensor xf = core.to(x.scalar_type()).to(at::kFloat);
     const at::Tensor normed =

@@ -99,8 +99,9 @@ PER_LAYER, PROJ_SLOTS = 55, (2, 9, 16, 23, 30, 41, 48)
 class HybridDecoder:
     """Runs a hybrid model's decoder layers (Qwen3.5 dense, models/qwen3_5.py) through one HybridPlan
     (csrc/hybrid_decoder.cpp) on decode steps; `usable` says which steps: every sequence one new token, its state
-    slot given, no snapshot to write, no KV-scale calibration running. Prefill, chunked and speculative steps run the
-    Python layers, which give the same bits (the plan calls their ops), so where a step runs changes nothing."""
+    slot given, a snapshot only of the state after it, no KV-scale calibration running. Prefill, chunked and
+    speculative steps run the Python layers, which give the same bits (the plan calls their ops), so where a step
+    runs changes nothing."""
 
     name = "cpp-plan-decode"
 
@@ -141,9 +142,10 @@ class HybridDecoder:
         self.bf16_gemm = kernels.gemms[1]
 
     def usable(self, rows: int, meta: AttentionMetadata) -> bool:
-        """A decode step (rows: its tokens, one a sequence) with state slots, no snapshot written and no observer."""
-        return (meta.state_slots is not None and not meta.state_snapshots and rows == meta.query_start_loc.numel() - 1
-                and all(a.observer is None for a in self.attn))
+        """A decode step (rows: its tokens, one a sequence) with state slots, snapshots of the states after it alone, no
+        observer."""
+        return (meta.state_slots is not None and rows == meta.query_start_loc.numel() - 1
+                and all(n == 1 for _, n, _ in meta.state_snapshots) and all(a.observer is None for a in self.attn))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,9 +154,11 @@ class HybridDecoder:
         scales = [float(s) for a in self.attn for s in (a.k_scale, a.v_scale, a.q_scale)]
         bf16_kernel = bf16_linear_cpu.kernel_takes(x.shape[0], self.batch_invariant, self.bf16_gemm)
         lora = any(lora.active for lora in self.loras)
+        snapshots = meta.state_snapshots
         return self.plan.forward(x, positions, caches, scales, [g.conv_state for g in self.gdn],
                                  [g.rec_state for g in self.gdn], meta.slot_mapping, meta.query_start_loc,
-                                 meta.seq_lens, meta.block_tables, meta.state_slots, bf16_kernel, lora)
+                                 meta.seq_lens, meta.block_tables, meta.state_slots, [i for i, _, _ in snapshots],
+                                 [slot for _, _, slot in snapshots], bf16_kernel, lora)
 
 
 def _build_hybrid(model, kernels: KernelSet, scale_fmt: str | None) -> HybridDecoder | None:
