@@ -222,7 +222,7 @@ def async_ab(run: Run) -> dict:
 
 
 def gemm(run: Run) -> dict:
-    from fp8engine.model_executor.kernels import fp8_triton as ft
+    from fp8engine.model_executor.kernels import fp8_triton as ft, pdl
     layers = {"tiny": (256, 128)} if run.dry else {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096),
                                                     "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
     rows = []
@@ -245,7 +245,7 @@ def gemm(run: Run) -> dict:
             def call(w):
                 return ft.w8a8_block_fp8_matmul(x_q, x_s, *w, torch.bfloat16)
             pointer = call(weights[0])
-            with ft.tma_forced(True):
+            with pdl.TMA_GEMM.forced(True):
                 tma_bitwise, tma_us = torch.equal(call(weights[0]), pointer), round(per_call_us(call, weights), 2)
         moved = n * k + m * k + 2 * m * n
         rows.append({"layer": layer, "m": m, "n": n, "k": k, "fp8_us": round(fp8_us, 2), "fp8_bi_us": round(bi_us, 2),

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-from fp8engine.model_executor.kernels import fp8_triton as ft  # noqa: E402
+from fp8engine.model_executor.kernels import fp8_triton as ft, pdl  # noqa: E402
 from fp8engine.weights import quant  # noqa: E402
 
 SCALE_FMTS = [None, "ue8m0"]
@@ -190,7 +190,7 @@ def test_tma_tiles_give_the_pointer_loads_bits(k, monkeypatch):
             launched.append(grid)
             return kernel[grid]
     monkeypatch.setattr(ft, "_w8a8_block_matmul_tma_kernel", Counted())
-    with ft.tma_forced(True):
+    with pdl.TMA_GEMM.forced(True):
         config = ft.gemm_config(m, n, k, False)
         got = ft.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, bias)
         assert ft.gemm_config(64, n, k, False).tma is False and ft.gemm_config(m, n, k, True).tma is False

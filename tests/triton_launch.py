@@ -878,11 +878,10 @@ def tma_cases() -> list[Case]:
 
 
 def compile_tma(arch: int = 90) -> list[CompiledLaunch]:
-    """compile_cases of tma_cases() with the GEMM's TMA tiles on (in native copies of the kernels, whose switch it
-    is)."""
-    mods = native_kernels()
-    with mods.fp8.tma_forced(True):
-        return compile_cases(tma_cases(), arch, mods)
+    """compile_cases of tma_cases() with the GEMM's TMA tiles on."""
+    from fp8engine.model_executor.kernels import pdl
+    with pdl.TMA_GEMM.forced(True):
+        return compile_cases(tma_cases(), arch)
 
 
 def clean_process_pool(workers: int | None = None):

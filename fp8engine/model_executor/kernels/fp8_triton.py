@@ -12,8 +12,6 @@ so there the kernels encode E4M3 with integer ops instead (_E4M3_BY_BITS).
 """
 
 
-import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -22,7 +20,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fp8engine import envs
 from fp8engine.model_executor.kernels import pdl
 from fp8engine.weights.quant import BLOCK, FP8_DTYPE, cdiv
 
@@ -270,32 +267,9 @@ def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.T
                             batch_invariant, partials)
 
 
-# Whether GEMMs of more than 64 rows copy their tiles with TMA descriptors (_w8a8_block_matmul_tma_kernel):
-# FP8ENGINE_TMA_GEMM=1 on sm_90 and later (configure_tma, process-wide like kernels/pdl.py), off until a device run
-# has timed it against the pointer loads (benchmarks/gpu_perf.py's gemm section runs both).
-_tma_enabled = False
-
-
-def configure_tma(device: torch.device) -> bool:
-    """On where FP8ENGINE_TMA_GEMM=1, the device is sm_90 or later and Triton compiles natively; returns whether."""
-    global _tma_enabled
-    _tma_enabled = (envs.flag("FP8ENGINE_TMA_GEMM") and not triton.knobs.runtime.interpret
-                    and torch.cuda.get_device_capability(device)[0] >= 9)
-    return _tma_enabled
-
-
-@contextlib.contextmanager
-def tma_forced(on: bool) -> Iterator[None]:
-    """TMA tiles on or off within the block, whatever the device (the compile tests capture launches on meta tensors,
-    the interpreter tests run them on the CPU)."""
-    global _tma_enabled
-    saved, _tma_enabled = _tma_enabled, on
-    try:
-        yield
-    finally:
-        _tma_enabled = saved
-
-
+# GEMMs of more than 64 rows copy their tiles with TMA descriptors (_w8a8_block_matmul_tma_kernel) where
+# pdl.TMA_GEMM is on (FP8ENGINE_TMA_GEMM=1, sm_90 and later), off until a device run has timed it against the pointer
+# loads (benchmarks/gpu_perf.py's gemm section runs both).
 def _tma_fits(x_q: torch.Tensor, w_q: torch.Tensor) -> bool:
     """A TMA descriptor's rules: rows contiguous, row strides and base addresses multiples of 16 bytes."""
     return all(t.stride(-1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x_q, w_q))
@@ -312,7 +286,7 @@ def gemm_config(m: int, n: int, k: int, batch_invariant: bool) -> "GemmConfig":
         return GemmConfig(BATCH_INVARIANT_BLOCK_M, 128 if n >= 16384 else 64, 1, 4, 4)
     if m <= 16:
         return GemmConfig(16, 64 if n >= 16384 else 32, 4 if k >= 8192 else 1, 4, 4)
-    return GemmConfig(64, 64 if m <= 64 else 128, 1, 4, 4, tma=_tma_enabled and m > 64)
+    return GemmConfig(64, 64 if m <= 64 else 128, 1, 4, 4, tma=pdl.TMA_GEMM.on and m > 64)
 
 
 class GemmConfig(NamedTuple):

@@ -15,7 +15,8 @@ FP8 GEMM, paged attention with its combine and the KV write, and the batch-invar
 `FP8ENGINE_PDL=1` turns it on for CUDA engines on sm_90 and later (process-wide: the CUDA kernel set calls
 `configure` when an engine starts); it is off by default until a device run has checked it (benchmarks/gpu_perf.py
 and `make gpu-check` run it on and off), and always off under the Triton interpreter, which has no griddepcontrol.
-This module holds only the switch (no Triton): the kernel modules read it at each launch (`launch_options`).
+This module holds only the switch (no Triton): the kernel modules read it at each launch (`launch_options`). It also
+holds the same kind of switch for the FP8 GEMM's TMA tiles (`TMA_GEMM`: FP8ENGINE_TMA_GEMM, kernels/fp8_triton.py).
 """
 
 import contextlib
@@ -26,29 +27,37 @@ import torch
 from fp8engine import envs
 
 _OPTIONS = {"PDL": True, "launch_pdl": True}  # the kernels' constexpr, and Triton's launch option
-_enabled = False
 
 
-def configure(device: torch.device) -> bool:
-    """On where FP8ENGINE_PDL=1, the device is sm_90 or later and Triton compiles natively; returns whether."""
-    global _enabled
-    import triton
-    _enabled = (envs.flag("FP8ENGINE_PDL") and not triton.knobs.runtime.interpret
-                and torch.cuda.get_device_capability(device)[0] >= 9)
-    return _enabled
+class Switch:
+    """A process-wide switch of a Hopper code path, off until a device run has checked it: `on` where its FP8ENGINE_*
+    flag is 1, the device is sm_90 or later and Triton compiles natively (`configure`, when a CUDA engine starts)."""
+
+    def __init__(self, env: str):
+        self.env, self.on = env, False
+
+    def configure(self, device: torch.device) -> bool:
+        import triton
+        self.on = (envs.flag(self.env) and not triton.knobs.runtime.interpret
+                   and torch.cuda.get_device_capability(device)[0] >= 9)
+        return self.on
+
+    @contextlib.contextmanager
+    def forced(self, on: bool) -> Iterator[None]:
+        """On or off within the block, whatever the device (the compile tests capture launches on meta tensors, the
+        interpreter tests run them on the CPU)."""
+        saved, self.on = self.on, on
+        try:
+            yield
+        finally:
+            self.on = saved
+
+
+PDL = Switch("FP8ENGINE_PDL")
+TMA_GEMM = Switch("FP8ENGINE_TMA_GEMM")  # GEMMs of more than 64 rows copy their tiles with TMA (fp8_triton.py)
+configure, forced = PDL.configure, PDL.forced
 
 
 def launch_options() -> dict:
     """The keyword arguments that launch a PDL kernel with it (none while it is off)."""
-    return _OPTIONS if _enabled else {}
-
-
-@contextlib.contextmanager
-def forced(on: bool) -> Iterator[None]:
-    """PDL on or off within the block, whatever the device (the compile tests capture launches on meta tensors)."""
-    global _enabled
-    saved, _enabled = _enabled, on
-    try:
-        yield
-    finally:
-        _enabled = saved
+    return _OPTIONS if PDL.on else {}
