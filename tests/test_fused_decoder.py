@@ -157,6 +157,17 @@ def test_plan_checks_its_inputs():
                                             ["avx512", "avx512"], True)
 
 
+def test_hybrid_plan_checks_its_inputs():
+    cos = torch.zeros(8, 8, dtype=torch.bfloat16)
+    args = (cos, cos, [4, 2, 32, 8, 0, 2, 4, 32, 32, 4], 1e-6, 0.1, False, False, ["avx512", "avx512"], True)
+    with pytest.raises(RuntimeError, match="55 tensors per layer expected, got 3 for 1 layers"):
+        torch.classes.fp8engine.HybridPlan([None] * 3, [0], [-1] * 7, *args)
+    with pytest.raises(RuntimeError, match="layer 0 has no input norm"):
+        torch.classes.fp8engine.HybridPlan([None] * 55, [0], [-1] * 7, *args)
+    with pytest.raises(RuntimeError, match="layer kind 0 \\(GDN\\) or 1 \\(attention\\) expected"):
+        torch.classes.fp8engine.HybridPlan([cos] * 55, [2], [-1] * 7, *args)
+
+
 @pytest.mark.parametrize("mode", ["bf16", "fp8-linear"])
 def test_plan_sees_weight_updates(tiny_dir, mode):  # noqa: F811
     """update_weights writes into the tensors the plan holds: after an update the fused path gives the new

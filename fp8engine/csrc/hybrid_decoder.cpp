@@ -20,7 +20,6 @@
 #include <optional>
 #include <string>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "decoder_ops.h"
@@ -66,6 +65,12 @@ at::Tensor l2norm_ref(const at::Tensor& x) {
 // head dim, conv kernel.
 constexpr int64_t kPerLayer = 55;
 constexpr int64_t kProjSlots[7] = {2, 9, 16, 23, 30, 41, 48};
+
+// A state snapshot a decode step writes: the state after this step of the sequence in `row` (whose own slot is
+// `source`) copied into `slot`.
+struct Snapshot {
+  int64_t row, slot, source;
+};
 
 struct HybridLayer {
   bool linear;
@@ -148,11 +153,10 @@ class HybridPlan : public torch::CustomClassHolder {
     TORCH_CHECK(query_start_loc.numel() == t + 1 && state_slots.numel() == t,
                 "HybridPlan.forward: a decode step (one new token a sequence, a state slot each) expected");
     TORCH_CHECK(snapshot_rows.size() == snapshot_slots.size(), "HybridPlan.forward: a slot for each snapshot row");
-    // each snapshot as (its slot, the slot of the sequence whose state it takes)
-    std::vector<std::pair<int64_t, int64_t>> snapshots;
+    std::vector<Snapshot> snapshots;
     for (size_t s = 0; s < snapshot_rows.size(); ++s) {
       TORCH_CHECK(snapshot_rows[s] >= 0 && snapshot_rows[s] < t, "HybridPlan.forward: snapshot row out of range");
-      snapshots.emplace_back(snapshot_slots[s], state_slots[snapshot_rows[s]].item<int64_t>());
+      snapshots.push_back({snapshot_rows[s], snapshot_slots[s], state_slots[snapshot_rows[s]].item<int64_t>()});
     }
     const Ops& ops = get_ops();
     const ProjPath path{batch_invariant_, false, fp8_gemm_, bf16_gemm_, bf16_kernel, prefetch_next_};
@@ -168,8 +172,7 @@ class HybridPlan : public torch::CustomClassHolder {
       const at::Tensor h = zc_norm(x, l.input_norm, eps_);
       at::Tensor mixed;  // the token mixer's output
       if (l.linear) {
-        mixed = gdn(ops, l, h, path, lora, conv_states[g], rec_states[g], state_slots, query_start_loc, snapshot_rows,
-                    snapshots);
+        mixed = gdn(ops, l, h, path, lora, conv_states[g], rec_states[g], state_slots, query_start_loc, snapshots);
         ++g;
       } else {
         mixed = attention(ops, l, h, path, lora, cos, sin, kv_caches[2 * a], kv_caches[2 * a + 1], &scales[3 * a],
@@ -225,8 +228,7 @@ class HybridPlan : public torch::CustomClassHolder {
   // inputs written back, the snapshots taken, the gated norm (gated_rms_norm_ref), out_proj.
   at::Tensor gdn(const Ops& ops, const HybridLayer& l, const at::Tensor& x, const ProjPath& path, bool lora,
                  at::Tensor& conv_pool, at::Tensor& rec_pool, const at::Tensor& slots,
-                 const at::Tensor& query_start_loc, const std::vector<int64_t>& snapshot_rows,
-                 const std::vector<std::pair<int64_t, int64_t>>& snapshots) const {
+                 const at::Tensor& query_start_loc, const std::vector<Snapshot>& snapshots) const {
     const int64_t t = x.size(0), key_dim = k_heads_ * dk_, value_dim = v_heads_ * dv_;
     const at::Tensor mixed = l.p0(ops, x, path, lora, &l.p1);
     const at::Tensor z = l.p1(ops, x, path, lora, &l.p2).view({t, v_heads_, dv_});
@@ -251,9 +253,9 @@ class HybridPlan : public torch::CustomClassHolder {
                                            prepared(k), prepared(v), prepared(g), prepared(beta), rec_pool, slots,
                                            query_start_loc);
     conv_pool.index_put_({slots}, new_conv);
-    for (size_t s = 0; s < snapshots.size(); ++s) {
-      conv_pool.select(0, snapshots[s].first).copy_(new_conv.select(0, snapshot_rows[s]));
-      rec_pool.select(0, snapshots[s].first).copy_(rec_pool.select(0, snapshots[s].second));
+    for (const Snapshot& s : snapshots) {
+      conv_pool.select(0, s.slot).copy_(new_conv.select(0, s.row));
+      rec_pool.select(0, s.slot).copy_(rec_pool.select(0, s.source));
     }
     // gated_rms_norm_ref: the norm in float32 rounded to the model dtype, times w, times silu(z) in float32
     const at::Tensor xf = core.to(x.scalar_type()).to(at::kFloat);
