@@ -15,7 +15,8 @@ that no longer fits --budget-s skipped (its file says so). In this order:
                 launch (FP8ENGINE_PDL=1) against without at batch 1;
   4. gemm       the FP8 GEMM (default and batch-invariant launch) and torch's BF16 matmul at M = 1 / 4 / 16 / 64 /
                 256 on the 8B's layers, each call replayed from a CUDA graph over weight copies that do not fit the
-                L2 cache together, GB/s; at 256 rows also with TMA tiles (FP8ENGINE_TMA_GEMM's kernel);
+                L2 cache together, GB/s; at 256 rows also with TMA tiles (FP8ENGINE_TMA_GEMM's kernel), and
+                TMA against pointer loads bitwise where every tile is partial;
   5. attention  decode attention at 128 / 2K / 8K tokens of context, BF16 and FP8 caches, batch 1 and 64, beside
                 the KV-read floor;
   6. profile    the kernels of an eager FP8 decode step by device time (benchmarks/gpu_profile.py);
@@ -252,7 +253,22 @@ def gemm(run: Run) -> dict:
                      "fp8_tma_us": tma_us, "tma_bitwise": tma_bitwise, "bf16_matmul_us": round(bf16_us, 2),
                      "fp8_gb_s": round(moved / fp8_us / 1e3, 1), "config": list(ft.gemm_config(m, n, k, False))})
         del weights, bf16
-    return {"rows": rows}
+    return {"rows": rows, "tma_edges_bitwise": _tma_edges_bitwise(run)}
+
+
+def _tma_edges_bitwise(run: Run) -> bool | None:
+    """The TMA tiles against the pointer loads where every tile is partial (70 x 200 x 848, bias): bit for bit; None
+    below sm_90."""
+    from fp8engine.model_executor.kernels import fp8_triton as ft, pdl
+    if not run.dry and torch.cuda.get_device_capability()[0] < 9:
+        return None
+    torch.manual_seed(0)
+    w_q, w_s = ft.quantize_weight_blockwise_triton(torch.randn(200, 848, device="cuda") * 0.02)
+    x_q, x_s = ft.per_token_group_quant_fp8(torch.randn(70, 848, device="cuda", dtype=torch.bfloat16))
+    bias = torch.randn(200, device="cuda", dtype=torch.bfloat16)
+    pointer = ft.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, bias)
+    with pdl.TMA_GEMM.forced(True):
+        return torch.equal(ft.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, bias), pointer)
 
 
 def attention(run: Run) -> dict:

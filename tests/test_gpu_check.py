@@ -66,7 +66,7 @@ def test_gpu_perf_writes_a_json_per_section_and_skips_what_the_budget_leaves_out
     assert all(r["fp8_us"] > 0 and r["bf16_matmul_us"] > 0 and r["config"] for r in gemm["rows"])
     # the TMA tiles past 64 rows, bit for bit the pointer loads
     tma = [(r["fp8_tma_us"] is not None, r["tma_bitwise"]) for r in gemm["rows"]]
-    assert tma == [(False, None), (False, None), (True, True)]
+    assert tma == [(False, None), (False, None), (True, True)] and gemm["tma_edges_bitwise"] is True
     attention = json.loads((out / "attention.json").read_text())
     assert {(r["context"], r["batch"], r["cache"]) for r in attention["rows"]} == {
         (c, b, k) for c in (32, 64) for b in (1, 2) for k in ("bfloat16", "float8_e4m3fn")}

@@ -243,7 +243,8 @@ def _cuda(config: EngineConfig) -> KernelSet:
     fusion = envs.flag("FP8ENGINE_CUDA_FUSION")
     names["fusion"] = ("norm+qkv+attn+act" if config.quantization == "fp8" else "norm+qkv+act") if fusion else "off"
     names["pdl"] = "on" if pdl.configure(device) else "off"  # process-wide (kernels/pdl.py)
-    names["tma_gemm"] = "on" if pdl.TMA_GEMM.configure(device) else "off"  # process-wide, as PDL
+    tma = pdl.TMA_GEMM.configure(device)  # process-wide, as PDL
+    names["tma_gemm"] = "on" if tma and config.quantization == "fp8" else "off"
     if bi:  # one launch configuration for every batch size
         dense, names["dense_linear"] = dense_triton.linear_triton, "triton-bf16"
         rms_norm, names["layer_ops"] = dense_triton.rms_norm_triton, "triton-norm+torch"

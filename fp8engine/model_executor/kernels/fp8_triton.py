@@ -316,7 +316,7 @@ def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tenso
     out = None if keep_partials else torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     dest = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x_q.device)
     grid = (cdiv(m, config.block_m), cdiv(n, config.block_n), split)
-    if m and n and config.tma and split == 1 and _tma_fits(x_q, w_q):
+    if m and n and k and config.tma and split == 1 and not batch_invariant and _tma_fits(x_q, w_q):
         _w8a8_block_matmul_tma_kernel[grid[:2]](
             TensorDescriptor.from_tensor(x_q, [config.block_m, BLOCK]),
             TensorDescriptor.from_tensor(w_q, [config.block_n, BLOCK]), out, x_scale, w_scale_inv, bias, m, n, k,
