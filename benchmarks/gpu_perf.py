@@ -236,18 +236,19 @@ def gemm(run: Run) -> dict:
 
         def per_call_us(call, items) -> float:  # one timed replay calls each copy in turn
             return run.time_us(lambda: [call(item) for item in items]) / len(items)
-        fp8_us = per_call_us(lambda w: ft.w8a8_block_fp8_matmul(x_q, x_s, *w, torch.bfloat16), weights)
+
+        def fp8(w):
+            return ft.w8a8_block_fp8_matmul(x_q, x_s, *w, torch.bfloat16)
+        fp8_us = per_call_us(fp8, weights)
         bi_us = per_call_us(lambda w: ft.w8a8_block_fp8_matmul(x_q, x_s, *w, torch.bfloat16, batch_invariant=True),
                             weights)
         bf16_us = per_call_us(lambda w: x @ w.T, bf16)
         # FP8ENGINE_TMA_GEMM's tiles (more than 64 rows, sm_90 and later) against the pointer loads above: time, bits
         tma_us = tma_bitwise = None
         if m > 64 and (run.dry or torch.cuda.get_device_capability()[0] >= 9):
-            def call(w):
-                return ft.w8a8_block_fp8_matmul(x_q, x_s, *w, torch.bfloat16)
-            pointer = call(weights[0])
+            tma_bitwise = _tma_same_bits(x_q, x_s, *weights[0])
             with pdl.TMA_GEMM.forced(True):
-                tma_bitwise, tma_us = torch.equal(call(weights[0]), pointer), round(per_call_us(call, weights), 2)
+                tma_us = round(per_call_us(fp8, weights), 2)
         moved = n * k + m * k + 2 * m * n
         rows.append({"layer": layer, "m": m, "n": n, "k": k, "fp8_us": round(fp8_us, 2), "fp8_bi_us": round(bi_us, 2),
                      "fp8_tma_us": tma_us, "tma_bitwise": tma_bitwise, "bf16_matmul_us": round(bf16_us, 2),
@@ -259,13 +260,18 @@ def gemm(run: Run) -> dict:
 def _tma_edges_bitwise(run: Run) -> bool | None:
     """The TMA tiles against the pointer loads where every tile is partial (70 x 200 x 848, bias): bit for bit; None
     below sm_90."""
-    from fp8engine.model_executor.kernels import fp8_triton as ft, pdl
+    from fp8engine.model_executor.kernels import fp8_triton as ft
     if not run.dry and torch.cuda.get_device_capability()[0] < 9:
         return None
     torch.manual_seed(0)
     w_q, w_s = ft.quantize_weight_blockwise_triton(torch.randn(200, 848, device="cuda") * 0.02)
     x_q, x_s = ft.per_token_group_quant_fp8(torch.randn(70, 848, device="cuda", dtype=torch.bfloat16))
-    bias = torch.randn(200, device="cuda", dtype=torch.bfloat16)
+    return _tma_same_bits(x_q, x_s, w_q, w_s, torch.randn(200, device="cuda", dtype=torch.bfloat16))
+
+
+def _tma_same_bits(x_q, x_s, w_q, w_s, bias=None) -> bool:
+    """Whether the GEMM gives the same bits with TMA tiles as with pointer loads."""
+    from fp8engine.model_executor.kernels import fp8_triton as ft, pdl
     pointer = ft.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, bias)
     with pdl.TMA_GEMM.forced(True):
         return torch.equal(ft.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, bias), pointer)

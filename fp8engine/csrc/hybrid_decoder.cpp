@@ -33,11 +33,14 @@ using namespace fp8e::plan;
 at::Tensor sigmoid_ref(const at::Tensor& x) { return at::reciprocal(at::add(at::exp(at::neg(x)), 1)); }
 at::Tensor silu_ref(const at::Tensor& x) { return at::div(x, at::add(at::exp(at::neg(x)), 1)); }
 
+// xf * rsqrt(mean(xf^2) + eps) over the last dim, float32: the normalisation both of Qwen3.5's norms start with.
+at::Tensor rms_normed(const at::Tensor& xf, double eps) {
+  return at::mul(xf, at::rsqrt(at::add(at::mean(at::pow(xf, 2), {-1}, true), eps)));
+}
+
 // ZeroCentredRMSNorm.forward_float32 rounded to x's dtype: norm(x) * (1 + w) in float32.
 at::Tensor zc_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor r = at::rsqrt(at::add(at::mean(at::pow(xf, 2), {-1}, true), eps));
-  return at::mul(at::mul(xf, r), at::add(w.to(at::kFloat), 1.0)).to(x.scalar_type());
+  return at::mul(rms_normed(x.to(at::kFloat), eps), at::add(w.to(at::kFloat), 1.0)).to(x.scalar_type());
 }
 
 // softplus as gated_delta_ref.softplus computes it (torch's threshold 20, log1p from log).
@@ -258,9 +261,7 @@ class HybridPlan : public torch::CustomClassHolder {
       rec_pool.select(0, s.slot).copy_(rec_pool.select(0, s.source));
     }
     // gated_rms_norm_ref: the norm in float32 rounded to the model dtype, times w, times silu(z) in float32
-    const at::Tensor xf = core.to(x.scalar_type()).to(at::kFloat);
-    const at::Tensor normed =
-        at::mul(xf, at::rsqrt(at::add(at::mean(at::pow(xf, 2), {-1}, true), eps_))).to(x.scalar_type());
+    const at::Tensor normed = rms_normed(core.to(x.scalar_type()).to(at::kFloat), eps_).to(x.scalar_type());
     const at::Tensor gated = at::mul(at::mul(*l.gdn_norm, normed), silu_ref(z.to(at::kFloat))).to(x.scalar_type());
     return l.p4(ops, gated.flatten(1), path, lora, &l.gate_up);
   }

@@ -22,6 +22,12 @@ from fp8engine.model_executor.layers.linear import Linear
 from fp8engine.weights import layout
 
 
+def _kv_args(attn: list) -> tuple[list, list]:
+    """The attention layers' KV caches (k, v each) and scales (k, v, q each) as a plan takes them with each call."""
+    return ([c for a in attn for c in (a.k_cache, a.v_cache)],
+            [float(s) for a in attn for s in (a.k_scale, a.v_scale, a.q_scale)])
+
+
 def _proj(linear: Linear) -> list:
     lora = [None] * 3 if linear.lora is None else [linear.lora.lora_a, linear.lora.lora_b, linear.lora.segments]
     if linear.is_fp8:
@@ -65,8 +71,7 @@ class FusedDecoder:
         return all(a.observer is None for a in self.attn)
 
     def _args(self, rows: int, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
-        caches = [c for a in self.attn for c in (a.k_cache, a.v_cache)]
-        scales = [float(s) for a in self.attn for s in (a.k_scale, a.v_scale, a.q_scale)]
+        caches, scales = _kv_args(self.attn)
         bf16_kernel = bf16_linear_cpu.kernel_takes(rows, self.batch_invariant, self.bf16_gemm, self.dense_nt16)
         lora = any(lora.active for lora in self.loras)
         return (positions, caches, scales, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -150,8 +155,7 @@ class HybridDecoder:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers on the embeddings x -> (last layer's output, its residual)."""
-        caches = [c for a in self.attn for c in (a.k_cache, a.v_cache)]
-        scales = [float(s) for a in self.attn for s in (a.k_scale, a.v_scale, a.q_scale)]
+        caches, scales = _kv_args(self.attn)
         bf16_kernel = bf16_linear_cpu.kernel_takes(x.shape[0], self.batch_invariant, self.bf16_gemm)
         lora = any(lora.active for lora in self.loras)
         snapshots = meta.state_snapshots
