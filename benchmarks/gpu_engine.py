@@ -148,25 +148,29 @@ def check_update_in_place(model: str, device: str, vocab: int, kv_blocks: int, s
                   recalibrated=recalibrated, equals_fresh_engine=same, seconds=f"{report.seconds:.3f}")
 
 
-def _alone_equals_batched(engine: LLMEngine, vocab: int, batch: int, tokens: int, seed: int) -> bool:
-    """A seeded T=1 request alone and in the middle of a batch of `batch`: the same tokens and logprobs."""
+def _alone_equals_batched(engine: LLMEngine, vocab: int, batch: int, tokens: int, seed: int,
+                          context: int = 30) -> tuple[bool, bool]:
+    """A seeded T=1 request with a `context`-token prompt alone and in the middle of a batch of `batch`: the same
+    tokens and logprobs; and (second) the engine's scoring of its response, one prefill, the same logprobs."""
     params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=seed + 5, logprobs=0)
-    target, others = _prompts(1, 30, vocab, seed)[0], _prompts(batch - 1, 17, vocab, seed + 1)
+    target, others = _prompts(1, context, vocab, seed)[0], _prompts(batch - 1, 17, vocab, seed + 1)
     alone = engine.generate([target], params)[0].outputs[0]
     middle = batch // 2
     batched = engine.generate(others[:middle] + [target] + others[middle:], params)[middle].outputs[0]
-    return (alone.token_ids, alone.logprobs) == (batched.token_ids, batched.logprobs)
+    scored = engine.score([target], [alone.token_ids], params)[0]
+    return (alone.token_ids, alone.logprobs) == (batched.token_ids, batched.logprobs), scored == alone.logprobs
 
 
 def check_batch_invariance(model: str, device: str, vocab: int, kv_blocks: int, quantization, batch: int,
-                           tokens: int) -> dict:
-    """A request alone and in the middle of a batch: the same tokens and logprobs, bit for bit."""
+                           tokens: int, context: int = 30) -> dict:
+    """A request alone and in the middle of a batch: the same tokens and logprobs, bit for bit; and its scoring.
+    A context over attention_triton.SPLIT_KEYS (on the device) folds key runs in the prefill and splits them over
+    programs in a decode step that leaves SMs idle."""
     engine = LLMEngine(EngineConfig(model=model, device=device, batch_invariant=True, quantization=quantization,
                                     num_kv_blocks=kv_blocks))
-    same = _alone_equals_batched(engine, vocab, batch, tokens, seed=6)
-    return _check(f"batch_invariance_{quantization or 'bf16'}", same, batch=batch)
-
-
+    same, scored = _alone_equals_batched(engine, vocab, batch, tokens, seed=6, context=context)
+    return _check(f"batch_invariance_{quantization or 'bf16'}", same and scored, batch=batch, context=context,
+                  scoring_equals_rollout=scored)
 def random_adapter(shape: dict, rank: int, seed: int) -> dict[str, torch.Tensor]:
     """A PEFT-named rank-`rank` adapter of random A and B on every projection of layers 0 and 1."""
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
@@ -205,7 +209,7 @@ def check_lora(model: str, device: str, cpu_device, shape: dict, kv_blocks: int,
     fp8.update_lora(lora, scaling)
     kept = all(torch.equal(p.view(torch.uint8), base[name].view(torch.uint8))
                for name, p in fp8.named_parameters() if name in base)
-    same = _alone_equals_batched(fp8, vocab, batch, tokens, seed=16)
+    same = all(_alone_equals_batched(fp8, vocab, batch, tokens, seed=16))
     return _check("lora_adapter", err <= 1e-3 and kept and same, max_abs_diff_vs_cpu=f"{err:.2e}",
                   fp8_base_kept=kept, batch_invariant=same, kernel=engine.get_stats().kernels.get("lora", "?"))
 
@@ -425,6 +429,7 @@ def run(dry: bool, workdir: str | None = None, only: list[str] | None = None) ->
         small = model_dir(root / "small", shape, weights=True)
         vocab, blocks, size = shape["vocab_size"], 256 if dry else 4096, 1 if dry else 4
         batch, tokens = (4, 3) if dry else (64, 8)
+        context = 30 if dry else 600  # on the device: 3 runs of attention_triton.SPLIT_KEYS keys
         stand_in = engine_thread = None
         if dry:
             from tests.fake_cuda import FakeCuda
@@ -441,9 +446,9 @@ def run(dry: bool, workdir: str | None = None, only: list[str] | None = None) ->
                   _guarded("seeded_sampling_repeats", check_seeded, small, "cuda", vocab, blocks, size),
                   _guarded("update_weights_in_place", check_update_in_place, small, "cuda", vocab, blocks, size),
                   _guarded("batch_invariance_bf16", check_batch_invariance, small, "cuda", vocab, blocks, None, batch,
-                           tokens),
+                           tokens, context),
                   _guarded("batch_invariance_fp8", check_batch_invariance, small, "cuda", vocab, blocks, "fp8", batch,
-                           tokens),
+                           tokens, context),
                   _guarded("lora_adapter", check_lora, small, "cuda", cpu_device, shape, blocks, batch, tokens),
                   _guarded("cuda_graph_replay", check_cuda_graphs, small, "cuda", vocab, blocks, batch, tokens,
                            stand_in),

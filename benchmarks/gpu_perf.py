@@ -18,7 +18,7 @@ that no longer fits --budget-s skipped (its file says so). In this order:
                 L2 cache together, GB/s; at 256 rows also with TMA tiles (FP8ENGINE_TMA_GEMM's kernel), and
                 TMA against pointer loads bitwise where every tile is partial;
   5. attention  decode attention at 128 / 2K / 8K tokens of context, BF16 and FP8 caches, batch 1 and 64, beside
-                the KV-read floor;
+                the KV-read floor; the batch-invariant launch (runs folded, split where SMs would idle) beside;
   6. profile    the kernels of an eager FP8 decode step by device time (benchmarks/gpu_profile.py);
   7. peers      vLLM's Triton block-FP8 GEMM when its file is carried (benchmarks/peers/vllm_w8a8_block_fp8.py, not
                 committed: `fetch` it before the run) and FlashInfer's fp8_blockscale_gemm_sm90 when it imports and
@@ -291,13 +291,15 @@ def attention(run: Run) -> dict:
                 q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
                 starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
                 lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-                us = run.time_us(lambda: at.paged_attention_triton(q, k_cache, v_cache, tables, starts, lens,
-                                                                   dim ** -0.5, 1.0, 1.0))
+                us, bi_us = (run.time_us(lambda: at.paged_attention_triton(
+                    q, k_cache, v_cache, tables, starts, lens, dim ** -0.5, 1.0, 1.0, batch_invariant=bi))
+                    for bi in (False, True))
                 kv_bytes = 2 * batch * context * kv_heads * dim * k_cache.element_size()
                 floor_us = kv_bytes / run.read_gb_s / 1e3
                 rows.append({"context": context, "batch": batch, "cache": str(cache).removeprefix("torch."),
                              "us": round(us, 2), "kv_floor_us": round(floor_us, 2),
-                             "x_floor": float(f"{us / floor_us:.3g}")})
+                             "x_floor": float(f"{us / floor_us:.3g}"), "batch_invariant_us": round(bi_us, 2),
+                             "bi_x_floor": float(f"{bi_us / floor_us:.3g}")})
     return {"rows": rows}
 
 

@@ -109,10 +109,18 @@ def test_float32_values_equal_the_cpu_engine(dev, model):
             torch.testing.assert_close(torch.tensor(g[-1][1:]), torch.tensor(w[-1][1:]), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("head", ["bf16-head", "fp8-head"])
-def test_batch_invariant_scoring_on_the_device_equals_the_rollout_bitwise(dev, model, head):
-    engine = _on_device(model, batch_invariant=True, quantization="fp8", lm_head_fp8=head == "fp8-head")
-    assert engine.runner.kernels.names["lm_head"] == ("fp8:triton" if head == "fp8-head" else "triton-bf16")
+@pytest.mark.parametrize("mode", ["bf16-short-runs", "fp8-head"])
+def test_batch_invariant_scoring_on_the_device_equals_the_rollout_bitwise(dev, model, mode, monkeypatch):
+    """bf16-short-runs: a BF16 engine (no FP8 activation quant to hide an ulp) with attention in 16-key runs, so
+    that the 30-token prompt's scoring folds 2-3 runs per row in a prefill program and its decode steps split them
+    over programs that the combine folds."""
+    if mode == "bf16-short-runs":
+        from fp8engine.model_executor.kernels import attention_triton
+        monkeypatch.setattr(attention_triton, "ATTENTION_BLOCK_N", 16)
+        monkeypatch.setattr(attention_triton, "SPLIT_KEYS", 16)
+    fp8_head = mode == "fp8-head"
+    engine = _on_device(model, batch_invariant=True, quantization="fp8" if fp8_head else None, lm_head_fp8=fp8_head)
+    assert engine.runner.kernels.names["lm_head"] == ("fp8:triton" if fp8_head else "triton-bf16")
     params = dataclasses.replace(PARAMS["truncated"], max_tokens=4)
     outs = engine.generate(PROMPTS, params)
     prompts = [o.prompt_token_ids for o in outs]

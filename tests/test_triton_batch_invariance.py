@@ -129,12 +129,12 @@ SEQS = [(40, 1), (57, 20), (33, 1), (90, 30)]  # (context incl. new tokens, new 
 PROBE = 1  # the sequence whose rows are recomputed alone, as a decode step and as another chunk
 
 
-def _sub_batch(batch: dict, picks: list[tuple[int, int, int]]) -> dict:
+def _sub_batch(batch: dict, picks: list[tuple[int, int, int]], seqs: list[tuple[int, int]] = SEQS) -> dict:
     """The same cache, other query rows: (sequence, its context length, new tokens) per picked sequence."""
     starts = batch["query_start_loc"].tolist()
     qs, tables, lens, qsl = [], [], [], [0]
     for seq, seq_len, new in picks:
-        end = starts[seq + 1] - (SEQS[seq][0] - seq_len)
+        end = starts[seq + 1] - (seqs[seq][0] - seq_len)
         qs.append(batch["q"][end - new:end])
         tables.append(batch["block_tables"][seq])
         lens.append(seq_len)
@@ -171,6 +171,34 @@ def test_attention_rows_do_not_depend_on_the_batch_or_the_chunking(kv):
     alone_decode = _attend(_sub_batch(batch, [(PROBE, seq_len - new + 5, 1)]), full_fp8)[0]
     assert torch.equal(_bits(alone_decode), _bits(probe[4]))
 
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_long_contexts_fold_the_same_runs_whether_the_decode_splits_or_not(kv, monkeypatch):
+    """Contexts over SPLIT_KEYS keys (64 here: 2-3 runs): a prefill chunk folds its runs in registers, a decode
+    step that leaves SMs idle splits them over programs and the combine folds them, a decode among many sequences
+    walks them in one program. All three give a row the same bits, and the reference's values."""
+    from fp8engine.model_executor.kernels.attention_ref import paged_attention_ref
+    monkeypatch.setattr(at, "SPLIT_KEYS", 64)
+    seqs = [(150, 1), (170, 40), (90, 1)]
+    batch = make_batch(seqs, 4, 2, 64, 16, torch.bfloat16 if kv == "bf16" else FP8_DTYPE, q_dtype=torch.bfloat16,
+                       seed=5)
+    everything = _attend(batch, False)
+    args = [batch[k] for k in ("q", "k_cache", "v_cache", "block_tables", "query_start_loc", "seq_lens", "scale",
+                               "k_scale", "v_scale")]
+    want = paged_attention_ref(*args).float()
+    assert ((everything.float() - want).abs() <= want.abs() * 2 ** -7 + 1e-3).all()
+    probe = everything[1:41]  # sequence 1's chunk: its rows see 131..170 keys, 3 runs each
+    assert at.decode_splits(3, 2, batch["block_tables"].shape[1] * 16) == 4
+    for token in (0, 2, 39):  # 131, 133 and 170 keys: the third run holds 3, 5 and 42 of them
+        picks = [(0, 150, 1), (1, 131 + token, 1), (2, 90, 1)]
+        split = _attend(_sub_batch(batch, picks, seqs), False)[1]
+        assert torch.equal(_bits(split), _bits(probe[token])), token
+        with monkeypatch.context() as busy:  # as many sequences as fill the device: one program walks all runs
+            busy.setattr(at, "SPLIT_TARGET_PROGRAMS", 1)
+            unsplit = _attend(_sub_batch(batch, picks, seqs), False)[1]
+        assert torch.equal(_bits(unsplit), _bits(probe[token])), token
+    assert torch.equal(_bits(_attend(_sub_batch(batch, [(0, 150, 1)], seqs), False)[0]), _bits(everything[0]))
 
 def test_gdn_recurrent_kernel_matches_the_reference_and_is_bitwise_however_split():
     """dense_triton's gated delta rule on the interpreter: within float32 rounding of the torch reference; a

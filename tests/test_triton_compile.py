@@ -175,7 +175,7 @@ def expected_cvt(compiled, case_name: str) -> list[str]:
         reads = ["e4m3->f16"] if case_name.split("/")[3] in ("fp8", "full-fp8") else []
         if compiled.name == "_combine_kernel":
             return ["f32->bf16", "f32->e4m3"]
-        return reads if compiled.constexprs.get("SPLITS", 1) > 1 else reads + ["f32->bf16", "f32->e4m3"]
+        return reads if compiled.constexprs.get("SPLIT", False) else reads + ["f32->bf16", "f32->e4m3"]
     if "/fused/" in case_name:  # every fused kernel rounds to bf16; the quantizing ones and an FP8 cache to e4m3
         fp8 = "quant" in case_name or "/fp8/" in case_name
         return ["f32->bf16"] + (["f32->e4m3"] if fp8 else [])
@@ -189,7 +189,7 @@ def expected_cvt(compiled, case_name: str) -> list[str]:
         return ["f32->bf16"] if out_bf16 else []
     if name == "_combine_kernel":  # float32 partials in, the output rounded
         return ["f32->bf16"] if out_bf16 else []
-    if name == ATTENTION and compiled.constexprs.get("SPLITS", 1) > 1:  # float32 partials out
+    if name == ATTENTION and compiled.constexprs.get("SPLIT", False):  # float32 partials out
         return ["e4m3->f16"] if kv_mode in ("fp8", "full-fp8") else []
     if name == ATTENTION:
         return (["e4m3->f16"] if kv_mode in ("fp8", "full-fp8") else []) \
@@ -339,14 +339,19 @@ def _one_binary_per_kernel_when_batch_invariant():
     """EngineConfig(batch_invariant=True) on CUDA: each kernel launches with one configuration, one tile
     shape, never specialised on the batch size, so a single decoding sequence, a decode batch and a 512-token
     prefill chunk run the very same binary, and a row's arithmetic cannot depend on its batch. The default
-    launches pick other tiles (and Triton specialises M == 1) for decode: the check tells them apart."""
+    launches pick other tiles (and Triton specialises M == 1) for decode: the check tells them apart. One exception,
+    by design: a long decode context that leaves SMs idle splits the attention's key runs over programs and folds
+    them in a combine launch, the fold the one-program launch makes in registers (test_triton_batch_invariance.py
+    checks the bits agree)."""
     steps = list(tl_launch.LINEAR_TOKENS)
     shape = "smollm2-135m-bi"
     groups = [[f"{shape}/linear/{layer}/{step}" for step in steps] for layer in ("qkv_proj", "down_proj")]
     groups += [[f"{shape}/dense/{layer}/{step}" for step in steps] for layer in ("o_proj", "lm_head_fp32")]
     groups += [[f"{shape}/rms_norm/{step}" for step in steps]]
     groups += [[f"{shape}/lora/qkv_proj/{step}" for step in steps]]
-    groups += [[f"{shape}/attention/{kv}/{step}" for step in tl_launch.ATTENTION_BATCHES] for kv in tl_launch.KV_MODES]
+    unsplit = [step for step in tl_launch.ATTENTION_BATCHES if step != "decode_long"]
+    groups += [[f"{shape}/attention/{kv}/{step}" for step in unsplit] for kv in tl_launch.KV_MODES]
+    groups += [[f"{shape}/attention/full-fp8/decode_long", f"{shape}/attention/full-fp8/decode"]]  # never split
     seen = set()
     for group in groups:
         for kernel, keys in _launch_keys(group, 90).items():
@@ -354,6 +359,10 @@ def _one_binary_per_kernel_when_batch_invariant():
             seen.add(kernel.split("#")[0])
     assert seen == {"_w8a8_block_matmul_kernel_bi", "_group_quant_kernel", "_linear_kernel", "_rms_norm_kernel",
                     "_lora_expand_kernel", "_paged_attention_kernel_bi"}, seen
+    for kv in ("model", "fp8"):
+        keys = _launch_keys([f"{shape}/attention/{kv}/{step}" for step in tl_launch.ATTENTION_BATCHES], 90)
+        assert sorted(keys) == ["_combine_kernel", "_paged_attention_kernel_bi"], keys
+        assert len(keys["_paged_attention_kernel_bi"]) == 2 and len(keys["_combine_kernel"]) == 1, keys
     default = _launch_keys([f"smollm2-135m/linear/o_proj/{step}" for step in steps], 90)
     assert len(default[GEMM]) == 3
     default = _launch_keys([f"smollm2-135m/attention/model/{step}" for step in tl_launch.ATTENTION_BATCHES], 90)

@@ -197,6 +197,56 @@ def _load_v(v_cache_ptr, rows, key_ok, dims, dim_ok, MMA_DTYPE: tl.constexpr, IN
 
 
 @triton.jit
+def _walk(q, q_pos, key_begin, key_end, seq, kv_head, block_tables_ptr, k_cache_ptr, v_cache_ptr, qk_scale, dims,
+          dim_ok, stride_bt, stride_cb, stride_cs, stride_ch, BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MMA_DTYPE: tl.constexpr, FULL_FP8: tl.constexpr,
+          INTERPRET: tl.constexpr, UNSEEN: tl.constexpr = False):
+    """Keys key_begin..key_end BLOCK_N at a time with an online softmax in float32: each row's running max m, sum
+    of exp(s - m) and unnormalised accumulator (left zero under FULL_FP8, whose first pass needs max and sum only).
+    A row that sees the range's first key has a finite max from the first step on; keys past a row's causal limit
+    add exact zeros. UNSEEN: a row may see none of the range (a prefill row before a later fold run); it ends with
+    m = -inf and zero sums, which _fold adds with weight 0 (the other rows' bits are the same either way)."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(key_begin, key_end, BLOCK_N):
+        s, kv_rows, key_ok = _scores(q, q_pos, start, key_end, seq, kv_head, block_tables_ptr, k_cache_ptr,
+                                     qk_scale, dims, dim_ok, stride_bt, stride_cb, stride_cs, stride_ch,
+                                     BLOCK_SIZE, BLOCK_N, MMA_DTYPE, INTERPRET)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = m_new
+        if UNSEEN:  # a row that has seen no key yet: exact zeros, not exp(-inf + inf)
+            m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        m = m_new
+        if not FULL_FP8:
+            v = _load_v(v_cache_ptr, kv_rows, key_ok, dims, dim_ok, MMA_DTYPE, INTERPRET)
+            acc *= alpha[:, None]
+            if MMA_DTYPE == tl.float32:
+                acc = _mma(p, v, acc, INTERPRET)
+            else:
+                p_hi = p.to(MMA_DTYPE)
+                acc = _mma(p_hi, v, acc, INTERPRET)
+                acc = _mma((p - _upcast(p_hi, tl.float32, INTERPRET)).to(MMA_DTYPE), v, acc, INTERPRET)
+    return m, row_sum, acc
+
+
+@triton.jit
+def _fold(m, row_sum, acc, run_m, run_sum, run_acc):
+    """(m, row_sum, acc) with one more run of keys folded in: both rescaled to the larger max and added. A row that
+    saw no key of the run (run_m = -inf, zero sums) keeps its bits (weights 1 and 0); the first fold into (-inf, 0,
+    0) gives the run's own values exactly (weights 0 and 1). The sums are explicit fmas so that no compiler
+    contracts them one way in the attention kernel and another in the combine: a split decode and a prefill tile
+    fold to the same bits."""
+    top = tl.maximum(m, run_m)
+    old = tl.exp(m - top)
+    new = tl.exp(run_m - top)
+    return top, tl.fma(row_sum, old, run_sum * new), tl.fma(acc, old[:, None], run_acc * new[:, None])
+
+
+@triton.jit
 def _quant_out(y, xq_ptr, xs_ptr, tok, head, dims, tile_ok, row_ok, stride_xq, stride_xs, HEAD_DIM: tl.constexpr,
                UE8M0: tl.constexpr, INTERPRET: tl.constexpr):
     """Output rows y [rows, HEAD_DIM] (token tok, head `head`; rounded to the model dtype already), each head one
@@ -216,10 +266,14 @@ def _paged_attention_kernel(
         stride_cb, stride_cs, stride_ch, stride_bt, part_ptr, stats_ptr, num_tokens, xq_ptr, xs_ptr, stride_xq,
         stride_xs, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MMA_DTYPE: tl.constexpr,
-        FULL_FP8: tl.constexpr, SPLITS: tl.constexpr, PART: tl.constexpr, INTERPRET: tl.constexpr,
-        QUANT: tl.constexpr = False, UE8M0: tl.constexpr = False, PDL: tl.constexpr = False):
-    """SPLITS > 1 (decode, one query per sequence, not full FP8): program (q, kv head, s) walks keys s * PART ..
+        FULL_FP8: tl.constexpr, SPLIT: tl.constexpr, PART: tl.constexpr, INTERPRET: tl.constexpr,
+        QUANT: tl.constexpr = False, UE8M0: tl.constexpr = False, PDL: tl.constexpr = False,
+        FOLD: tl.constexpr = False):
+    """SPLIT (decode, one query per sequence, not full FP8): program (q, kv head, s) walks keys s * PART ..
     (s + 1) * PART and writes its unnormalised accumulator, max and sum (part / stats) for _combine_kernel.
+    FOLD (batch invariant, not full FP8): one program walks the same PART-key runs from key 0 and folds them in
+    order as the combine does (_fold), so a row's bits do not depend on whether its step split: a prefill tile, an
+    unsplit decode and a split decode agree bit for bit, and a context of <= PART keys is one run, folded exactly.
     QUANT (HEAD_DIM == 128): the output goes to the FP8 o_proj as its E4M3 codes and 1 x 128 scales (xq / xs,
     _quant_out) instead of out (whose dtype is still the rounding's)."""
     _pdl_wait(PDL)
@@ -247,35 +301,27 @@ def _paged_attention_kernel(
     q = _upcast(q, MMA_DTYPE, INTERPRET)
     q_pos = context + tok
     num_keys = context + tl.minimum(first + BLOCK_Q, q_len)  # the keys the tile's last query sees
-    # Every row, padding included, sees key 0 in the first tile, so the running max is finite after it.
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    key_begin = 0
-    key_end = num_keys
-    if SPLITS > 1:
-        key_begin = tl.program_id(2) * PART
-        key_end = tl.minimum(key_begin + PART, num_keys)
-        if key_begin >= num_keys:
-            return
-    for start in range(key_begin, key_end, BLOCK_N):
-        s, kv_rows, key_ok = _scores(q, q_pos, start, key_end, seq, kv_head, block_tables_ptr, k_cache_ptr,
-                                     qk_scale, dims, dim_ok, stride_bt, stride_cb, stride_cs, stride_ch,
-                                     BLOCK_SIZE, BLOCK_N, MMA_DTYPE, INTERPRET)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        m = m_new
-        if not FULL_FP8:
-            v = _load_v(v_cache_ptr, kv_rows, key_ok, dims, dim_ok, MMA_DTYPE, INTERPRET)
-            acc *= alpha[:, None]
-            if MMA_DTYPE == tl.float32:
-                acc = _mma(p, v, acc, INTERPRET)
-            else:
-                p_hi = p.to(MMA_DTYPE)
-                acc = _mma(p_hi, v, acc, INTERPRET)
-                acc = _mma((p - _upcast(p_hi, tl.float32, INTERPRET)).to(MMA_DTYPE), v, acc, INTERPRET)
+    if FOLD:  # fixed PART-key runs from key 0, each walked afresh and folded in order (_fold)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        row_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for run in range(0, num_keys, PART):
+            run_m, run_sum, run_acc = _walk(q, q_pos, run, tl.minimum(run + PART, num_keys), seq, kv_head,
+                                            block_tables_ptr, k_cache_ptr, v_cache_ptr, qk_scale, dims, dim_ok,
+                                            stride_bt, stride_cb, stride_cs, stride_ch, BLOCK_M, BLOCK_SIZE, BLOCK_N,
+                                            BLOCK_D, MMA_DTYPE, FULL_FP8, INTERPRET, UNSEEN=True)
+            m, row_sum, acc = _fold(m, row_sum, acc, run_m, run_sum, run_acc)
+    else:
+        key_begin = 0
+        key_end = num_keys
+        if SPLIT:
+            key_begin = tl.program_id(2) * PART
+            key_end = tl.minimum(key_begin + PART, num_keys)
+            if key_begin >= num_keys:
+                return
+        m, row_sum, acc = _walk(q, q_pos, key_begin, key_end, seq, kv_head, block_tables_ptr, k_cache_ptr,
+                                v_cache_ptr, qk_scale, dims, dim_ok, stride_bt, stride_cb, stride_cs, stride_ch, BLOCK_M,
+                                BLOCK_SIZE, BLOCK_N, BLOCK_D, MMA_DTYPE, FULL_FP8, INTERPRET)
     if FULL_FP8:
         # Second pass: the normalised probabilities exist only now. softmax's own order: exp, then * 1/sum.
         inv_sum = 1.0 / row_sum
@@ -287,7 +333,7 @@ def _paged_attention_kernel(
             p = _upcast(_e4m3(p * 448.0, INTERPRET), MMA_DTYPE, INTERPRET)
             acc = _mma(p, _load_v(v_cache_ptr, kv_rows, key_ok, dims, dim_ok, MMA_DTYPE, INTERPRET), acc, INTERPRET)
         acc *= out_scale
-    elif SPLITS > 1:  # this split's share, unnormalised, for the combine: [split, token, head, dim], [.., 2]
+    elif SPLIT:  # this split's share, unnormalised, for the combine: [split, token, head, dim], [.., 2]
         at = (tl.program_id(2) * num_tokens + q_begin + tok) * (GROUP * tl.num_programs(1)) + head  # < 2^31
         tl.store(part_ptr + at[:, None] * HEAD_DIM + dims[None, :], acc, mask=tile_ok)
         tl.store(stats_ptr + at * 2, m, mask=row_ok)
@@ -309,9 +355,10 @@ def _combine_kernel(part_ptr, stats_ptr, out_ptr, seq_lens_ptr, out_scale, num_t
                     xq_ptr, xs_ptr, stride_xq, stride_xs, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PART: tl.constexpr, INTERPRET: tl.constexpr,
                     QUANT: tl.constexpr = False, UE8M0: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Decode token t's heads from its sequence's splits (ceil(keys / PART) of them), added in split order:
-    out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) * out_scale, M the largest m_s; a sequence without keys
-    (a graph's padding) gets zeros. QUANT: quantized for the FP8 o_proj instead (_paged_attention_kernel's)."""
+    """Decode token t's heads from its sequence's splits (ceil(keys / PART) of them), folded in split order by
+    _fold (the fold a batch-invariant prefill tile makes in registers), then out = acc * out_scale / sum; a
+    sequence without keys (a graph's padding) gets zeros. QUANT: quantized for the FP8 o_proj instead
+    (_paged_attention_kernel's)."""
     _pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -319,18 +366,14 @@ def _combine_kernel(part_ptr, stats_ptr, out_ptr, seq_lens_ptr, out_scale, num_t
     head_ok = heads < NUM_HEADS
     ok = head_ok[:, None] & (dims < HEAD_DIM)[None, :]
     num_keys = tl.load(seq_lens_ptr + t)
-    used = tl.cdiv(num_keys, PART)
-    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(0, used):
-        top = tl.maximum(top, tl.load(stats_ptr + ((s * num_tokens + t) * NUM_HEADS + heads) * 2, mask=head_ok,
-                                      other=float("-inf")))
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(0, used):
+    for s in range(0, tl.cdiv(num_keys, PART)):
         at = (s * num_tokens + t) * NUM_HEADS + heads
-        weight = tl.exp(tl.load(stats_ptr + at * 2, mask=head_ok, other=0.0) - top)
-        total += tl.load(stats_ptr + at * 2 + 1, mask=head_ok, other=0.0) * weight
-        acc += tl.load(part_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=ok, other=0.0) * weight[:, None]
+        m, total, acc = _fold(m, total, acc, tl.load(stats_ptr + at * 2, mask=head_ok, other=float("-inf")),
+                              tl.load(stats_ptr + at * 2 + 1, mask=head_ok, other=0.0),
+                              tl.load(part_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=ok, other=0.0))
     acc *= tl.where(total > 0, out_scale / total, 0.0)[:, None]
     out = _round(acc, out_ptr.dtype.element_ty, INTERPRET)
     if QUANT:
@@ -341,12 +384,18 @@ def _combine_kernel(part_ptr, stats_ptr, out_ptr, seq_lens_ptr, out_scale, num_t
 
 
 # Batch invariant: never specialised on num_seqs, the block-table width or the token count (Triton folds a 1 into
-# the code and specialises multiples of 16), one query tile for decode and prefill alike, never split over the keys.
-# A row's keys are walked from key 0 in BLOCK_N steps whatever else is in the tile or the batch; keys past a row's
-# causal limit add exact zeros, so its sums keep one order.
+# the code and specialises multiples of 16), one query tile for decode and prefill alike. A row's keys are walked
+# from key 0 in BLOCK_N steps, in runs of SPLIT_KEYS folded in order, whatever else is in the tile or the batch;
+# keys past a row's causal limit add exact zeros, so its sums keep one order. A decode step that would leave SMs
+# idle splits the runs over programs and the combine folds them as the unsplit kernel does (FOLD): a second binary,
+# the same bits.
 _paged_attention_kernel_bi = triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_tokens"])(
     _paged_attention_kernel.fn)
 BATCH_INVARIANT_BLOCK_M = 64
+# A folding program holds two 64 x 128 float32 accumulators (the runs' and its current run's): on 4 warps an 8B's
+# tile takes 232-247 registers on sm_90 and spills on sm_89; on 8 it takes 185-228 and none. The split programs take
+# the same warps, so that a run's reductions have one order in both binaries.
+BATCH_INVARIANT_WARPS = 8
 
 
 def _mma_dtype(q: torch.Tensor, k_cache: torch.Tensor, full_fp8: bool) -> tl.dtype:
@@ -391,7 +440,7 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     else:
         qk_scale, out_scale = k_scale * scale, v_scale
     block_d = max(16, triton.next_power_of_2(head_dim))
-    splits = 1 if batch_invariant or full_fp8 or num_tokens != num_seqs else decode_splits(
+    splits = 1 if full_fp8 or num_tokens != num_seqs else decode_splits(
         num_seqs, num_kv_heads, block_tables.shape[1] * k_cache.shape[1])
     part = stats = out
     if splits > 1:  # each split's share, then one combine launch
@@ -404,8 +453,9 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         fp8_q_scale or 1.0, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
         block_tables.stride(0), part, stats, num_tokens, x_q, x_s, x_q.stride(0), x_s.stride(0), HEAD_DIM=head_dim,
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=ATTENTION_BLOCK_N,
-        BLOCK_D=block_d, MMA_DTYPE=_mma_dtype(q, k_cache, full_fp8), FULL_FP8=full_fp8, SPLITS=splits,
-        PART=SPLIT_KEYS, INTERPRET=_INTERPRET, QUANT=quant, UE8M0=_ue8m0(scale_fmt), num_warps=4,
+        BLOCK_D=block_d, MMA_DTYPE=_mma_dtype(q, k_cache, full_fp8), FULL_FP8=full_fp8, SPLIT=splits > 1,
+        PART=SPLIT_KEYS, INTERPRET=_INTERPRET, QUANT=quant, UE8M0=_ue8m0(scale_fmt),
+        FOLD=batch_invariant and not full_fp8 and splits == 1, num_warps=BATCH_INVARIANT_WARPS if batch_invariant else 4,
         **pdl.launch_options())
     if splits > 1:
         _combine_kernel[(num_tokens,)](
@@ -425,8 +475,9 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int) -> int:
     """Splits of a decode step (one query per sequence) over SPLIT_KEYS-key runs of its contexts: as many as the
     longest context the block tables can hold needs (max_keys: their width in keys), when (sequences x KV heads)
     programs alone would leave SMs idle; else 1, one program walking all of a sequence's keys. A sequence's result
-    depends on its own length only (a context of <= SPLIT_KEYS keys gives the unsplit kernel's bits), and a CUDA
-    graph bucket, whose block tables have a fixed width, keeps its splits."""
+    depends on its own length only (a context of <= SPLIT_KEYS keys gives the unsplit kernel's bits; batch
+    invariant, any context does: its unsplit kernel folds the same runs), and a CUDA graph bucket, whose block
+    tables have a fixed width, keeps its splits."""
     if num_seqs * num_kv_heads >= SPLIT_TARGET_PROGRAMS:
         return 1
     return max(1, -(-max_keys // SPLIT_KEYS))
