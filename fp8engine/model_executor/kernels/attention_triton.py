@@ -320,8 +320,8 @@ def _paged_attention_kernel(
             if key_begin >= num_keys:
                 return
         m, row_sum, acc = _walk(q, q_pos, key_begin, key_end, seq, kv_head, block_tables_ptr, k_cache_ptr,
-                                v_cache_ptr, qk_scale, dims, dim_ok, stride_bt, stride_cb, stride_cs, stride_ch, BLOCK_M,
-                                BLOCK_SIZE, BLOCK_N, BLOCK_D, MMA_DTYPE, FULL_FP8, INTERPRET)
+                                v_cache_ptr, qk_scale, dims, dim_ok, stride_bt, stride_cb, stride_cs, stride_ch,
+                                BLOCK_M, BLOCK_SIZE, BLOCK_N, BLOCK_D, MMA_DTYPE, FULL_FP8, INTERPRET)
     if FULL_FP8:
         # Second pass: the normalised probabilities exist only now. softmax's own order: exp, then * 1/sum.
         inv_sum = 1.0 / row_sum
@@ -455,8 +455,8 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=ATTENTION_BLOCK_N,
         BLOCK_D=block_d, MMA_DTYPE=_mma_dtype(q, k_cache, full_fp8), FULL_FP8=full_fp8, SPLIT=splits > 1,
         PART=SPLIT_KEYS, INTERPRET=_INTERPRET, QUANT=quant, UE8M0=_ue8m0(scale_fmt),
-        FOLD=batch_invariant and not full_fp8 and splits == 1, num_warps=BATCH_INVARIANT_WARPS if batch_invariant else 4,
-        **pdl.launch_options())
+        FOLD=batch_invariant and not full_fp8 and splits == 1,
+        num_warps=BATCH_INVARIANT_WARPS if batch_invariant else 4, **pdl.launch_options())
     if splits > 1:
         _combine_kernel[(num_tokens,)](
             part, stats, out, seq_lens, out_scale, num_tokens, out.stride(0), out.stride(1), x_q, x_s, x_q.stride(0),
