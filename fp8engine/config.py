@@ -99,9 +99,10 @@ class EngineConfig:
     sleep_spill_dir: str | None = _option(None, "CPU: where sleep(level=1) keeps the weights' bytes while their "
                                                 "memory is released (an unlinked file, read back by wake_up); a "
                                                 "directory on disk, not tmpfs; none = FP8ENGINE_CACHE/spill")
-    tensor_parallel_size: int = _option(1, "ranks one replica's model is split over (torch.distributed, gloo on CPU): "
-                                           "> 1 starts that many - 1 worker processes beside the engine's, each "
-                                           "holding a shard of the weights and of the KV cache (docs/scale-out.md)")
+    tensor_parallel_size: int = _option(1, "ranks one replica's model is split over (torch.distributed: gloo on "
+                                           "CPU, NCCL on CUDA with a device per rank): > 1 starts that many - 1 "
+                                           "worker processes beside the engine's, each holding a shard of the weights "
+                                           "and of the KV cache (docs/scale-out.md)")
     expert_parallel: bool = _option(False, "MoE with tensor_parallel_size > 1: whole experts per rank (num_experts / "
                                            "T each), the router on every rank; without it every expert's "
                                            "intermediate rows are split over the ranks, as a dense MLP's")
@@ -151,11 +152,6 @@ class EngineConfig:
 
     def _check_tensor_parallel(self) -> None:
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.tensor_parallel_size == 1:
-            return
-        if self.device == "cuda":
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not run with device='cuda' yet "
-                             f"(NCCL ranks are not built)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

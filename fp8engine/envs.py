@@ -63,8 +63,12 @@ VARIABLES = (
            "(kernels/fp8_triton.py); off until a device run has timed it against the pointer loads"),
     EnvVar("FP8ENGINE_TP_ALL_REDUCE", "auto", ("auto", "fixed", "library"),
            "tensor parallelism: how row-parallel partial sums are added over the ranks: gathered and added in rank "
-           "order (fixed: the same bits at any batch) or by gloo's all-reduce (library); auto = fixed with "
-           "batch_invariant, else library"),
+           "order (fixed: the same bits at any batch) or by the backend's all-reduce (library: gloo on CPU, NCCL on "
+           "CUDA); auto = fixed with batch_invariant, else library"),
+    EnvVar("FP8ENGINE_TP_DEVICE_BACKEND", "nccl", ("nccl", "gloo"),
+           "tensor parallelism on CUDA: the backend of the ranks' collectives on device tensors (the forward's "
+           "all-reduces, the LM head's gather); gloo, for debugging, copies through the host. Control and weight "
+           "staging always go over a gloo group of host tensors"),
     EnvVar("FP8ENGINE_NCCL_SO", "", None,
            "on CUDA, the NCCL library that vLLM-style weight transfer (weights/pynccl.py) loads; unset: the "
            "nvidia-nccl wheel's libnccl.so found on sys.path, else libnccl.so.2 from the loader's path"),

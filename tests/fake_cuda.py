@@ -15,7 +15,8 @@ one of its inputs is. What a GPU would refuse or stall on is checked:
 
 `live_bytes()` sums the storages of the device tensors alive (what sleep must hand back).
 `torch.cuda.Event` is a stand-in whose synchronize() counts as a host synchronisation (a non-blocking copy to the
-host does not); `torch.cuda.is_available()` answers True, `torch.cuda.mem_get_info()` a fixed budget,
+host does not); `torch.cuda.is_available()` answers True, `torch.cuda.device_count()` `num_devices` (every one the
+same CPU: `set_device` only records `current_device`), `torch.cuda.mem_get_info()` a fixed budget,
 `max_memory_allocated()` the mode's `peak_bytes` (`memory_allocated()` 0), and `synchronize()`, `empty_cache()` and
 `reset_peak_memory_stats()` return at once while the mode is on.
 `torch_calls` counts every torch call (metadata queries such as `.device` or `.stride()` included) and
@@ -40,6 +41,7 @@ GPU would do alone: for counting the host side of a graph step). `captured` list
 import collections
 import contextlib
 import gc
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -90,8 +92,10 @@ def _is_cuda(device) -> bool:
 
 
 class FakeCuda(TorchFunctionMode):
-    def __init__(self, stub_kernels: bool = False, graphs: str | None = None):
+    def __init__(self, stub_kernels: bool = False, graphs: str | None = None, num_devices: int = 1):
         super().__init__()
+        self.num_devices = num_devices  # torch.cuda.device_count(); set_device only records current_device
+        self.current_device = 0
         if graphs not in (None, "replay", "stub"):
             raise ValueError(f"graphs must be None, 'replay' or 'stub', got {graphs!r}")
         self.stub_kernels = stub_kernels
@@ -100,7 +104,9 @@ class FakeCuda(TorchFunctionMode):
         self.peak_bytes = 0  # what torch.cuda.max_memory_allocated() answers (the allocator is not tracked)
         self.torch_calls = 0
         self.device_ops = 0
-        self.device_storages: set[int] = set()
+        # the device's storages by address, each with a weak reference to itself: an address a freed device storage
+        # leaves may come back for a host storage made outside the mode (unpickled, say), which is not the same one
+        self.device_storages: dict[int, weakref.ref] = {}
         self.syncs: collections.Counter = collections.Counter()
         self.launches: collections.Counter = collections.Counter()
         self.torch_kernels = 0
@@ -113,16 +119,20 @@ class FakeCuda(TorchFunctionMode):
 
     # ------------------------------------------------------------------ bookkeeping
     def is_device(self, t) -> bool:
-        return isinstance(t, Tensor) and t.numel() > 0 and t.untyped_storage()._cdata in self.device_storages
+        return isinstance(t, Tensor) and t.numel() > 0 and self._on_device(t.untyped_storage())
+
+    def _on_device(self, storage: torch.UntypedStorage) -> bool:
+        ref = self.device_storages.get(storage._cdata)
+        return ref is not None and ref() is storage
 
     def _mark(self, out, device: bool) -> None:
         for t in tree_flatten(out)[0]:
             if isinstance(t, Tensor) and t.numel() > 0:
-                ptr = t.untyped_storage()._cdata  # the storage, not its bytes: a resize_ keeps it
+                storage = t.untyped_storage()  # the storage, not its bytes: a resize_ keeps it
                 if device:
-                    self.device_storages.add(ptr)
+                    self.device_storages[storage._cdata] = weakref.ref(storage)
                 else:  # a host allocation that reuses a freed device block's address
-                    self.device_storages.discard(ptr)
+                    self.device_storages.pop(storage._cdata, None)
 
     def host_syncs(self) -> int:
         return sum(self.syncs.values())
@@ -161,7 +171,7 @@ class FakeCuda(TorchFunctionMode):
         if func in (Tensor.to, Tensor.cuda):
             args, to_device = self._device_args(func, args, kwargs, to_device)
         if func is Tensor.set_ and len(args) > 1 and isinstance(args[1], torch.UntypedStorage):
-            to_device = args[1]._cdata in self.device_storages  # a view of a device storage is on the device
+            to_device = self._on_device(args[1])  # a view of a device storage is on the device
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         on_device = [t for t in tensors if self.is_device(t)]
         self.torch_calls += 1
@@ -267,7 +277,10 @@ class FakeCuda(TorchFunctionMode):
                        (torch.cuda, "reset_peak_memory_stats"): torch.cuda.reset_peak_memory_stats,
                        (torch.cuda, "memory_allocated"): torch.cuda.memory_allocated,
                        (torch.cuda, "max_memory_allocated"): torch.cuda.max_memory_allocated,
-                       (torch.cuda, "Event"): torch.cuda.Event}
+                       (torch.cuda, "Event"): torch.cuda.Event,
+                       (torch.cuda, "device_count"): torch.cuda.device_count,
+                       (torch.cuda, "current_device"): torch.cuda.current_device,
+                       (torch.cuda, "set_device"): torch.cuda.set_device}
         self._saved[cuda_graphs, "capture_cuda"] = cuda_graphs.capture_cuda
         if self.graphs is not None:
             cuda_graphs.capture_cuda = self.stand_in_capture(self.graphs == "replay")
@@ -281,6 +294,13 @@ class FakeCuda(TorchFunctionMode):
         torch.cuda.reset_peak_memory_stats = lambda device=None: None
         torch.cuda.memory_allocated = lambda device=None: 0
         torch.cuda.max_memory_allocated = lambda device=None: mode.peak_bytes
+        torch.cuda.device_count = lambda: mode.num_devices
+        torch.cuda.current_device = lambda: mode.current_device
+
+        def set_device(device):
+            mode.current_device = torch.device("cuda", device).index if isinstance(device, int) else \
+                torch.device(device).index or 0
+        torch.cuda.set_device = set_device
 
         class Event:
             """torch.cuda.Event: every op of the stand-in device is done when it returns, so a recorded event has

@@ -181,3 +181,52 @@ def test_the_kv_budget_leaves_room_for_a_profiled_step(model):
     budget = int((CUDA_FREE_BYTES - ((3 << 30) - scratch)) * DEFAULT_GPU_KV_FRACTION)
     assert runner.num_blocks == budget // runner.kv_bytes_per_block()
     assert runner.kv_cache.shape[2] == runner.num_blocks
+
+
+def _ranks_on_the_device(monkeypatch, devices: int) -> None:
+    """Tensor-parallel workers on the stand-in device (tests/fake_cuda_worker.py), gloo standing in for NCCL."""
+    from fp8engine.model_executor import tensor_parallel
+    monkeypatch.setattr(tensor_parallel, "WORKER_MODULE", "tests.fake_cuda_worker")
+    monkeypatch.setenv("FP8ENGINE_TP_DEVICE_BACKEND", "gloo")
+    monkeypatch.setenv("FP8ENGINE_TEST_CUDA_DEVICES", str(devices))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+
+
+def test_two_ranks_on_the_device_equal_one(model, monkeypatch):
+    """Tensor parallelism on CUDA (issue 65): rank 1 a process of its own on the second device, its shard, KV cache
+    and step inputs there, none of its ops mixing them with host tensors (the stand-in raises, and the worker's last
+    words reach the caller); float32 T = 2 gives T = 1's greedy tokens with logprobs within 1e-4, before and after
+    an update of a row-parallel weight, whose read-back gathers rank 1's half, and T = 1's scores."""
+    _ranks_on_the_device(monkeypatch, 2)
+    with FakeCuda(num_devices=2):
+        one = _on_device(model, dtype="float32")
+        two = _on_device(model, dtype="float32", tensor_parallel_size=2)
+        try:
+            kernels = two.get_stats().kernels
+            assert kernels["tensor_parallel"] == "2 ranks, gloo all-reduce"
+            assert kernels["cuda_graphs"] == "off: tensor_parallel_size=2"
+            name = "model.layers.1.mlp.down_proj.weight"
+            new = torch.randn(one.get_weights_by_name(name).shape, generator=torch.Generator().manual_seed(3)) * 0.2
+            for step in ("before", "after"):
+                outs = [[(c.token_ids, c.logprobs) for o in e.generate(PROMPTS, PARAMS["greedy"]) for c in o.outputs]
+                        for e in (one, two)]
+                assert [t for t, _ in outs[0]] == [t for t, _ in outs[1]], step
+                assert max(abs(a - b) for (_, x), (_, y) in zip(*outs) for a, b in zip(x, y)) < 1e-4, step
+                if step == "before":
+                    for engine in (one, two):
+                        engine.update_weights({name: new.clone()}, weight_version=1)
+            assert torch.equal(two.get_weights_by_name(name).cpu(), new)
+            # scoring: rank 0 sends the hidden rows, every rank's LM head computes its vocabulary rows' logits
+            responses = [tokens for tokens, _ in outs[0]]
+            scored = [e.score(PROMPTS, responses, PARAMS["greedy"]) for e in (one, two)]
+            assert max(abs(a - b) for x, y in zip(*scored) for a, b in zip(x, y)) < 1e-4
+        finally:
+            two.shutdown()
+
+
+def test_ranks_need_a_device_each(model, monkeypatch):
+    _ranks_on_the_device(monkeypatch, 1)
+    with FakeCuda(num_devices=1), pytest.raises(ValueError, match="tensor_parallel_size=2 needs a CUDA device per "
+                                                                 "rank; this process sees 1"):
+        make_engine(model, device="cuda", tensor_parallel_size=2)

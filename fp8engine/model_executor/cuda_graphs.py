@@ -89,6 +89,8 @@ def unavailable_reason(config, runner) -> str | None:
         return "not a CUDA device"
     if config.enforce_eager:
         return "enforce_eager=True"
+    if config.tensor_parallel_size > 1:  # every rank would replay its graph in step with rank 0's: not built yet
+        return f"tensor_parallel_size={config.tensor_parallel_size}"
     if runner.kernels.names.get("attention", "").startswith("flashinfer"):
         return "FlashInfer attention plans each batch on the host"
     return None

@@ -160,7 +160,8 @@ class ModelRunner:
                                                                                  config.fp8_scale_fmt)
         self.lora_layers = {name.removesuffix(".lora"): m for name, m in self.model.named_modules()
                             if isinstance(m, LoRA)}
-        if self.device.type == "cuda":  # a prefill chunk's kernels compiled now, not in the first request
+        # a prefill chunk's kernels compiled now, not in the first request (by rank 0, which sends it to its workers)
+        if self.device.type == "cuda" and (self.tp is None or self.tp.rank == 0):
             self.forward_detached([0] * min(config.max_num_batched_tokens, 2 * self.block_size - 1))
         # what each tag holds on the workers while awake (fixed from here on: get_stats reads it, with no round trip)
         self.worker_bytes = {} if self.tp_leader is None else {
@@ -197,7 +198,7 @@ class ModelRunner:
         names = self.kernels.names | {"decoder": "python" if self.model.fused is None else self.model.fused.name,
                                       "cuda_graphs": graphs, "host_memory": home}
         if self.tp is not None:
-            order = "fixed-order" if self.tp.fixed_order else "gloo"
+            order = "fixed-order" if self.tp.fixed_order else self.tp.backend
             names["tensor_parallel"] = f"{self.tp.size} ranks, {order} all-reduce"
         return names
 
@@ -478,6 +479,8 @@ class ModelRunner:
         mine = tensor_parallel.pieces(target, self.dtype)
         if mine and all(tp is None for _, tp, _ in mine):  # every rank holds all of it
             return mine[0][2]
+        # assembled on the host, as the workers send theirs
+        mine = [(index, tp, part.cpu()) for index, tp, part in mine]
         held = mine + [piece for theirs in self.tp_leader.call("read", hf_name) for piece in theirs]
         if target.kind == "elsewhere":  # an expert another rank holds whole
             return held[0][2]
@@ -716,7 +719,8 @@ class ModelRunner:
         """The LM head over hidden rows outside a step's forward (prompt logprobs, scoring: PromptLogits); with
         tensor parallelism the workers are sent the rows and each computes its vocabulary rows' share."""
         if self.tp_leader is not None:
-            self.tp_leader.send("head_logits", hidden.clone())  # a copy: pickling a view would send its whole base
+            # a host copy: pickling a view would send its whole base, a device tensor would land on rank 0's device
+            self.tp_leader.send("head_logits", hidden.to("cpu", copy=True))
         with self._following():
             return self.model.compute_logits(hidden)
 

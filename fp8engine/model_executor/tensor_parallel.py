@@ -54,6 +54,7 @@ from fp8engine.weights.quant import BLOCK, FP8_DTYPE
 # the model types sharded: full attention, and the hybrids (Qwen3.5 dense and MoE, whose vision-language wrappers
 # load as these text configs; Qwen3-Next)
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+WORKER_MODULE = "fp8engine.model_executor.tp_worker"  # what each worker process runs (`python -m`)
 READY_TIMEOUT_S = 120.0  # a worker's start (interpreter, torch, fp8engine) before it joins the group
 DEATH_WAIT_S = 5.0  # after a failed collective, how long rank 0 waits for a worker's exit status
 logger = logging.getLogger(__name__)
@@ -226,16 +227,24 @@ def fixed_order(config: EngineConfig) -> bool:
 
 class TPGroup:
     """This rank's place in the tensor-parallel group and its collectives; seconds: time spent in all_reduce and
-    the LM head's gather."""
+    the LM head's gather. group: gloo, host tensors (control, weight staging); device_group: the collectives on
+    device tensors (NCCL on CUDA; the same gloo group on CPU)."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, fixed_order: bool):
+    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, fixed_order: bool,
+                 device_group: dist.ProcessGroup | None = None):
         self.group, self.rank, self.size, self.fixed_order = group, rank, size, fixed_order
+        self.device_group = group if device_group is None else device_group
+        self.backend = str(dist.get_backend(self.device_group))
         self.seconds = 0.0
+
+    def _on(self, t: torch.Tensor) -> dist.ProcessGroup:
+        return self.group if t.device.type == "cpu" else self.device_group
 
     def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's partial sums added over the ranks."""
         start = time.perf_counter()
-        out = fixed_order_sum(self.group, self.size, y) if self.fixed_order else library_sum(self.group, y)
+        group = self._on(y)
+        out = fixed_order_sum(group, self.size, y) if self.fixed_order else library_sum(group, y)
         self.seconds += time.perf_counter() - start
         return out
 
@@ -247,7 +256,7 @@ class TPGroup:
             local = torch.nn.functional.pad(local, (0, per_rank - local.shape[-1]))
         local = local.contiguous()
         parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(local, parts, dst=0, group=self.group)
+        dist.gather(local, parts, dst=0, group=self._on(local))
         self.seconds += time.perf_counter() - start
         if parts is None:
             return None
@@ -255,7 +264,7 @@ class TPGroup:
         return logits if logits.shape[-1] == vocab else logits[..., :vocab].contiguous()
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._on(t))
         return t
 
     def min_int(self, n: int) -> int:
@@ -334,22 +343,22 @@ class Leader:
         self.last_words: dict[int, str] = {}  # by rank: the traceback a dying worker sent
         self.lock = threading.RLock()  # one caller at a time talks to the workers (model_runner's _exclusive)
         self._closer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
-        port = free_port()
+        devices = device_indices(config)
+        port, device_port = free_port(), free_port()
         threads = torch.get_num_threads()  # every rank's
-        if (warning := oversubscribed(threads, self.size)) is not None:
+        if config.device == "cpu" and (warning := oversubscribed(threads, self.size)) is not None:
             logger.warning("%s", warning)
         for rank in range(1, self.size):
             mine, theirs = socket.socketpair()
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "fp8engine.model_executor.tp_worker", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),)))
+            self.procs.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(theirs.fileno())],
+                                               pass_fds=(theirs.fileno(),)))
             theirs.close()
             self.conns.append(Connection(mine.detach()))
-            post(self.conns[-1], (config, model_dir, rank, port, threads))
+            post(self.conns[-1], (config, model_dir, rank, port, threads, devices[rank], device_port))
         with self.guard():
             self.replies(timeout_s=READY_TIMEOUT_S)  # each worker imported what it runs and joins the group now
-            group = init_process_group("127.0.0.1", port, 0, self.size, group_name(port), timeout_s=DEFAULT_TIMEOUT_S)
-        self.group = TPGroup(group, 0, self.size, fixed_order(config))
+            group, device_group = join_groups(config, port, device_port, 0)
+        self.group = TPGroup(group, 0, self.size, fixed_order(config), device_group)
 
     def send(self, op: str, *args) -> None:
         """Every worker runs `op(*args)` next (tp_worker.Worker); raises the group's failure if there is one."""
@@ -430,8 +439,34 @@ class Leader:
         self._closer()
         group, self.group = getattr(self, "group", None), None
         if group is not None:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group.group)
+            for pg in {group.group, group.device_group}:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(pg)
+
+
+def device_indices(config: EngineConfig) -> list[int | None]:
+    """Each rank's CUDA device: rank 0's is the current device of the process that builds the engine, rank r's the
+    r-th after it (wrapping); None per rank on CPU. ValueError when fewer devices are visible than ranks."""
+    if config.device != "cuda":
+        return [None] * config.tensor_parallel_size
+    count, first = torch.cuda.device_count(), torch.cuda.current_device()
+    if count < config.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} needs a CUDA device per rank; this "
+                         f"process sees {count} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return [(first + rank) % count for rank in range(config.tensor_parallel_size)]
+
+
+def join_groups(config: EngineConfig, port: int, device_port: int,
+                rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """This rank's gloo group (host tensors) and, on CUDA, its group for device tensors (FP8ENGINE_TP_DEVICE_BACKEND,
+    NCCL by default), each with its own rendezvous; every rank joins both in this order."""
+    group = init_process_group("127.0.0.1", port, rank, config.tensor_parallel_size, group_name(port),
+                               timeout_s=DEFAULT_TIMEOUT_S)
+    if config.device != "cuda":
+        return group, None
+    return group, init_process_group("127.0.0.1", device_port, rank, config.tensor_parallel_size,
+                                     group_name(port) + "-device", backend=envs.get("FP8ENGINE_TP_DEVICE_BACKEND"),
+                                     timeout_s=DEFAULT_TIMEOUT_S)
 
 
 def oversubscribed(threads: int, size: int, cores: int | None = None) -> str | None:

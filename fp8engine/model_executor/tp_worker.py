@@ -20,9 +20,9 @@ import torch
 from fp8engine.kvcache.kv_scales import KVScaleManager
 from fp8engine.model_executor import tensor_parallel
 from fp8engine.model_executor.model_runner import ModelRunner
-from fp8engine.model_executor.tensor_parallel import TPGroup, fixed_order, group_name, post, receive
+from fp8engine.model_executor.tensor_parallel import TPGroup, fixed_order, join_groups, post, receive
 from fp8engine.weights import updater
-from fp8engine.weights.dist_update import DEFAULT_TIMEOUT_S, WeightsUpdateGroup, init_process_group
+from fp8engine.weights.dist_update import WeightsUpdateGroup
 from fp8engine.weights.loader import resolve
 
 
@@ -60,7 +60,7 @@ class Worker:
 
     @torch.inference_mode()
     def head_logits(self, hidden: torch.Tensor) -> None:
-        self.runner.model.compute_logits(hidden)
+        self.runner.model.compute_logits(hidden.to(self.runner.device))
 
     def forward_detached(self, token_ids: list[int], live: list[int] | None) -> None:
         with self._calibrating(live):
@@ -171,7 +171,9 @@ class Worker:
         return self.runner.weight_names
 
     def read(self, hf_name: str) -> list:
-        return tensor_parallel.pieces(resolve(self.runner.model, hf_name), self.runner.dtype)
+        """This rank's pieces of a weight, on the host (a device tensor would unpickle onto rank 0's device)."""
+        return [(index, tp, values.cpu()) for index, tp, values in
+                tensor_parallel.pieces(resolve(self.runner.model, hf_name), self.runner.dtype)]
 
 
 REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "plan_update", "join_update_group",
@@ -194,12 +196,14 @@ def main() -> None:
     conn = Connection(int(sys.argv[1]))
     _watch_parent()
     try:
-        config, model_dir, rank, port, threads = receive(conn)
+        config, model_dir, rank, port, threads, device, device_port = receive(conn)
         torch.set_num_threads(threads)
+        if device is not None:  # "cuda" is this rank's device from here on (the NCCL group's too)
+            torch.cuda.set_device(device)
         post(conn, ("ok", None))
-        group = init_process_group("127.0.0.1", port, rank, config.tensor_parallel_size, group_name(port),
-                                   timeout_s=DEFAULT_TIMEOUT_S)
-        runner = ModelRunner(config, model_dir, TPGroup(group, rank, config.tensor_parallel_size, fixed_order(config)))
+        group, device_group = join_groups(config, port, device_port, rank)
+        runner = ModelRunner(config, model_dir, TPGroup(group, rank, config.tensor_parallel_size, fixed_order(config),
+                                                        device_group))
         Worker(runner, conn).loop()
     except (EOFError, ConnectionError):  # rank 0 is gone
         os._exit(1)
