@@ -206,6 +206,8 @@ class LLMEngine:
         if not self.config.async_scheduling:
             return "async_scheduling=False"
         why = ("no decode graphs" if self.runner.graphs is None
+               else "tensor parallelism (the workers would need the drawn tokens on their devices)"
+               if self.config.tensor_parallel_size > 1
                else "speculative decoding" if self.speculator is not None
                else "a hybrid model (a step's state update cannot be taken back)" if self.runner.gdn_layers
                else "no fused sampler" if self.outputs.sample_kernel is None else None)

@@ -183,12 +183,13 @@ def test_the_kv_budget_leaves_room_for_a_profiled_step(model):
     assert runner.kv_cache.shape[2] == runner.num_blocks
 
 
-def _ranks_on_the_device(monkeypatch, devices: int) -> None:
+def _ranks_on_the_device(monkeypatch, devices: int, graphs: str | None = None) -> None:
     """Tensor-parallel workers on the stand-in device (tests/fake_cuda_worker.py), gloo standing in for NCCL."""
     from fp8engine.model_executor import tensor_parallel
     monkeypatch.setattr(tensor_parallel, "WORKER_MODULE", "tests.fake_cuda_worker")
     monkeypatch.setenv("FP8ENGINE_TP_DEVICE_BACKEND", "gloo")
     monkeypatch.setenv("FP8ENGINE_TEST_CUDA_DEVICES", str(devices))
+    monkeypatch.setenv("FP8ENGINE_TEST_CUDA_GRAPHS", graphs or "")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
 
@@ -196,19 +197,21 @@ def _ranks_on_the_device(monkeypatch, devices: int) -> None:
 def test_two_ranks_on_the_device_equal_one(model, monkeypatch):
     """Tensor parallelism on CUDA (issue 65): rank 1 a process of its own on the second device, its shard, KV cache
     and step inputs there, none of its ops mixing them with host tensors (the stand-in raises, and the worker's last
-    words reach the caller); float32 T = 2 gives T = 1's greedy tokens with logprobs within 1e-4, before and after
-    an update of a row-parallel weight, whose read-back gathers rank 1's half, and T = 1's scores."""
-    _ranks_on_the_device(monkeypatch, 2)
-    with FakeCuda(num_devices=2):
-        one = _on_device(model, dtype="float32")
-        two = _on_device(model, dtype="float32", tensor_parallel_size=2)
+    words reach the caller). Decode steps from CUDA graphs on both ranks (rank 1 captures and replays its own as rank
+    0 says). Float32 T = 2 gives T = 1's greedy tokens with logprobs within 1e-4, before and after an update of a
+    row-parallel weight (whose read-back gathers rank 1's half) and after a sleep and wake of every rank (which drops
+    the graphs and captures them again), and T = 1's scores."""
+    _ranks_on_the_device(monkeypatch, 2, graphs="replay")
+    with FakeCuda(num_devices=2, graphs="replay"):
+        one = _on_device(model, dtype="float32", max_num_seqs=4)  # graph buckets 1, 2 and 4
+        two = _on_device(model, dtype="float32", max_num_seqs=4, tensor_parallel_size=2)
         try:
             kernels = two.get_stats().kernels
-            assert kernels["tensor_parallel"] == "2 ranks, gloo all-reduce"
-            assert kernels["cuda_graphs"] == "off: tensor_parallel_size=2"
+            assert kernels["tensor_parallel"] == "2 ranks, gloo all-reduce" and kernels["cuda_graphs"] == "decode"
+            assert kernels["async_scheduling"].startswith("off")
             name = "model.layers.1.mlp.down_proj.weight"
             new = torch.randn(one.get_weights_by_name(name).shape, generator=torch.Generator().manual_seed(3)) * 0.2
-            for step in ("before", "after"):
+            for step in ("before", "updated", "woken"):
                 outs = [[(c.token_ids, c.logprobs) for o in e.generate(PROMPTS, PARAMS["greedy"]) for c in o.outputs]
                         for e in (one, two)]
                 assert [t for t, _ in outs[0]] == [t for t, _ in outs[1]], step
@@ -216,6 +219,13 @@ def test_two_ranks_on_the_device_equal_one(model, monkeypatch):
                 if step == "before":
                     for engine in (one, two):
                         engine.update_weights({name: new.clone()}, weight_version=1)
+                elif step == "updated":
+                    two.sleep(level=1)
+                    two.wake_up()
+            # 5 decode steps from the graphs captured again at the wake (3 sequences, then 2: buckets 4 and 2)
+            graphs = two.runner.graphs
+            assert graphs.num_replays == 5 and two.runner.graph_captures == 1
+            assert two.runner.tp_leader.call("graph_counts") == [(graphs.num_captures, 5)]  # rank 1's, in step
             assert torch.equal(two.get_weights_by_name(name).cpu(), new)
             # scoring: rank 0 sends the hidden rows, every rank's LM head computes its vocabulary rows' logits
             responses = [tokens for tokens, _ in outs[0]]

@@ -34,6 +34,11 @@ shapes, every pointer and every Python number handed to a kernel. So:
     `enforce_eager=True`, FlashInfer attention, which plans on the host); `get_stats().kernels["cuda_graphs"]`
     says which and why.
 
+  * Tensor parallelism: every rank holds its own graphs, the all-reduces and the LM head's gather captured in them.
+    Rank 0 decides (this bucket, drop every graph, capture) and sends each worker the step's rows and its decision
+    (tp_worker.graph_step) before replaying its own; the workers capture their buckets when rank 0 does
+    (capture_all), so the ranks' collectives meet in one order.
+
 Capturing needs a CUDA device. `capture` is a parameter so the tests can drive the same buffers, padding and
 invalidation on the CPU (tests/test_cuda_graphs.py, under tests/fake_cuda.py: no host synchronisation inside
 the captured region, bitwise equal to eager steps).
@@ -89,8 +94,6 @@ def unavailable_reason(config, runner) -> str | None:
         return "not a CUDA device"
     if config.enforce_eager:
         return "enforce_eager=True"
-    if config.tensor_parallel_size > 1:  # every rank would replay its graph in step with rank 0's: not built yet
-        return f"tensor_parallel_size={config.tensor_parallel_size}"
     if runner.kernels.names.get("attention", "").startswith("flashinfer"):
         return "FlashInfer attention plans each batch on the host"
     return None
@@ -151,28 +154,41 @@ class DecodeGraphs:
     def run(self, scheduled: list[ScheduledSeq], feed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n, vocab] of a decode step of n sequences, from the bucket's graph. feed: the step before's
         sampler output [n, 3] on the device, whose tokens are these rows' inputs (async_scheduling: the host
-        holds placeholders for them)."""
+        holds placeholders for them). Tensor-parallel workers replay theirs with it (step: what to drop and
+        capture is rank 0's call)."""
         key = self._baked()
-        if key != self.key:
-            if self.graphs:
-                logger.info("CUDA graphs: the KV scales or the LoRA adapter changed; graphs are captured again")
-            self.graphs.clear()
-            self.samplers.clear()
-            self.key = key
+        clear = key != self.key
+        if clear and self.graphs:
+            logger.info("CUDA graphs: the KV scales or the LoRA adapter changed; graphs are captured again")
+        self.key = key
         n = len(scheduled)
         size = next(b for b in self.sizes if b >= n)
-        self.turn ^= 1
-        self._stage(scheduled, size)
-        if feed is not None:
-            self.inputs[:n].copy_(feed[:, 0])  # the ids field: the tokens the step before drew, float64 -> int64
-        if size not in self.graphs:
-            self.graphs[size] = self.capture(lambda: self._forward(size))
-            self.num_captures += 1
-        replay, logits = self.graphs[size]
-        replay()
-        self.num_replays += 1
+        rows = self._rows(scheduled)
+        capture = clear or size not in self.graphs
+        if self.runner.tp_leader is not None:
+            self.runner.tp_leader.send("graph_step", rows, size, clear, capture)
+        logits = self.step(rows, size, clear, capture, feed)
         self.last = (logits[:n], size)  # for sample()
         return self.last[0]
+
+    def step(self, rows: tuple, size: int, clear: bool, capture: bool,
+             feed: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode step's rows (_rows) staged, the bucket's graph captured first if `capture` (every graph dropped
+        first if `clear`), then replayed; its static output."""
+        if clear:
+            self.graphs.clear()
+            self.samplers.clear()
+        self.turn ^= 1
+        self._stage(rows, size)
+        if feed is not None:
+            self.inputs[:len(feed)].copy_(feed[:, 0])  # the ids field: the tokens the step before drew, float64 -> int64
+        if capture or size not in self.graphs:
+            self.graphs[size] = self.capture(lambda: self._forward(size))
+            self.num_captures += 1
+        replay, out = self.graphs[size]
+        replay()
+        self.num_replays += 1
+        return out
 
     def sample(self, logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor,
                need_raw: bool) -> torch.Tensor | None:
@@ -198,11 +214,14 @@ class DecodeGraphs:
 
     def capture_all(self) -> None:
         """Every bucket's graph, largest first, on padding rows alone (nothing is written to the cache): the
-        warm-up at start-up that compiles the decode kernels at every batch size a step will meet."""
+        warm-up at start-up that compiles the decode kernels at every batch size a step will meet (a
+        tensor-parallel rank 0 has its workers capture theirs alongside: their collectives meet)."""
+        if self.runner.tp_leader is not None:
+            self.runner.tp_leader.send("capture_graphs")
         self.key = self._baked()
         for size in reversed(self.sizes):
             if size not in self.graphs:
-                self._stage([], size, wait=True)
+                self._stage(self._rows([]), size, wait=True)
                 self.graphs[size] = self.capture(lambda size=size: self._forward(size))
                 self.num_captures += 1
 
@@ -219,21 +238,19 @@ class DecodeGraphs:
                                  seq_lens=lens.to(torch.int32), block_tables=tables.to(torch.int32),
                                  state_slots=states, decode=True)
         model = self.runner.model
-        return model.compute_logits(model(ids, positions, meta))
+        hidden = model(ids, positions, meta)
+        logits = model.compute_logits(hidden)
+        return hidden[:0] if logits is None else logits  # a tensor-parallel worker's: rank 0 holds the logits
 
     def _sample_forward(self, size: int, need_raw: bool) -> torch.Tensor:
         temperature, uniform = self.sample_inputs[:2 * size].view(2, size)
         return sampler.sample_rows_torch(self.graphs[size][1], temperature, uniform, need_raw)
 
-    def _stage(self, scheduled: list[ScheduledSeq], size: int, wait: bool = False) -> None:
-        """The step's inputs into the pinned buffer, rows n..size as padding (token 0 at position 0, slot -1, a
-        one-token context over block 0, the state pool's scratch slot), then to the device in one copy. Table
-        columns past a sequence's blocks keep what they held: attention reads a sequence's blocks only. This turn's
-        buffer (see __init__; capture_all waits for its copies: `wait`)."""
-        n, bs = len(scheduled), self.runner.block_size
-        staging = self.stagings[self.turn]
-        ids, positions, slots, lens, states, tables = self._views(staging, size)
-        tok, pos, slot, length, rows = [], [], [], [], []
+    def _rows(self, scheduled: list[ScheduledSeq]) -> tuple:
+        """A decode step's rows as lists (what rank 0 sends its tensor-parallel workers): token ids, positions,
+        slots, context lengths, block tables and (hybrid models) state slots."""
+        bs = self.runner.block_size
+        tok, pos, slot, length, tables = [], [], [], [], []
         for item in scheduled:
             seq = item.seq
             c, table = seq.num_computed_tokens, seq.block_table
@@ -241,20 +258,31 @@ class DecodeGraphs:
             pos.append(c)
             slot.append(table[c // bs] * bs + c % bs)
             length.append(c + 1)
-            rows.append(table)
+            tables.append(table)
+        states = [item.seq.state_slot for item in scheduled] if self.fields == 5 else None
+        return tok, pos, slot, length, tables, states
+
+    def _stage(self, rows: tuple, size: int, wait: bool = False) -> None:
+        """A step's rows (_rows) into the pinned buffer, rows n..size as padding (token 0 at position 0, slot -1, a
+        one-token context over block 0, the state pool's scratch slot), then to the device in one copy. Table
+        columns past a sequence's blocks keep what they held: attention reads a sequence's blocks only. This turn's
+        buffer (see __init__; capture_all waits for its copies: `wait`)."""
+        tok, pos, slot, length, table_rows, state_rows = rows
+        n = len(tok)
+        staging = self.stagings[self.turn]
+        ids, positions, slots, lens, states, tables = self._views(staging, size)
         pad = size - n
         ids[:size] = torch.tensor(tok + [0] * pad, dtype=torch.int64)
         positions[:size] = torch.tensor(pos + [0] * pad, dtype=torch.int64)
         slots[:size] = torch.tensor(slot + [-1] * pad, dtype=torch.int64)
         lens[:size] = torch.tensor(length + [1] * pad, dtype=torch.int64)
-        width = max((len(t) for t in rows), default=0)
+        width = max((len(t) for t in table_rows), default=0)
         if n and width:
-            tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in rows], dtype=torch.int64)
+            tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in table_rows], dtype=torch.int64)
         tables[n:, 0] = 0
         if states is not None:
             scratch = self.runner.graph_state_scratch
-            states[:size] = torch.tensor([item.seq.state_slot for item in scheduled] + [scratch] * pad,
-                                         dtype=torch.int64)
+            states[:size] = torch.tensor(state_rows + [scratch] * pad, dtype=torch.int64)
         used = size * (self.fields + self.max_blocks)
         self.inputs[:used].copy_(staging[:used], non_blocking=not wait)
 

@@ -173,7 +173,9 @@ class ModelRunner:
             self.weight_names += [n for names in self.tp_leader.call("weight_names") for n in names if n not in mine]
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         self.graphs_off = cuda_graphs.unavailable_reason(config, self)
-        if self.graphs_off is None:  # every decode bucket's kernels too: its graph captured on padding rows
+        # every decode bucket's kernels too: its graph captured on padding rows (a tensor-parallel worker's when rank 0
+        # says, alongside its own)
+        if self.graphs_off is None and (self.tp is None or self.tp.rank == 0):
             self._graphs_guarded(self._start_graphs)
 
     def _start_graphs(self) -> None:
@@ -550,6 +552,8 @@ class ModelRunner:
             if self.tp_leader is not None:  # after rank 0's own (its spill may fail: then no rank released)
                 self.tp_leader.call("release", tag, keep, spill_dir)
             return nbytes
+        if self.tp_leader is not None:
+            self.tp_leader.call("release", tag, keep, spill_dir)
         self.graphs = None
         tensors = self._tag_tensors(tag)
         self.released_sizes[tag] = [t.untyped_storage().nbytes() for t, _ in tensors]

@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from fp8engine.kvcache.kv_scales import KVScaleManager
-from fp8engine.model_executor import tensor_parallel
+from fp8engine.model_executor import cuda_graphs, tensor_parallel
 from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.model_executor.tensor_parallel import TPGroup, fixed_order, join_groups, post, receive
 from fp8engine.weights import updater
@@ -61,6 +61,25 @@ class Worker:
     @torch.inference_mode()
     def head_logits(self, hidden: torch.Tensor) -> None:
         self.runner.model.compute_logits(hidden.to(self.runner.device))
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Rank 0 captures its decode graphs (start-up, after a wake): this rank captures its own, in the same order,
+        so that their collectives meet. A failure here ends the worker (rank 0 reports it)."""
+        runner = self.runner
+        if runner.graphs is None:
+            runner.graphs = cuda_graphs.DecodeGraphs(runner, runner.config.max_num_seqs, cuda_graphs.capture_cuda())
+        runner.graphs.capture_all()
+
+    @torch.inference_mode()
+    def graph_step(self, rows: tuple, size: int, clear: bool, capture: bool) -> None:
+        """Rank 0 replays a decode graph: this rank replays its own for the same rows (cuda_graphs.DecodeGraphs.step)."""
+        self.runner.graphs.step(rows, size, clear, capture)
+
+    def graph_counts(self) -> tuple[int, int] | None:
+        """(captures, replays) of this rank's decode graphs since they were last built; None without them."""
+        graphs = self.runner.graphs
+        return None if graphs is None else (graphs.num_captures, graphs.num_replays)
 
     def forward_detached(self, token_ids: list[int], live: list[int] | None) -> None:
         with self._calibrating(live):
@@ -176,8 +195,9 @@ class Worker:
                 tensor_parallel.pieces(resolve(self.runner.model, hf_name), self.runner.dtype)]
 
 
-REPLIES = frozenset({"release", "restore", "resident_bytes", "stage", "plan_update", "join_update_group",
-                     "receive_update", "leave_update_group", "commit_lora", "weight_names", "commit", "reload", "read"})
+REPLIES = frozenset({"release", "restore", "resident_bytes", "graph_counts", "stage", "plan_update",
+                     "join_update_group", "receive_update", "leave_update_group", "commit_lora", "weight_names",
+                     "commit", "reload", "read"})
 
 
 def _watch_parent() -> None:
