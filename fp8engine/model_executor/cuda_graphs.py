@@ -181,7 +181,8 @@ class DecodeGraphs:
         self.turn ^= 1
         self._stage(rows, size)
         if feed is not None:
-            self.inputs[:len(feed)].copy_(feed[:, 0])  # the ids field: the tokens the step before drew, float64 -> int64
+            # the ids field: the tokens the step before drew, float64 -> int64
+            self.inputs[:len(feed)].copy_(feed[:, 0])
         if capture or size not in self.graphs:
             self.graphs[size] = self.capture(lambda: self._forward(size))
             self.num_captures += 1

@@ -73,7 +73,7 @@ class Worker:
 
     @torch.inference_mode()
     def graph_step(self, rows: tuple, size: int, clear: bool, capture: bool) -> None:
-        """Rank 0 replays a decode graph: this rank replays its own for the same rows (cuda_graphs.DecodeGraphs.step)."""
+        """Rank 0 replays a decode graph: this rank replays its own for the same rows (DecodeGraphs.step)."""
         self.runner.graphs.step(rows, size, clear, capture)
 
     def graph_counts(self) -> tuple[int, int] | None:
