@@ -67,8 +67,9 @@ VARIABLES = (
            "CUDA); auto = fixed with batch_invariant, else library"),
     EnvVar("FP8ENGINE_TP_DEVICE_BACKEND", "nccl", ("nccl", "gloo"),
            "tensor parallelism on CUDA: the backend of the ranks' collectives on device tensors (the forward's "
-           "all-reduces, the LM head's gather); gloo, for debugging, copies through the host. Control and weight "
-           "staging always go over a gloo group of host tensors"),
+           "all-reduces, the LM head's gather); gloo, for debugging, copies through the host and cannot be captured "
+           "in CUDA graphs (use it with enforce_eager=True). Control and weight staging always go over a gloo group "
+           "of host tensors"),
     EnvVar("FP8ENGINE_NCCL_SO", "", None,
            "on CUDA, the NCCL library that vLLM-style weight transfer (weights/pynccl.py) loads; unset: the "
            "nvidia-nccl wheel's libnccl.so found on sys.path, else libnccl.so.2 from the loader's path"),

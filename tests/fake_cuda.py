@@ -16,7 +16,7 @@ one of its inputs is. What a GPU would refuse or stall on is checked:
 `live_bytes()` sums the storages of the device tensors alive (what sleep must hand back).
 `torch.cuda.Event` is a stand-in whose synchronize() counts as a host synchronisation (a non-blocking copy to the
 host does not); `torch.cuda.is_available()` answers True, `torch.cuda.device_count()` `num_devices` (every one the
-same CPU: `set_device` only records `current_device`), `torch.cuda.mem_get_info()` a fixed budget,
+same CPU: `set_device` only records `current_device`), `torch.cuda.mem_get_info()` a fixed budget (`free_bytes`),
 `max_memory_allocated()` the mode's `peak_bytes` (`memory_allocated()` 0), and `synchronize()`, `empty_cache()` and
 `reset_peak_memory_stats()` return at once while the mode is on.
 `torch_calls` counts every torch call (metadata queries such as `.device` or `.stride()` included) and
@@ -92,10 +92,12 @@ def _is_cuda(device) -> bool:
 
 
 class FakeCuda(TorchFunctionMode):
-    def __init__(self, stub_kernels: bool = False, graphs: str | None = None, num_devices: int = 1):
+    def __init__(self, stub_kernels: bool = False, graphs: str | None = None, num_devices: int = 1,
+                 free_bytes: int = CUDA_FREE_BYTES):
         super().__init__()
         self.num_devices = num_devices  # torch.cuda.device_count(); set_device only records current_device
         self.current_device = 0
+        self.free_bytes = free_bytes  # what torch.cuda.mem_get_info() says is free
         if graphs not in (None, "replay", "stub"):
             raise ValueError(f"graphs must be None, 'replay' or 'stub', got {graphs!r}")
         self.stub_kernels = stub_kernels
@@ -288,7 +290,7 @@ class FakeCuda(TorchFunctionMode):
             cuda_graphs.capture_cuda = _no_graphs
         interpreter.GridExecutor.__call__ = launch
         torch.cuda.is_available = lambda: True
-        torch.cuda.mem_get_info = lambda device=None: (CUDA_FREE_BYTES, CUDA_TOTAL_BYTES)
+        torch.cuda.mem_get_info = lambda device=None: (mode.free_bytes, CUDA_TOTAL_BYTES)
         torch.cuda.synchronize = lambda device=None: None
         torch.cuda.empty_cache = lambda: None
         torch.cuda.reset_peak_memory_stats = lambda device=None: None

@@ -183,6 +183,9 @@ def test_the_kv_budget_leaves_room_for_a_profiled_step(model):
     assert runner.kv_cache.shape[2] == runner.num_blocks
 
 
+TP_FREE_BYTES = 16 << 20  # what the stand-in device says is free to a tensor-parallel engine: a small KV cache
+
+
 def _ranks_on_the_device(monkeypatch, devices: int, graphs: str | None = None) -> None:
     """Tensor-parallel workers on the stand-in device (tests/fake_cuda_worker.py), gloo standing in for NCCL."""
     from fp8engine.model_executor import tensor_parallel
@@ -190,6 +193,7 @@ def _ranks_on_the_device(monkeypatch, devices: int, graphs: str | None = None) -
     monkeypatch.setenv("FP8ENGINE_TP_DEVICE_BACKEND", "gloo")
     monkeypatch.setenv("FP8ENGINE_TEST_CUDA_DEVICES", str(devices))
     monkeypatch.setenv("FP8ENGINE_TEST_CUDA_GRAPHS", graphs or "")
+    monkeypatch.setenv("FP8ENGINE_TEST_CUDA_FREE_BYTES", str(TP_FREE_BYTES))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
 
@@ -202,10 +206,14 @@ def test_two_ranks_on_the_device_equal_one(model, monkeypatch):
     row-parallel weight (whose read-back gathers rank 1's half) and after a sleep and wake of every rank (which drops
     the graphs and captures them again), and T = 1's scores."""
     _ranks_on_the_device(monkeypatch, 2, graphs="replay")
-    with FakeCuda(num_devices=2, graphs="replay"):
+    with FakeCuda(num_devices=2, graphs="replay", free_bytes=TP_FREE_BYTES):
         one = _on_device(model, dtype="float32", max_num_seqs=4)  # graph buckets 1, 2 and 4
-        two = _on_device(model, dtype="float32", max_num_seqs=4, tensor_parallel_size=2)
+        # its KV cache sized from the free memory: every rank profiles a forward (collectives of their own), then
+        # takes the smallest rank's blocks
+        two = make_engine(model, device="cuda", dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+                          tensor_parallel_size=2)
         try:
+            assert two.runner.num_blocks > 100
             kernels = two.get_stats().kernels
             assert kernels["tensor_parallel"] == "2 ranks, gloo all-reduce" and kernels["cuda_graphs"] == "decode"
             assert kernels["async_scheduling"].startswith("off")
@@ -240,3 +248,14 @@ def test_ranks_need_a_device_each(model, monkeypatch):
     with FakeCuda(num_devices=1), pytest.raises(ValueError, match="tensor_parallel_size=2 needs a CUDA device per "
                                                                  "rank; this process sees 1"):
         make_engine(model, device="cuda", tensor_parallel_size=2)
+
+
+def test_a_graph_capture_that_fails_under_tensor_parallelism_ends_the_group(model, monkeypatch):
+    """The workers capture what rank 0 says; a capture that then fails on rank 0 leaves their collectives out of
+    step, so it is an error naming the way out (a single-rank engine just runs eagerly)."""
+    _ranks_on_the_device(monkeypatch, 2)
+    from fp8engine.model_executor import tensor_parallel
+    monkeypatch.setattr(tensor_parallel, "DEATH_WAIT_S", 0.2)  # the workers are alive: no exit status to wait for
+    failed = "CUDA graphs failed under tensor parallelism .*enforce_eager=True runs without them"
+    with FakeCuda(num_devices=2, free_bytes=TP_FREE_BYTES), pytest.raises(RuntimeError, match=failed):
+        make_engine(model, device="cuda", max_num_seqs=2, num_kv_blocks=KV_BLOCKS, tensor_parallel_size=2)

@@ -172,7 +172,6 @@ def test_attention_rows_do_not_depend_on_the_batch_or_the_chunking(kv):
     assert torch.equal(_bits(alone_decode), _bits(probe[4]))
 
 
-
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_long_contexts_fold_the_same_runs_whether_the_decode_splits_or_not(kv, monkeypatch):
     """Contexts over SPLIT_KEYS keys (64 here: 2-3 runs): a prefill chunk folds its runs in registers, a decode
@@ -199,6 +198,7 @@ def test_long_contexts_fold_the_same_runs_whether_the_decode_splits_or_not(kv, m
             unsplit = _attend(_sub_batch(batch, picks, seqs), False)[1]
         assert torch.equal(_bits(unsplit), _bits(probe[token])), token
     assert torch.equal(_bits(_attend(_sub_batch(batch, [(0, 150, 1)], seqs), False)[0]), _bits(everything[0]))
+
 
 def test_gdn_recurrent_kernel_matches_the_reference_and_is_bitwise_however_split():
     """dense_triton's gated delta rule on the interpreter: within float32 rounding of the torch reference; a

@@ -183,9 +183,11 @@ class DecodeGraphs:
         if feed is not None:
             # the ids field: the tokens the step before drew, float64 -> int64
             self.inputs[:len(feed)].copy_(feed[:, 0])
-        if capture or size not in self.graphs:
+        if capture:
             self.graphs[size] = self.capture(lambda: self._forward(size))
             self.num_captures += 1
+        elif size not in self.graphs:  # a worker told to replay what it never captured: out of step with rank 0
+            raise RuntimeError(f"no CUDA graph of bucket {size} to replay (rank 0 has one)")
         replay, out = self.graphs[size]
         replay()
         self.num_replays += 1

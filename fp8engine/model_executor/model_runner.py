@@ -1,6 +1,7 @@
 """Model runner: builds the model and its paged KV cache, turns a schedule into a flat batch and runs it."""
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -182,11 +183,17 @@ class ModelRunner:
         self.graphs = cuda_graphs.DecodeGraphs(self, self.config.max_num_seqs, cuda_graphs.capture_cuda())
         self.graphs.capture_all()
 
-    def _graphs_guarded(self, fn, *args):
-        """fn(*args), or None with the graphs switched off for good when it fails (said once, with the reason)."""
+    def _graphs_guarded(self, fn, *args, workers: bool = True):
+        """fn(*args), or None with the graphs switched off for good when it fails (said once, with the reason). With
+        tensor parallelism a failure of what the workers follow (`workers`: a capture, a replay) ends the group
+        instead: they were told to capture or replay what rank 0 did not, so their collectives no longer meet."""
         try:
             return fn(*args)
         except Exception as exc:  # a capture that fails: the eager path stays right
+            if self.tp_leader is not None and workers:
+                with self.tp_leader.guard():
+                    raise RuntimeError(f"CUDA graphs failed under tensor parallelism ({type(exc).__name__}: {exc}); "
+                                       f"enforce_eager=True runs without them") from exc
             self.graphs, self.graphs_off = None, f"capture failed ({type(exc).__name__}: {exc})"
             logger.warning("CUDA graphs off, decode steps run eagerly: %s", self.graphs_off)
             return None
@@ -457,8 +464,10 @@ class ModelRunner:
     @_exclusive
     def commit_lora(self, staged: lora.StagedAdapter) -> None:
         """A validated adapter (full A and B) written on every rank, each its slices."""
-        if self.tp_leader is not None:
-            self.tp_leader.call("commit_lora", staged)
+        if self.tp_leader is not None:  # from the host: a device tensor would unpickle onto rank 0's device
+            host = {path: {shard: (a.to("cpu", copy=True), b.to("cpu", copy=True), scale)
+                           for shard, (a, b, scale) in shards.items()} for path, shards in staged.shards.items()}
+            self.tp_leader.call("commit_lora", dataclasses.replace(staged, shards=host))
         lora.commit_adapter(self.lora_layers, staged)
 
     @_exclusive
@@ -493,7 +502,7 @@ class ModelRunner:
                 out[(index[0][where[0]],) + where[1:]] = part
             else:
                 out[index][where] = part
-        return out
+        return out.to(self.device)  # where a single rank's read leaves it
 
     @_exclusive
     def sync_kv_scales(self) -> None:
@@ -552,16 +561,17 @@ class ModelRunner:
             if self.tp_leader is not None:  # after rank 0's own (its spill may fail: then no rank released)
                 self.tp_leader.call("release", tag, keep, spill_dir)
             return nbytes
-        if self.tp_leader is not None:
-            self.tp_leader.call("release", tag, keep, spill_dir)
         self.graphs = None
         tensors = self._tag_tensors(tag)
-        self.released_sizes[tag] = [t.untyped_storage().nbytes() for t, _ in tensors]
+        sizes = [t.untyped_storage().nbytes() for t, _ in tensors]
         self.kept[tag] = [_host_copy(t) if keep or derived else None for t, derived in tensors]
+        self.released_sizes[tag] = sizes
         for t, _ in tensors:
             t.untyped_storage().resize_(0)
         torch.cuda.empty_cache()
-        return nbytes + sum(size for size, (_, derived) in zip(self.released_sizes[tag], tensors) if derived)
+        if self.tp_leader is not None:  # after rank 0's own (its host copies may fail: then no rank released)
+            self.tp_leader.call("release", tag, keep, spill_dir)
+        return nbytes + sum(size for size, (_, derived) in zip(sizes, tensors) if derived)
 
     @_exclusive
     def restore(self, tag: str) -> None:
@@ -571,6 +581,8 @@ class ModelRunner:
         if self.tp_leader is not None:
             self.tp_leader.call("restore", tag)
         kept = self.kept.get(tag)
+        if self.device.type != "cpu" and tag not in self.released_sizes:  # restored already (a wake tried again)
+            return
         if self.device.type == "cpu":
             if kept is not None:
                 kept.restore(self.home.mapping.memory[:self.home.weight_bytes])
@@ -600,6 +612,7 @@ class ModelRunner:
         """The "kv_cache" tag's tensors: the KV cache, the routed experts and the state pool."""
         return [t for t in (self.kv_cache, self.routed_experts, *self.states) if t is not None]
 
+    @_exclusive
     def recapture_graphs(self) -> None:
         """The decode graphs captured again after a CUDA sleep dropped them (counted and timed)."""
         if self.graphs is not None or self.graphs_off is not None:
@@ -632,10 +645,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        hidden = self.forward_detached([0] * n)
-        sampled = self.head_logits(hidden[:min(n, self.config.max_num_seqs)])
-        prompt = next(PromptLogits(self.head_logits, hidden, self.vocab_size).chunks(0, n))[1]
-        torch.log_softmax(prompt, dim=-1)
+        # every tensor-parallel rank profiles itself here, in this order (rank 0 sends its workers nothing)
+        with self._following():
+            hidden = self._forward_detached([0] * n)
+            sampled = self.model.compute_logits(hidden[:min(n, self.config.max_num_seqs)])
+            prompt = self.model.compute_logits(hidden[:PromptLogits(None, hidden, self.vocab_size).rows])
+        if prompt is not None:  # (a worker's share went to rank 0) a prompt chunk's float32 logits, log_softmax's copy
+            torch.log_softmax(prompt.float(), dim=-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del hidden, sampled, prompt
@@ -705,7 +721,7 @@ class ModelRunner:
 
     def _sample_rows(self, logits, temperature, uniform, need_raw, forced=None):
         if self.graphs is not None and forced is None:
-            out = self._graphs_guarded(self.graphs.sample, logits, temperature, uniform, need_raw)
+            out = self._graphs_guarded(self.graphs.sample, logits, temperature, uniform, need_raw, workers=False)
             if out is not None:
                 return out
         return self.kernels.sample_rows(logits, temperature, uniform, need_raw, forced)

@@ -344,7 +344,9 @@ class Leader:
         self.lock = threading.RLock()  # one caller at a time talks to the workers (model_runner's _exclusive)
         self._closer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
         devices = device_indices(config)
-        port, device_port = free_port(), free_port()
+        port = device_port = free_port()
+        while device_port == port:
+            device_port = free_port()
         threads = torch.get_num_threads()  # every rank's
         if config.device == "cpu" and (warning := oversubscribed(threads, self.size)) is not None:
             logger.warning("%s", warning)
@@ -487,8 +489,6 @@ def post(conn: Connection, message) -> None:
 
 def receive(conn: Connection):
     return pickle.loads(conn.recv_bytes())
-
-
 
 
 def _status(code: int) -> str:

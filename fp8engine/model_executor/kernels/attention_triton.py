@@ -440,6 +440,8 @@ def _triton_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     else:
         qk_scale, out_scale = k_scale * scale, v_scale
     block_d = max(16, triton.next_power_of_2(head_dim))
+    # a run ends on a key block's end: _scores masks keys by position, and a block past a run's end must not count
+    assert SPLIT_KEYS % ATTENTION_BLOCK_N == 0, (SPLIT_KEYS, ATTENTION_BLOCK_N)
     splits = 1 if full_fp8 or num_tokens != num_seqs else decode_splits(
         num_seqs, num_kv_heads, block_tables.shape[1] * k_cache.shape[1])
     part = stats = out
