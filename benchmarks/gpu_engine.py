@@ -302,7 +302,8 @@ def check_server(model: str, device: str, vocab: int, kv_blocks: int, engine_thr
     greedy = dict(model="small", prompt=prompt, max_tokens=4, temperature=0.0, ignore_eos=True, return_token_ids=True)
     with contextlib.ExitStack() as stack:
         if engine_thread is not None:
-            stack.enter_context(_replaced(async_engine.AsyncEngine, "_run", engine_thread(async_engine.AsyncEngine._run)))
+            run = engine_thread(async_engine.AsyncEngine._run)
+            stack.enter_context(_replaced(async_engine.AsyncEngine, "_run", run))
         http = stack.enter_context(TestClient(create_app(engine, ServerSettings())))
         try:
             import openai
