@@ -581,6 +581,16 @@ def test_options_it_cannot_honour_are_refused(options, message):
         EngineConfig(**options)
 
 
+def test_a_replica_asks_ray_for_a_gpu_a_rank_on_cuda():
+    from types import SimpleNamespace
+
+    from fp8engine.rl.cluster import replica_resources
+    cuda = SimpleNamespace(device="cuda", tensor_parallel_size=4)  # an EngineConfig("cuda") needs a device here
+    assert replica_resources(cuda, 8) == {"num_cpus": 1, "num_gpus": 4}
+    assert replica_resources(SimpleNamespace(device="cpu", tensor_parallel_size=2), 8) == {"num_cpus": 8,
+                                                                                            "num_gpus": 0}
+
+
 def test_a_cluster_replica_of_two_ranks_rolls_out_and_syncs_every_rank(tp2_dir):
     """RolloutCluster: one replica of 2 ranks on 2 Ray CPUs (1 thread a rank), synced over the weight-update group
     (world size 3: this process, the replica's rank 0 at 1, its worker at 2); float32 rollouts equal a local

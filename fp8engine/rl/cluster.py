@@ -262,6 +262,15 @@ class _Member:
     actor: object
 
 
+def replica_resources(config: EngineConfig, cpus: int) -> dict[str, int]:
+    """What a replica's actor asks Ray for: on CUDA a GPU for each tensor-parallel rank (Ray gives one actor's GPUs on
+    one node and makes them its visible devices; the ranks take them in order) and one CPU; on CPU `cpus` (its ranks'
+    threads come out of them)."""
+    if config.device == "cuda":
+        return {"num_cpus": 1, "num_gpus": config.tensor_parallel_size}
+    return {"num_cpus": cpus, "num_gpus": 0}
+
+
 class RolloutCluster:
     """`num_replicas` engines as Ray actors, with RolloutEngine's methods and RolloutBatch.
 
@@ -329,7 +338,7 @@ class RolloutCluster:
         gpu = config.device == "cuda"
         cpus = num_cpus_per_replica or max(1, int(ray.cluster_resources().get("CPU", 1)) // num_replicas)
         self._threads = None if gpu else cpus
-        self._actor_class = ray.remote(Replica).options(num_cpus=1 if gpu else cpus, num_gpus=1 if gpu else 0,
+        self._actor_class = ray.remote(Replica).options(**replica_resources(config, cpus),
                                                         max_concurrency=REPLICA_THREADS)
         self._members = self._start(num_replicas)
 
