@@ -300,8 +300,7 @@ class FakeCuda(TorchFunctionMode):
         torch.cuda.current_device = lambda: mode.current_device
 
         def set_device(device):
-            mode.current_device = torch.device("cuda", device).index if isinstance(device, int) else \
-                torch.device(device).index or 0
+            mode.current_device = device if isinstance(device, int) else torch.device(device).index or 0
         torch.cuda.set_device = set_device
 
         class Event:

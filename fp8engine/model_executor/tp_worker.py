@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from fp8engine.kvcache.kv_scales import KVScaleManager
-from fp8engine.model_executor import cuda_graphs, tensor_parallel
+from fp8engine.model_executor import tensor_parallel
 from fp8engine.model_executor.model_runner import ModelRunner
 from fp8engine.model_executor.tensor_parallel import TPGroup, fixed_order, join_groups, post, receive
 from fp8engine.weights import updater
@@ -66,10 +66,10 @@ class Worker:
     def capture_graphs(self) -> None:
         """Rank 0 captures its decode graphs (start-up, after a wake): this rank captures its own, in the same order,
         so that their collectives meet. A failure here ends the worker (rank 0 reports it)."""
-        runner = self.runner
-        if runner.graphs is None:
-            runner.graphs = cuda_graphs.DecodeGraphs(runner, runner.config.max_num_seqs, cuda_graphs.capture_cuda())
-        runner.graphs.capture_all()
+        if self.runner.graphs is None:
+            self.runner._start_graphs()  # rank 0's own start, without the group guard: a failure ends this worker
+        else:
+            self.runner.graphs.capture_all()
 
     @torch.inference_mode()
     def graph_step(self, rows: tuple, size: int, clear: bool, capture: bool) -> None:
