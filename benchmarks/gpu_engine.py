@@ -385,7 +385,8 @@ def decode_speed(model: str, device: str, batch: int, quantization, steps: int, 
     if async_scheduling is not None:
         mode += "-async" if async_scheduling else "-sync"
     overlap = engine.get_stats().kernels["async_scheduling"]
-    row = {"batch": batch, "mode": mode, "graphs": graphs, "pdl": pdl, "async": overlap,
+    swap = engine.get_stats().kernels.get("swap_ab_gemm", "off")
+    row = {"batch": batch, "mode": mode, "graphs": graphs, "pdl": pdl, "swap_ab": swap, "async": overlap,
            "ms_per_step": float(f"{ms:.4g}"),
            "tok_per_s": float(f"{batch / ms * 1e3:.4g}"), "hbm_floor_ms": float(f"{floor_ms:.3g}"),
            "weight_gb": float(f"{weights / 1e9:.3g}")}

@@ -12,11 +12,14 @@ that no longer fits --budget-s skipped (its file says so). In this order:
   3. engine     an 8B-shaped Llama (random weights drawn on the device) at batch 1 / 64 / 256, BF16 and FP8, ms a
                 decode step from CUDA graphs beside the floor (the step's bytes / the measured read ceiling), and at
                 batch 1 fused against unfused (the A/B of each fusion's launches), with programmatic dependent
-                launch (FP8ENGINE_PDL=1) against without at batch 1;
+                launch (FP8ENGINE_PDL=1) against without at batch 1, and FP8 with the GEMM's swapped operands
+                (FP8ENGINE_SWAP_AB_GEMM=1) against without at batch 1;
   4. gemm       the FP8 GEMM (default and batch-invariant launch) and torch's BF16 matmul at M = 1 / 4 / 16 / 64 /
                 256 on the 8B's layers, each call replayed from a CUDA graph over weight copies that do not fit the
                 L2 cache together, GB/s; at 256 rows also with TMA tiles (FP8ENGINE_TMA_GEMM's kernel), and
-                TMA against pointer loads bitwise where every tile is partial;
+                TMA against pointer loads bitwise where every tile is partial; at up to 16 rows also with swapped
+                operands (FP8ENGINE_SWAP_AB_GEMM's E4M3 wgmma, partials kept where the engine keeps them) and
+                their result against the default launch's;
   5. attention  decode attention at 128 / 2K / 8K tokens of context, BF16 and FP8 caches, batch 1 and 64, beside
                 the KV-read floor; the batch-invariant launch (runs folded, split where SMs would idle) beside;
   6. profile    the kernels of an eager FP8 decode step by device time (benchmarks/gpu_profile.py);
@@ -104,6 +107,11 @@ def _fusion(on: bool):
     return _env("FP8ENGINE_CUDA_FUSION", on)
 
 
+def _swap(on: bool):
+    """The FP8 GEMM's swapped operands at up to 16 rows (FP8ENGINE_SWAP_AB_GEMM): sm_90 and later, never dry."""
+    return _env("FP8ENGINE_SWAP_AB_GEMM", on)
+
+
 def _pdl(on: bool):
     """Programmatic dependent launch (kernels/pdl.py): never on in a dry run (the interpreter has none)."""
     return _env("FP8ENGINE_PDL", on)
@@ -189,26 +197,31 @@ def engine(run: Run) -> dict:
     steps, prompt_len = (2, 16) if run.dry else (16, 128)
     sizes = (1, 4) if run.dry else (1, 64, 256)
     rows = []
-    # (fused, PDL, quantizations, batches): the fused engine, unfused at batch 1, PDL at batch 1 (not in a dry run)
-    runs = [(True, False, (None, "fp8"), sizes), (False, False, (None, "fp8"), sizes[:1])]
+    # (fused, PDL, quantizations, batches, swap): the fused engine, unfused at batch 1, PDL at batch 1, FP8 with the
+    # GEMM's swapped operands at batch 1 (the last two not in a dry run)
+    runs = [(True, False, (None, "fp8"), sizes, False), (False, False, (None, "fp8"), sizes[:1], False)]
     if not run.dry:
-        runs.append((True, True, (None, "fp8"), sizes[:1]))
+        runs += [(True, True, (None, "fp8"), sizes[:1], False), (True, False, ("fp8",), sizes[:1], True)]
 
     def add(row: dict, fused: bool) -> None:
         floor_ms = row["hbm_floor_ms"] * gpu_engine.HBM_BYTES_PER_S / 1e9 / run.read_gb_s
         rows.append(dict(row, fused=fused, floor_ms_measured=float(f"{floor_ms:.3g}"),
                          x_floor=float(f"{row['ms_per_step'] / floor_ms:.3g}")))
-    for fused, pdl, quantizations, batches in runs:
+    for fused, pdl, quantizations, batches, swap in runs:
         for quantization in quantizations:
             for batch in batches:
-                with _fusion(fused), _pdl(pdl):
+                with _fusion(fused), _pdl(pdl), _swap(swap):
                     add(gpu_engine.decode_speed(run.big, "cuda", batch, quantization, steps, prompt_len), fused)
+    swapped = {r["batch"]: r["ms_per_step"] for r in rows if r["swap_ab"] == "on"}
+    rows = [r for r in rows if r["swap_ab"] != "on"]
     by = {(r["mode"], r["batch"], r["fused"], r["pdl"]): r["ms_per_step"] for r in rows}
+    swap_gain = {f"fp8_batch{b}": float(f"{by[('fp8', b, True, 'off')] / ms:.3g}") for b, ms in swapped.items()}
     ratios = {f"fp8_over_bf16_batch{b}": float(f"{by[('bf16', b, True, 'off')] / by[('fp8', b, True, 'off')]:.3g}")
               for b in sizes}
     pdl_gain = {f"{mode}_batch{b}": float(f"{by[(mode, b, True, 'off')] / by[(mode, b, True, 'on')]:.3g}")
                 for mode, b, fused, pdl in by if fused and pdl == "on" and mode in ("bf16", "fp8")}
-    return {"rows": rows, "fp8_speedup": ratios, "pdl_speedup": pdl_gain}
+    return {"rows": rows, "fp8_speedup": ratios, "pdl_speedup": pdl_gain, "swap_ab_ms": swapped,
+            "swap_ab_speedup": swap_gain}
 
 
 def async_ab(run: Run) -> dict:
@@ -249,9 +262,20 @@ def gemm(run: Run) -> dict:
             tma_bitwise = _tma_same_bits(x_q, x_s, *weights[0])
             with pdl.TMA_GEMM.forced(True):
                 tma_us = round(per_call_us(fp8, weights), 2)
+        # FP8ENGINE_SWAP_AB_GEMM's launch (up to 16 rows, sm_90 and later), its partials kept where the engine's
+        # fused norm adds them (o_proj, down_proj): time, and its result against the default launch's
+        swap_us = swap_close = None
+        if m <= 16 and (run.dry or torch.cuda.get_device_capability()[0] >= 9):
+            keep = layer in ("o_proj", "down_proj")
+            with pdl.SWAP_AB_GEMM.forced(True):
+                swap_us = round(per_call_us(lambda w: ft.w8a8_block_fp8_matmul(
+                    x_q, x_s, *w, torch.bfloat16, partials=keep), weights), 2)
+                swapped = ft.w8a8_block_fp8_matmul(x_q, x_s, *weights[0], torch.bfloat16).float()
+            swap_close = bool(torch.allclose(swapped, fp8(weights[0]).float(), rtol=2**-6, atol=1e-3))
         moved = n * k + m * k + 2 * m * n
         rows.append({"layer": layer, "m": m, "n": n, "k": k, "fp8_us": round(fp8_us, 2), "fp8_bi_us": round(bi_us, 2),
-                     "fp8_tma_us": tma_us, "tma_bitwise": tma_bitwise, "bf16_matmul_us": round(bf16_us, 2),
+                     "fp8_tma_us": tma_us, "tma_bitwise": tma_bitwise, "fp8_swap_us": swap_us,
+                     "swap_close": swap_close, "bf16_matmul_us": round(bf16_us, 2),
                      "fp8_gb_s": round(moved / fp8_us / 1e3, 1), "config": list(ft.gemm_config(m, n, k, False))})
         del weights, bf16
     return {"rows": rows, "tma_edges_bitwise": _tma_edges_bitwise(run)}

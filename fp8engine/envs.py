@@ -61,6 +61,10 @@ VARIABLES = (
     EnvVar("FP8ENGINE_TMA_GEMM", "0", ("0", "1"),
            "1: on CUDA sm_90 and later, FP8 GEMMs of more than 64 rows copy their tiles with TMA descriptors "
            "(kernels/fp8_triton.py); off until a device run has timed it against the pointer loads"),
+    EnvVar("FP8ENGINE_SWAP_AB_GEMM", "0", ("0", "1"),
+           "1: on CUDA sm_90 and later, FP8 GEMMs of at most 16 rows put the weight tile on the 64-row side of the "
+           "tensor cores' wgmma and the rows on its narrow side (E4M3 wgmma instead of f16 mma on converted codes; "
+           "kernels/fp8_triton.py); not in batch-invariant engines; off until a device run has timed it"),
     EnvVar("FP8ENGINE_TP_ALL_REDUCE", "auto", ("auto", "fixed", "library"),
            "tensor parallelism: how row-parallel partial sums are added over the ranks: gathered and added in rank "
            "order (fixed: the same bits at any batch) or by the backend's all-reduce (library: gloo on CPU, NCCL on "

@@ -239,6 +239,37 @@ def test_pdl_stays_off_on_the_interpreter_and_unless_asked(llama_model, monkeypa
     assert pdl.launch_options() == {}
 
 
+def test_swapped_operands_run_the_fp8_engine_and_hand_their_partials_to_the_fused_norm(tmp_path, tokenizer,
+                                                                                         monkeypatch):
+    """FP8ENGINE_SWAP_AB_GEMM (forced on after start-up: the interpreter never turns it on): every FP8 GEMM of up to
+    16 rows takes the swapped kernel, o_proj (8 heads x 64 = 512 inputs, one 64-row tile) split in 2 with its
+    partials going to the fused norm, and the engine's greedy tokens and logprobs are the default launch's (within
+    float32 reassociation)."""
+    from fp8engine.model_executor.kernels import fp8_triton, pdl
+    model = save_tiny("llama-llama3", tmp_path, tokenizer, vocab_size=1024, hidden_size=64, intermediate_size=128,
+                      num_attention_heads=8, num_key_value_heads=1, head_dim=64)
+    splits, kernel = [], fp8_triton._w8a8_block_matmul_swap_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                splits.append(kwargs["SPLIT_K"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(fp8_triton, "_w8a8_block_matmul_swap_kernel", Counted())
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    with FakeCuda():
+        engine = make_engine(model, device="cuda", num_kv_blocks=16, quantization="fp8", enforce_eager=True)
+        want = engine.generate([[5, 6, 7], [8, 9, 10, 11]], params)
+        assert splits == [] and engine.get_stats().kernels["swap_ab_gemm"] == "off"
+        with pdl.SWAP_AB_GEMM.forced(True):
+            got = engine.generate([[5, 6, 7], [8, 9, 10, 11]], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs,
+                                                                      strict=True)) < 1e-3
+    assert set(splits) == {1, 2}  # o_proj split, the other projections not
+
+
 def test_a_k_split_down_proj_hands_its_partials_to_the_next_fused_norm(tmp_path, tokenizer, monkeypatch):
     """intermediate 8192: down_proj splits K in 4 at decode sizes (fp8_triton.gemm_config), and the next fused norm
     (here the final one) adds the float32 partials in order instead of a torch sum and a copy after the GEMM."""

@@ -68,6 +68,9 @@ def test_gpu_perf_writes_a_json_per_section_and_skips_what_the_budget_leaves_out
     # the TMA tiles past 64 rows, bit for bit the pointer loads
     tma = [(r["fp8_tma_us"] is not None, r["tma_bitwise"]) for r in gemm["rows"]]
     assert tma == [(False, None), (False, None), (True, True)] and gemm["tma_edges_bitwise"] is True
+    # the swapped operands up to 16 rows, their result the default launch's
+    swap = [(r["fp8_swap_us"] is not None, r["swap_close"]) for r in gemm["rows"]]
+    assert swap == [(True, True), (True, True), (False, None)]
     attention = json.loads((out / "attention.json").read_text())
     assert {(r["context"], r["batch"], r["cache"]) for r in attention["rows"]} == {
         (c, b, k) for c in (32, 64) for b in (1, 2) for k in ("bfloat16", "float8_e4m3fn")}

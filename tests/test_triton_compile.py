@@ -104,10 +104,12 @@ def _kernel_names() -> set[str]:
 
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
 def test_every_kernel_compiles_natively(arch, compiled, clean_pool):
-    """Each @triton.jit kernel of both modules is launched by some case and compiles natively (the TMA GEMM, which
-    a switch turns on for sm_90 only, by test_gemm_tma_tiles_compile_to_bulk_tensor_copies_and_fp8_wgmma)."""
+    """Each @triton.jit kernel of both modules is launched by some case and compiles natively (the TMA GEMM and the
+    swapped-operand GEMM, which switches turn on for sm_90 only, by test_gemm_tma_tiles_compile_to_bulk_tensor_copies_
+    and_fp8_wgmma and test_decode_gemm_fp8_mma_on_sm90)."""
     launched = {c.name for label in CASE_SETS for c in compiled[label, arch]}
-    assert launched | {"_w8a8_block_matmul_tma_kernel"} == clean_pool.submit(_kernel_names).result()
+    switched = {"_w8a8_block_matmul_tma_kernel", "_w8a8_block_matmul_swap_kernel"}
+    assert launched | switched == clean_pool.submit(_kernel_names).result()
     for label in CASE_SETS:
         for c in compiled[label, arch]:
             for flag in tl_launch.INTERPRETER_FLAGS:
@@ -229,15 +231,31 @@ def test_resources(compiled, case_name, arch):
         tl_launch.assert_resources(c)
 
 
-@pytest.mark.xfail(strict=True, reason="Triton 3.9 has no fp8 wgmma for tiles under 64 rows, and its mma.sync "
-                   "fallback takes fp8 operands on sm_89 (and sm_120) only: on sm_90 the decode GEMM "
-                   "(BLOCK_M=16) converts E4M3 to f16 and runs f16 mma.sync (exact, but no FP8 tensor cores)")
-def test_decode_gemm_fp8_mma_on_sm90(compiled):
-    case = next(c for c in CASE_SETS["llama-7b"] if c.name.endswith("/linear/o_proj/decode"))
-    gemm = [c for c in _for_case(compiled, case.name, 90) if c.name == GEMM]
-    assert gemm and gemm[0].constexprs["BLOCK_M"] == 16
-    mma = gemm[0].mma
-    assert "e4m3" in mma["wgmma"] | mma["mma"], mma
+def test_decode_gemm_fp8_mma_on_sm90(clean_pool):
+    """FP8ENGINE_SWAP_AB_GEMM's kernel for an 8B's projections at decode (13 rows), sm_90. Triton 3.9 has no E4M3
+    wgmma for tiles of under 64 rows, and its mma.sync takes E4M3 operands on sm_89 only, so the default 16-row launch
+    converts the weight codes to f16 for mma.sync; with the operands swapped the 64-row weight tile is wgmma's M
+    side and the rows its N: E4M3 wgmma (m64n16k32), no conversion. No spills; the weight rows load 16 bytes at a
+    time; at least 3 blocks resident an SM; with PDL it prefetches its weight rows and waits before its first
+    access, as the other GEMMs; down_proj (K = 14336) splits K in 4, the rest not (their partials would take a
+    reduce launch outside the fused norm)."""
+    plain, with_pdl = clean_pool.submit(tl_launch.compile_swap, 90).result()
+    for launches, pdl_on in ((plain, False), (with_pdl, True)):
+        swap = [c for c in launches if c.name == "_w8a8_block_matmul_swap_kernel"]
+        assert sorted(case.split("/")[2] for c in swap for case in c.cases) == sorted(
+            ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+        assert {c.constexprs["SPLIT_K"] for c in swap} == {1, 4} and {c.constexprs["BLOCK_M"] for c in swap} == {16}
+        for c in swap:
+            tl_launch.assert_matrix_instruction(c, "wgmma", "e4m3")
+            assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in c.ptx
+            assert not tl_launch.NATIVE_CVT["e4m3->f16"].search(c.ptx)
+            tl_launch.assert_resources(c)
+            assert max(tl_launch.global_loads(c.ptx)) == 16, c.summary()
+            assert min(tl_launch.occupancy(c, grid)["blocks_per_sm"] for _, grid in c.grids) >= 3, c.summary()
+            if pdl_on:
+                tl_launch.assert_pdl(c, prefetch=True)
+            else:
+                assert not c.pdl and "griddepcontrol" not in c.ptx
 
 
 # ------------------------------------------------------------------------------------------ loads and occupancy

@@ -16,6 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from fp8engine.model_executor.kernels import fp8_triton as ft, pdl  # noqa: E402
 from fp8engine.weights import quant  # noqa: E402
+from fp8engine.weights.quant import cdiv  # noqa: E402
 
 SCALE_FMTS = [None, "ue8m0"]
 
@@ -199,6 +200,55 @@ def test_tma_tiles_give_the_pointer_loads_bits(k, monkeypatch):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 200, 848), (5, 192, 840), (13, 130, 300)])
+def test_swapped_operands_give_the_launch_result(m, n, k, monkeypatch):
+    """FP8ENGINE_SWAP_AB_GEMM's kernel (the weight tile times the rows' transpose): 8- and 16-row tiles, 64 weight
+    rows a program over N = 130-200 (a partial tile), partial last K blocks, bias, K splits of 1-3 (some runs short
+    or empty), partials kept for the fused norm: the default launch's result within float32 reassociation (the
+    interpreter's matmul adds the transposed product in another order; on sm_90 E4M3 wgmma against f16 mma)."""
+    w_q, w_s = _weight(n, k)
+    torch.manual_seed(3)
+    x_q, x_s = quant.quantize_activation_groups(torch.randn(m, k))
+    bias = torch.randn(n)
+    want = ft.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32, bias)
+    want_plain = ft.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.float32)
+    launched, kernel = [], ft._w8a8_block_matmul_swap_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+    monkeypatch.setattr(ft, "_w8a8_block_matmul_swap_kernel", Counted())
+    tile = 8 if m <= 8 else 16
+    for split in (1, 2, 3):
+        got = ft.w8a8_matmul_with(ft.GemmConfig(tile, 64, split, 4, 2, swap_ab=True), x_q, x_s, w_q, w_s,
+                                  torch.float32, bias)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    parts = ft.w8a8_matmul_with(ft.GemmConfig(tile, 64, 2, 4, 2, swap_ab=True), x_q, x_s, w_q, w_s, torch.float32,
+                                partials=True)
+    assert parts.shape == (2, m, n)
+    torch.testing.assert_close(parts[0] + parts[1], want_plain, atol=1e-5, rtol=1e-5)
+    with pdl.SWAP_AB_GEMM.forced(True):  # the switch's own launch, through the public entry
+        got = ft.w8a8_block_fp8_matmul(x_q, x_s, w_q, w_s, torch.bfloat16, bias)
+    assert ft.gemm_config(m, n, k, False) == ft.GemmConfig(16, 32, 1, 4, 4)  # off again
+    torch.testing.assert_close(got.float(), want, atol=0, rtol=2**-7)
+    assert launched == [(1, cdiv(n, 64), s) for s in (1, 2, 3, 2)] + [(1, cdiv(n, 64), 1)]
+
+
+def test_swapped_operand_launch_rules():
+    """FP8ENGINE_SWAP_AB_GEMM at up to 16 rows: 64 weight rows a program, 8- or 16-row tiles; a deep layer splits K
+    in 4 as before; a layer of under 128 programs splits K in 2 only where its partials go to the fused norm
+    (o_proj), not where they would take a reduce launch (qkv_proj); 17 rows and batch-invariant engines are as
+    before."""
+    with pdl.SWAP_AB_GEMM.forced(True):
+        assert ft.gemm_config(1, 4096, 4096, False, partials=True) == ft.GemmConfig(8, 64, 2, 4, 4, swap_ab=True)
+        assert ft.gemm_config(9, 6144, 4096, False) == ft.GemmConfig(16, 64, 1, 4, 4, swap_ab=True)
+        assert ft.gemm_config(16, 4096, 14336, False) == ft.GemmConfig(16, 64, 4, 4, 4, swap_ab=True)
+        assert ft.gemm_config(4, 28672, 4096, False, partials=True) == ft.GemmConfig(8, 64, 1, 4, 4, swap_ab=True)
+        assert ft.gemm_config(17, 4096, 14336, False) == ft.GemmConfig(64, 64, 1, 4, 4)
+        assert ft.gemm_config(1, 4096, 4096, True) == ft.GemmConfig(64, 64, 1, 4, 4)
+
+
 def test_launch_rules():
     """docs/gpu.md: decode splits K only for deep layers; the batch-invariant launch depends on N alone."""
     assert ft.gemm_config(1, 4096, 14336, False) == ft.GemmConfig(16, 32, 4, 4, 4)
@@ -213,8 +263,11 @@ def test_matmul_rejects_bad_launches():
     w_q, w_s = _weight(64, 256)
     with pytest.raises(ValueError, match="block_n must divide 128"):
         ft.w8a8_matmul_with(ft.GemmConfig(16, 96, 1, 4, 2), x_q, x_s, w_q, w_s, torch.float32)
-    with pytest.raises(ValueError, match="no K split when batch invariant"):
+    with pytest.raises(ValueError, match="no K split or swapped operands when batch invariant"):
         ft.w8a8_matmul_with(ft.GemmConfig(64, 128, 2, 4, 2), x_q, x_s, w_q, w_s, torch.float32, batch_invariant=True)
+    with pytest.raises(ValueError, match="no K split or swapped operands when batch invariant"):
+        ft.w8a8_matmul_with(ft.GemmConfig(16, 64, 1, 4, 2, swap_ab=True), x_q, x_s, w_q, w_s, torch.float32,
+                            batch_invariant=True)
 
 
 def test_matmul_rejects_mismatched_scales():

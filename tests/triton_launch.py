@@ -884,6 +884,20 @@ def compile_tma(arch: int = 90) -> list[CompiledLaunch]:
         return compile_cases(tma_cases(), arch)
 
 
+def swap_cases() -> list[Case]:
+    """An 8B's FP8 projections at decode (13 rows: the GEMMs of at most 16 that FP8ENGINE_SWAP_AB_GEMM swaps)."""
+    return [c for c in case_sets()["llama-7b"] if c.kind == "linear" and c.name.endswith("/decode")]
+
+
+def compile_swap(arch: int = 90) -> tuple[list[CompiledLaunch], list[CompiledLaunch]]:
+    """compile_cases of swap_cases() with the GEMM's swapped operands on: (PDL off, PDL on)."""
+    from fp8engine.model_executor.kernels import pdl
+    with pdl.SWAP_AB_GEMM.forced(True):
+        plain = compile_cases(swap_cases(), arch)
+        with pdl.forced(True):
+            return plain, compile_cases(swap_cases(), arch)
+
+
 def clean_process_pool(workers: int | None = None):
     """Spawned worker processes that import Triton with TRITON_INTERPRET unset.
 

@@ -245,6 +245,8 @@ def _cuda(config: EngineConfig) -> KernelSet:
     names["pdl"] = "on" if pdl.configure(device) else "off"  # process-wide (kernels/pdl.py)
     tma = pdl.TMA_GEMM.configure(device)  # process-wide, as PDL
     names["tma_gemm"] = "on" if tma and config.quantization == "fp8" else "off"
+    swap = pdl.SWAP_AB_GEMM.configure(device)  # process-wide, as PDL
+    names["swap_ab_gemm"] = "on" if swap and config.quantization == "fp8" and not bi else "off"
     if bi:  # one launch configuration for every batch size
         dense, names["dense_linear"] = dense_triton.linear_triton, "triton-bf16"
         rms_norm, names["layer_ops"] = dense_triton.rms_norm_triton, "triton-norm+torch"

@@ -193,6 +193,58 @@ def _w8a8_block_matmul_tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, bias_pt
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _w8a8_block_matmul_swap_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
+                                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
+                                   stride_asm, stride_ask, stride_bsn, stride_bsk,
+                                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                                   PDL: tl.constexpr = False):
+    """_w8a8_block_matmul_kernel with A and B swapped (FP8ENGINE_SWAP_AB_GEMM, a few rows): each K block multiplies
+    the [BLOCK_N, BLOCK_K] weight tile by the activations' transpose, so the weights are the 64-row operand of
+    Hopper's wgmma and a tile of BLOCK_M = 8 or 16 rows is its narrow side (m64n16k32 on E4M3 operands: no conversion
+    of the weight codes, no tensor-core work on padding rows). The accumulator is the output tile's transpose; the
+    same per-K-block promotion and scales, the same K split and partials."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    num_kb = tl.cdiv(K, BLOCK_K)
+    kb_begin = 0
+    kb_end = num_kb
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(num_kb, SPLIT_K)
+        kb_begin = tl.program_id(2) * per_split
+        kb_end = tl.minimum(kb_begin + per_split, num_kb)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (offs_k[None, :] + kb_begin * BLOCK_K) * stride_ak
+    w_ptrs = b_ptr + offs_n[:, None] * stride_bn + (offs_k[None, :] + kb_begin * BLOCK_K) * stride_bk
+    as_ptrs = as_ptr + offs_m * stride_asm
+    rows = b_ptr + tl.where(mask_n, offs_n, 0) * stride_bn
+    _prefetch_l2(rows + kb_begin * BLOCK_K * stride_bk, PDL)
+    _prefetch_l2(rows + tl.minimum(kb_begin + 1, num_kb - 1) * BLOCK_K * stride_bk, PDL)
+    _pdl_wait(PDL)
+    bs_ptrs = bs_ptr + (offs_n // BLOCK_K) * stride_bsn
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kb in range(kb_begin, kb_end):
+        mask_k = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb * stride_ask, mask=mask_m, other=0.0)
+        b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=mask_n, other=0.0)
+        acc += tl.dot(w, tl.trans(a), out_dtype=tl.float32) * a_s[None, :] * b_s[:, None]
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None] * stride_cn
+    if SPLIT_K > 1:
+        c_ptrs += tl.program_id(2) * stride_cs
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+
 # Batch invariant: the same kernel, never specialised on M (Triton would fold M == 1 into the code), launched
 # with one tile shape for every M. No split-K at all, so a row's sum runs over its K blocks in one order.
 _w8a8_block_matmul_kernel_bi = triton.jit(do_not_specialize=["M"])(_w8a8_block_matmul_kernel.fn)
@@ -263,7 +315,8 @@ def w8a8_block_fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.T
     if k_w != k or x_scale.shape != (m, nkb) or w_scale_inv.shape != (cdiv(n, BLOCK), nkb):
         raise ValueError(f"shape mismatch: x_q {tuple(x_q.shape)}, x_scale {tuple(x_scale.shape)}, "
                          f"w_q {tuple(w_q.shape)}, w_scale_inv {tuple(w_scale_inv.shape)}")
-    return w8a8_matmul_with(gemm_config(m, n, k, batch_invariant), x_q, x_scale, w_q, w_scale_inv, out_dtype, bias,
+    return w8a8_matmul_with(gemm_config(m, n, k, batch_invariant, partials and bias is None), x_q, x_scale, w_q,
+                            w_scale_inv, out_dtype, bias,
                             batch_invariant, partials)
 
 
@@ -275,18 +328,33 @@ def _tma_fits(x_q: torch.Tensor, w_q: torch.Tensor) -> bool:
     return all(t.stride(-1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (x_q, w_q))
 
 
-def gemm_config(m: int, n: int, k: int, batch_invariant: bool) -> "GemmConfig":
+def gemm_config(m: int, n: int, k: int, batch_invariant: bool, partials: bool = False) -> "GemmConfig":
     """The launch for M rows, N outputs and K inputs, from benchmarks/gpu_gemm_sweep.py and gpu_decode_tiles.py on an
     H200 (docs/gpu.md: 8B-shaped layers at 1-256 rows). Four pipeline stages everywhere (the weights stream from
     HBM). Decode-sized M takes 16-row tiles of 32 columns, so that a 4096-wide layer still spreads over 128
     programs, and 64 columns for wide layers; a deep layer (K >= 8192: an 8B's down_proj, 112 K blocks) splits K
     in 4 (under CUDA graphs 38 -> 23 us at 1-16 rows; at K = 4096 a split gained nothing). Batch invariant: the
-    launch depends on N alone, never on M (64-row tiles; 64 columns, 128 for wide layers), and never splits K."""
+    launch depends on N alone, never on M (64-row tiles; 64 columns, 128 for wide layers), and never splits K.
+    FP8ENGINE_SWAP_AB_GEMM: up to 16 rows take _swap_config's launch (partials: whether the caller adds a K split's
+    float32 partials itself, which lets that launch split more)."""
     if batch_invariant:
         return GemmConfig(BATCH_INVARIANT_BLOCK_M, 128 if n >= 16384 else 64, 1, 4, 4)
+    if m <= 16 and pdl.SWAP_AB_GEMM.on:
+        return _swap_config(m, n, k, partials)
     if m <= 16:
         return GemmConfig(16, 64 if n >= 16384 else 32, 4 if k >= 8192 else 1, 4, 4)
     return GemmConfig(64, 64 if m <= 64 else 128, 1, 4, 4, tma=pdl.TMA_GEMM.on and m > 64)
+
+
+def _swap_config(m: int, n: int, k: int, partials: bool) -> "GemmConfig":
+    """FP8ENGINE_SWAP_AB_GEMM's launch for at most 16 rows: 64 weight rows a program (wgmma's narrowest M), the rows
+    in an 8- or 16-wide tile (its N), and the K split of the 16 x 32 launch for deep layers. A layer whose consumer
+    adds K-split partials itself (`partials`: o_proj before the fused norm) and that would leave fewer than 128
+    programs (an 8B's o_proj: 64) splits K in 2, so as many programs stream weights as with the 32-column tiles; one
+    whose partials would take a reduce launch (qkv_proj) does not. On paper from the compiled code (docs/gpu.md);
+    gpu_perf's gemm section times it."""
+    split = 4 if k >= 8192 else 2 if partials and cdiv(n, 64) < 128 and cdiv(k, BLOCK) >= 4 else 1
+    return GemmConfig(8 if m <= 8 else 16, 64, split, 4, 4, swap_ab=True)
 
 
 class GemmConfig(NamedTuple):
@@ -298,6 +366,7 @@ class GemmConfig(NamedTuple):
     num_warps: int
     num_stages: int
     tma: bool = False  # A and weight tiles copied by TMA (no K split; where the tensors fit a descriptor)
+    swap_ab: bool = False  # the weight tile as the MMA's 64-row operand, the rows as its narrow side
 
 
 def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor,
@@ -308,9 +377,11 @@ def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tenso
     norm_quant), instead of adding them here (no bias then)."""
     m, k = x_q.shape
     n = w_q.shape[0]
-    if BLOCK % config.block_n or (batch_invariant and config.split_k != 1):
-        raise ValueError(f"bad FP8 GEMM launch {config}: block_n must divide {BLOCK}; no K split when batch invariant")
-    kernel = _w8a8_block_matmul_kernel_bi if batch_invariant else _w8a8_block_matmul_kernel
+    if BLOCK % config.block_n or (batch_invariant and (config.split_k != 1 or config.swap_ab)):
+        raise ValueError(f"bad FP8 GEMM launch {config}: block_n must divide {BLOCK}; no K split or swapped operands "
+                         f"when batch invariant")
+    kernel = _w8a8_block_matmul_kernel_bi if batch_invariant else \
+        _w8a8_block_matmul_swap_kernel if config.swap_ab else _w8a8_block_matmul_kernel
     split = max(1, min(config.split_k, cdiv(k, BLOCK)))
     keep_partials = split > 1 and partials and bias is None
     out = None if keep_partials else torch.empty(m, n, dtype=out_dtype, device=x_q.device)

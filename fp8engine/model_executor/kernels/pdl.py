@@ -16,7 +16,8 @@ FP8 GEMM, paged attention with its combine and the KV write, and the batch-invar
 `configure` when an engine starts); it is off by default until a device run has checked it (benchmarks/gpu_perf.py
 and `make gpu-check` run it on and off), and always off under the Triton interpreter, which has no griddepcontrol.
 This module holds only the switch (no Triton): the kernel modules read it at each launch (`launch_options`). It also
-holds the same kind of switch for the FP8 GEMM's TMA tiles (`TMA_GEMM`: FP8ENGINE_TMA_GEMM, kernels/fp8_triton.py).
+holds the same kind of switch for the FP8 GEMM's TMA tiles (`TMA_GEMM`: FP8ENGINE_TMA_GEMM, kernels/fp8_triton.py) and
+for its swapped operands at decode sizes (`SWAP_AB_GEMM`: FP8ENGINE_SWAP_AB_GEMM).
 """
 
 import contextlib
@@ -55,6 +56,7 @@ class Switch:
 
 PDL = Switch("FP8ENGINE_PDL")
 TMA_GEMM = Switch("FP8ENGINE_TMA_GEMM")  # GEMMs of more than 64 rows copy their tiles with TMA (fp8_triton.py)
+SWAP_AB_GEMM = Switch("FP8ENGINE_SWAP_AB_GEMM")  # GEMMs of at most 16 rows with the weights as wgmma's 64-row side
 configure, forced = PDL.configure, PDL.forced
 
 

@@ -78,7 +78,8 @@ class DecoderAttention(nn.Module):
                       meta: AttentionMetadata) -> torch.Tensor:
         """forward after qkv_proj on the fused path: q/k norm, RoPE (the step's cos / sin rows) and the cache write in
         one kernel (kernels.qkv_epilogue), then attention — which quantizes its output for an FP8 o_proj itself
-        (kernels.attention_quant) — and o_proj."""
+        (kernels.attention_quant) — and o_proj, which may return a K split's float32 partials (the fused
+        post-attention norm after it adds them)."""
         attn, norms = self.attn, (None, None, 0.0)
         if self.q_norm is not None:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
@@ -87,7 +88,7 @@ class DecoderAttention(nn.Module):
         o = self.o_proj
         if o.is_fp8 and attn.kernels.attention_quant is not None:
             x_q, x_scale = attn.attend_quantized(q, meta, o.scale_fmt)
-            return o.forward_quantized(x_q, x_scale, qkv.dtype)
+            return o.forward_quantized(x_q, x_scale, qkv.dtype, partials=True)
         return o(attn.attend(q, meta))
 
 
