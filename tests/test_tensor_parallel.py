@@ -495,6 +495,62 @@ def test_killed_rank_fails_the_call_in_progress_and_every_later_one(doomed):
     assert proc.poll() is not None
 
 
+def test_a_worker_that_dies_while_rank_0_waits_on_the_device_fails_the_step_within_seconds(doomed, monkeypatch):
+    """The NCCL case, played on gloo: rank 0's forward has ended (its collectives enqueued) and it waits for its
+    device when rank 1 dies; such a wait ends only when the watcher, seeing the exit, aborts the device group. The
+    step then fails naming the rank and its status (its logits never reach the sampler), within seconds, and so does
+    every later call; the group aborted is the device group (on CUDA the forward's NCCL one), nothing else."""
+    from fp8engine.model_executor import tensor_parallel
+    leader = doomed.runner.tp_leader
+    proc, aborted, device_group = leader.procs[0], [], object()  # on CPU both groups are one: a stand-in
+    monkeypatch.setattr(leader.group, "device_group", device_group)
+    monkeypatch.setattr(tensor_parallel, "_abort", aborted.append)
+    waits = []
+
+    def hung_sync():  # as a device sync behind an NCCL collective whose peer is gone: only the abort ends it
+        if len(waits) == 1:
+            os.kill(proc.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10  # (a test without the watcher fails, not hangs)
+            while not aborted and time.monotonic() < deadline:
+                time.sleep(0.01)
+        waits.append(time.monotonic())
+    leader.device_sync = hung_sync
+    doomed.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    [first] = doomed.step()  # the prefill step: its wait ended, its token drawn
+    assert len(waits) == 1 and len(first.outputs[0].token_ids) == 1
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 exited with status -9 \(SIGKILL\)"):
+        doomed.step()
+    assert time.monotonic() - start < 5 and aborted == [device_group] and len(waits) == 2
+    with pytest.raises(RuntimeError, match="rank 1 exited"):
+        doomed.generate(PROMPTS, GREEDY)
+
+
+def test_the_watcher_ends_with_the_engine_and_keeps_nothing_alive(tp2_dir, monkeypatch):
+    """A shut-down engine's watcher thread ends (its workers were stopped on purpose: no abort, nothing lost), and
+    an engine dropped without shutdown is collected (the watcher holds no reference to it) and its workers stop."""
+    import gc
+    import weakref
+    from fp8engine.model_executor import tensor_parallel
+    aborted = []
+    monkeypatch.setattr(tensor_parallel, "_abort", aborted.append)
+    before = set(threading.enumerate())  # (other tests' engines may be alive, with their own watchers)
+    engine = make_engine(tp2_dir, num_kv_blocks=16, tensor_parallel_size=2)
+    leader = engine.runner.tp_leader
+    watchers = [t for t in set(threading.enumerate()) - before if t.name == "fp8engine-tp-watch"]
+    assert len(watchers) == 1
+    engine.shutdown()
+    watchers[0].join(timeout=2)
+    assert not watchers[0].is_alive() and not leader.lost and aborted == []
+    del leader
+    engine = make_engine(tp2_dir, num_kv_blocks=16, tensor_parallel_size=2)
+    leader, procs = weakref.ref(engine.runner.tp_leader), list(engine.runner.tp_leader.procs)
+    del engine
+    gc.collect()
+    assert leader() is None
+    assert all(p.wait(timeout=10) is not None for p in procs)
+
+
 def test_a_rank_exception_reaches_the_caller(doomed):
     with pytest.raises(RuntimeError, match="(?s)rank 1 exited with status 1: Traceback.*AttributeError"):
         doomed.runner.tp_leader.call("no_such_op")

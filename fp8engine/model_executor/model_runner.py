@@ -362,9 +362,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ tensor parallelism (rank 0's side)
     def _following(self):
-        """Around what rank 0 runs while its workers run the same (tensor_parallel.Leader.guard): a failure there is a
-        RuntimeError naming the rank that died."""
-        return self.tp_leader.guard() if self.tp_leader is not None else contextlib.nullcontext()
+        """Around what rank 0 runs on the device while its workers run the same (tensor_parallel.Leader.guard, its
+        stream waited for on leaving): a failure there, or a worker's death meanwhile, is a RuntimeError naming the
+        rank that died."""
+        return self.tp_leader.guard(sync=True) if self.tp_leader is not None else contextlib.nullcontext()
 
     def _calibration(self) -> list[int] | None:
         """What a worker needs to measure KV scales in the forward it is sent: rank 0's live blocks while its attention
@@ -697,7 +698,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.takes(scheduled):
             logits = self._graphs_guarded(self.graphs.run, scheduled, feed)
             if logits is not None:
-                return StepOutput(logits, {})
+                with self._following():  # the replay's collectives land (or a worker's death fails the step)
+                    return StepOutput(logits, {})
         flat, prompt_rows = self._flatten(scheduled)
         if feed is not None:  # no graph after all (a capture failed): the tokens read here, one a row
             flat[0][:] = [int(t) for t in feed[:, 0].tolist()]

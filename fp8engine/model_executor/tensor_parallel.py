@@ -57,6 +57,7 @@ MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_
 WORKER_MODULE = "fp8engine.model_executor.tp_worker"  # what each worker process runs (`python -m`)
 READY_TIMEOUT_S = 120.0  # a worker's start (interpreter, torch, fp8engine) before it joins the group
 DEATH_WAIT_S = 5.0  # after a failed collective, how long rank 0 waits for a worker's exit status
+WATCH_INTERVAL_S = 0.1  # how often rank 0's watcher looks for a worker that exited
 logger = logging.getLogger(__name__)
 
 
@@ -333,7 +334,13 @@ def region_target(target: Target, region: Region, shape: tuple[int, ...]) -> Tar
 class Leader:
     """Rank 0's side: starts the workers and owns them, sends them each call, and turns a worker's death (killed, out
     of memory, an exception) into a RuntimeError naming its rank and exit status, on the call in progress and every
-    later one. Workers exit when rank 0's process does (their socket closes) or when close() stops them."""
+    later one. Workers exit when rank 0's process does (their socket closes) or when close() stops them.
+
+    A watcher thread looks for a worker's exit every WATCH_INTERVAL_S. gloo fails a collective whose peer is gone at
+    once, but an NCCL one never completes: rank 0 would wait in its next device sync until NCCL's timeout (whose
+    default handling then ends the process). So on CUDA the watcher aborts the device group, which ends that wait,
+    and rank 0's own device work (guard(sync=True)) waits for its stream before its results count: a worker that died
+    meanwhile fails the call, and what that step computed never reaches the caller."""
 
     def __init__(self, config: EngineConfig, model_dir: str):
         self.size = config.tensor_parallel_size
@@ -342,8 +349,12 @@ class Leader:
         self.failed: str | None = None
         self.last_words: dict[int, str] = {}  # by rank: the traceback a dying worker sent
         self.lock = threading.RLock()  # one caller at a time talks to the workers (model_runner's _exclusive)
-        self._closer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        self.lost = False  # the watcher saw a worker exit
+        self._stop = threading.Event()  # set when the workers are stopped on purpose: the watcher ends
+        self._closer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._stop)
         devices = device_indices(config)
+        # rank 0's own device work is waited for before its results count (guard(sync=True)); none on CPU
+        self.device_sync = None if devices[0] is None else functools.partial(torch.cuda.synchronize, devices[0])
         port = device_port = free_port()
         while device_port == port:
             device_port = free_port()
@@ -361,6 +372,19 @@ class Leader:
             self.replies(timeout_s=READY_TIMEOUT_S)  # each worker imported what it runs and joins the group now
             group, device_group = join_groups(config, port, device_port, 0)
         self.group = TPGroup(group, 0, self.size, fixed_order(config), device_group)
+        threading.Thread(target=_watch, args=(weakref.ref(self), self.procs, self._stop), name="fp8engine-tp-watch",
+                         daemon=True).start()
+
+    def _worker_exited(self) -> None:
+        """The watcher's: a worker exited while the group was up. On CUDA the device group is aborted, so a wait of
+        rank 0's on a collective the worker will never join ends (NCCL's abort; gloo's group already failed it)."""
+        if self.failed is not None:
+            return
+        self.lost = True
+        group = getattr(self, "group", None)
+        if group is not None and group.device_group is not group.group:
+            logger.error("tensor-parallel worker exited: aborting the device group (%s)", group.backend)
+            _abort(group.device_group)
 
     def send(self, op: str, *args) -> None:
         """Every worker runs `op(*args)` next (tp_worker.Worker); raises the group's failure if there is one."""
@@ -399,11 +423,18 @@ class Leader:
             raise RuntimeError(self.failed)
 
     @contextlib.contextmanager
-    def guard(self):
+    def guard(self, sync: bool = False):
         """Around anything rank 0 does while the workers follow: an exception there (a collective a dead worker left,
-        a broken socket, rank 0's own error) ends the group, and the RuntimeError says which rank and why."""
+        a broken socket, rank 0's own error) ends the group, and the RuntimeError says which rank and why. sync: rank
+        0 ran device work inside (a forward, a replay, the head): on CUDA its stream is waited for here, and a worker
+        that the watcher saw exit fails the call even where rank 0's own part ended (its collectives were aborted)."""
         try:
             yield
+            if sync:
+                if self.device_sync is not None:
+                    self.device_sync()
+                if self.lost:
+                    raise ConnectionError("a tensor-parallel worker exited")
         except BaseException as exc:
             if self.failed is not None:
                 raise RuntimeError(self.failed) from exc
@@ -495,7 +526,27 @@ def _status(code: int) -> str:
     return f"{code} ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else str(code)
 
 
-def _stop_workers(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
+def _watch(leader: "weakref.ref[Leader]", procs: list[subprocess.Popen], stop: threading.Event) -> None:
+    """Rank 0's watcher thread (holding no reference that keeps the Leader alive): tells it when a worker exits."""
+    while not stop.wait(WATCH_INTERVAL_S):
+        if any(proc.poll() is not None for proc in procs):
+            owner = leader()
+            if owner is not None and not stop.is_set():
+                owner._worker_exited()
+            return
+
+
+def _abort(group: dist.ProcessGroup) -> None:
+    """Ends the group's collectives in flight (ncclCommAbort on NCCL: its kernels return and the streams waiting on
+    them complete); the group is not used again."""
+    try:
+        group.abort()
+    except Exception as exc:  # an abort that fails leaves rank 0 to NCCL's timeout, as before the watcher
+        logger.error("could not abort the tensor-parallel device group: %s: %s", type(exc).__name__, exc)
+
+
+def _stop_workers(procs: list[subprocess.Popen], conns: list[Connection], stop: threading.Event) -> None:
+    stop.set()
     for conn in conns:
         with contextlib.suppress(Exception):
             post(conn, ("shutdown", ()))
