@@ -284,13 +284,11 @@ def test_decode_launches_load_16_bytes_at_a_time_and_keep_blocks_resident(compil
     assert {r["limited_by"] for r in rows} <= {"registers", "shared", "warps", "blocks"}
 
 
-@pytest.mark.xfail(strict=True, reason="found by the load check: with an E4M3 cache the attention kernel copies its "
-                   "V tiles 8 bytes a thread (cp.async 8; K's go 16 at a time), half the vectorised width it reaches "
-                   "on a BF16 cache: Triton gives V's shared buffer (p @ v's B operand, rows along the keys) vec = 8 "
-                   "elements, as for a 16-bit operand, and a multiple_of hint on the rows changes nothing. The "
-                   "copies stay whole 32-byte sectors, so the bytes read are the same, in twice the instructions. "
-                   "Unmeasured on a GPU; the attention rows of make gpu-perf will say whether it matters")
 def test_fp8_kv_tiles_copy_16_bytes_at_a_time(compiled):
+    """With an E4M3 cache the attention kernel copies its V tiles 16 bytes a thread, as its K tiles. Loaded
+    [keys, dims] (p @ v's B operand as it is), Triton gave the shared buffer the vector width of a 16-bit operand and
+    copied 8 bytes a thread (a strict xfail until session 41); the tile is now loaded as its transpose, as K's, and
+    transposed after the upcast (attention_triton._load_v)."""
     rows = tl_launch.occupancy_rows(compiled["llama-7b", 90])
     fp8 = [r for r in rows if r["kernel"] == ATTENTION and "/model/" not in r["case"]]
     assert fp8 and all(8 not in r["loads"] for r in fp8), fp8[0]
