@@ -9,9 +9,10 @@ samples x 128 tokens, temperature 1; --rl-prompts / --rl-tokens shrink it), the 
 collectives (the row-parallel all-reduces and the LM head's gather), and one update_weights of every weight (BF16,
 the model's shapes). Two T = 2 rows: partial sums added by gloo's all-reduce (library) and gathered and added in rank
 order (fixed: what batch_invariant uses), the same kernels otherwise, so their ratio is the fixed-order reduction's
-cost; and T = 1 on the Python decoder layers that the ranks run (T = 1 runs them as one C++ call), which separates
-the all-reduces' cost from the Python layers'. `--configs` picks rows, among them "T=2 expert-parallel" (a MoE's
-experts whole, half a rank, against "T=2 library"'s split experts).
+cost; and T = 1 and T = 2 on the Python decoder layers (FP8ENGINE_FUSED_DECODER=0; by default every rank runs its
+layers as one C++ call, the all-reduces inside it), which gives the C++ plan's share. `--configs` picks rows, among
+them "T=2 expert-parallel" (a MoE's experts whole, half a rank, against "T=2 library"'s split experts) and "T=2
+python" (the ranks on their Python layers; not among the defaults).
 
     python benchmarks/tensor_parallel.py [--quantization fp8] [--batches 1,32] [--rounds 2] [--json F]
     python benchmarks/tensor_parallel.py --model tiny-qwen3-moe --configs "T=1,T=2 library,T=2 expert-parallel"
@@ -43,6 +44,7 @@ CONFIGS = {  # name: (tensor_parallel_size, threads of each rank, FP8ENGINE_TP_A
     #                expert_parallel)
     "T=1": (1, 2, "auto", "1", False),
     "T=1 python": (1, 2, "auto", "0", False),  # the Python decoder layers tensor-parallel ranks run (no C++ plan)
+    "T=2 python": (2, 1, "library", "0", False),  # the ranks on their Python decoder layers (no C++ plan)
     "T=2 library": (2, 1, "library", "1", False),  # a MoE's experts split over the ranks
     "T=2 fixed": (2, 1, "fixed", "1", False),
     "T=2 expert-parallel": (2, 1, "library", "1", True),  # a MoE's experts whole, half a rank

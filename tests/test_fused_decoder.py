@@ -149,12 +149,13 @@ def test_where_the_plan_is_not_built(tiny_dir, monkeypatch):  # noqa: F811
 
 def test_plan_checks_its_inputs():
     cos = torch.zeros(8, 32, dtype=torch.bfloat16)
+    args = (cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False, False, ["avx512", "avx512"], True)
     with pytest.raises(RuntimeError, match="32 tensors per layer expected, got 3"):
-        torch.classes.fp8engine.DecoderPlan([None] * 3, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False, False,
-                                            ["avx512", "avx512"], True)
+        torch.classes.fp8engine.DecoderPlan([None] * 3, *args, "", 1, False)
     with pytest.raises(RuntimeError, match="a layer norm weight is missing"):
-        torch.classes.fp8engine.DecoderPlan([None] * 32, cos, cos, [4, 2, 32, 0], 1e-6, 0.1, False, False, False,
-                                            ["avx512", "avx512"], True)
+        torch.classes.fp8engine.DecoderPlan([None] * 32, *args, "", 1, False)
+    with pytest.raises(RuntimeError, match="a tensor-parallel group needs a name"):
+        torch.classes.fp8engine.DecoderPlan([None] * 32, *args, "", 2, False)
 
 
 def test_hybrid_plan_checks_its_inputs():

@@ -480,6 +480,27 @@ def doomed(tp2_dir):
     engine.shutdown()
 
 
+@pytest.mark.parametrize("quantization, order", [(None, "library"), ("fp8", "fixed")])
+def test_every_rank_runs_the_cpp_decoder_plan_bit_for_bit_the_python_layers(tp2_dir, monkeypatch, quantization, order):
+    """Each rank runs its shard's layers as one C++ call (csrc/decoder.cpp), o_proj's and down_proj's partial sums
+    added over the ranks inside it by torch's functional collectives on the group (gloo's all-reduce, or gathered and
+    added in rank order): tokens and logprobs bit for bit those of the ranks' Python layers (FP8ENGINE_FUSED_DECODER=
+    0), BF16 and FP8; the plan's collective time counts in the group's."""
+    monkeypatch.setenv("FP8ENGINE_TP_ALL_REDUCE", order)
+    outs, decoders = [], []
+    for plan in ("1", "0"):
+        monkeypatch.setenv("FP8ENGINE_FUSED_DECODER", plan)
+        engine = make_engine(tp2_dir, quantization=quantization, num_kv_blocks=64, tensor_parallel_size=2)
+        try:
+            outs.append([(c.token_ids, c.logprobs) for o in engine.generate(PROMPTS, GREEDY) for c in o.outputs])
+            decoders.append([engine.runner.kernel_names["decoder"], *engine.runner.tp_leader.call("decoder")])
+            assert engine.runner.tp.seconds > 0
+        finally:
+            engine.shutdown()
+    assert decoders == [["cpp-plan", "cpp-plan"], ["python", "python"]]
+    assert outs[0] == outs[1]
+
+
 def test_killed_rank_fails_the_call_in_progress_and_every_later_one(doomed):
     proc = doomed.runner.tp_leader.procs[0]
     threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL)).start()

@@ -9,6 +9,12 @@
 // fifths of a decode step was module calls, attribute lookups and op-call overhead, during which the other
 // thread waited.
 //
+// Under tensor parallelism (model_executor/tensor_parallel.py) each rank's plan holds its shard, and o_proj's and
+// down_proj's partial sums are added over the ranks inside the call, as the Python layers' `reduce` adds them: through
+// torch's functional collectives on the ranks' gloo group, by its name (_c10d_functional::all_reduce in float32, the
+// library's order; or all_gather_into_tensor and a float32 sum in rank order, the batch-invariant one), so the bits
+// are the Python path's there too.
+//
 // A DecoderPlan holds the layers' parameters (the module's own tensors: weight updates write into them in
 // place, so the plan sees every update) and the dimensions; the KV caches and scales, which calibration
 // and scratch forwards swap, come with each call, and so do the embedding and final norm's tensors for
@@ -19,6 +25,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -41,15 +48,65 @@ struct Layer {
 // down_proj; None where absent (a BF16 projection has no scale, an engine without LoRA buffers no LoRA tensors).
 // dims: heads, kv heads, head_dim, fixed attention partition (0: adaptive).
 // gemms: the GEMM of the FP8 and of the BF16 projections ("avx512" | "amx"), as the engine chose them.
+// tp: the tensor-parallel group's name, its size (1: no tensor parallelism) and whether partial sums are added in
+// rank order (tensor_parallel.fixed_order_sum) or by the library's all-reduce (library_sum).
 constexpr int64_t kPerLayer = 32;
+
+// A row-parallel projection's partial sums added over the ranks, as tensor_parallel.py's TPGroup.all_reduce adds
+// them (the same ops on the same group: the same bits).
+class Reduce {
+ public:
+  Reduce(std::string group, int64_t size, bool fixed_order)
+      : group_(std::move(group)), size_(size), fixed_order_(fixed_order) {
+    TORCH_CHECK(size_ >= 1 && (size_ == 1 || !group_.empty()), "DecoderPlan: a tensor-parallel group needs a name");
+    if (size_ > 1) {
+      auto& dispatcher = c10::Dispatcher::singleton();
+      all_reduce_ = dispatcher.findSchemaOrThrow("_c10d_functional::all_reduce", "");
+      all_gather_ = dispatcher.findSchemaOrThrow("_c10d_functional::all_gather_into_tensor", "");
+      wait_ = dispatcher.findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+    }
+  }
+
+  at::Tensor operator()(const at::Tensor& y) const {
+    if (size_ == 1) return y;
+    const auto start = std::chrono::steady_clock::now();
+    at::Tensor out;
+    if (fixed_order_) {  // every rank's y, added in rank order in float32
+      const at::Tensor parts = call(*wait_, {call(*all_gather_, {y.contiguous(), size_, group_})});
+      const int64_t t = y.size(0);
+      at::Tensor total = parts.narrow(0, 0, t).to(at::kFloat);
+      for (int64_t r = 1; r < size_; ++r) total.add_(parts.narrow(0, r * t, t));
+      out = total.to(y.scalar_type());
+    } else {  // the backend's all-reduce, in float32
+      out = call(*wait_, {call(*all_reduce_, {y.to(at::kFloat), std::string("sum"), group_})}).to(y.scalar_type());
+    }
+    seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return out;
+  }
+
+  double seconds() const { return seconds_; }
+
+ private:
+  static at::Tensor call(const c10::OperatorHandle& op, std::vector<c10::IValue> args) {
+    op.callBoxed(&args);
+    return args.at(0).toTensor();
+  }
+
+  std::string group_;
+  int64_t size_;
+  bool fixed_order_;
+  std::optional<c10::OperatorHandle> all_reduce_, all_gather_, wait_;
+  mutable double seconds_ = 0;
+};
 
 class DecoderPlan : public torch::CustomClassHolder {
  public:
   DecoderPlan(std::vector<OptTensor> tensors, at::Tensor cos, at::Tensor sin, std::vector<int64_t> dims, double eps,
               double attn_scale, bool ue8m0, bool batch_invariant, bool nt16, std::vector<std::string> gemms,
-              bool prefetch_next)
+              bool prefetch_next, std::string tp_group, int64_t tp_size, bool tp_fixed_order)
       : cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), attn_scale_(attn_scale),
-        batch_invariant_(batch_invariant), nt16_(nt16), prefetch_next_(prefetch_next) {
+        batch_invariant_(batch_invariant), nt16_(nt16), prefetch_next_(prefetch_next),
+        reduce_(std::move(tp_group), tp_size, tp_fixed_order) {
     TORCH_CHECK(gemms.size() == 2, "DecoderPlan: gemms [fp8, bf16] expected");
     fp8_gemm_ = gemms[0], bf16_gemm_ = gemms[1];
     TORCH_CHECK(tensors.size() % kPerLayer == 0 && !tensors.empty(), "DecoderPlan: ", kPerLayer,
@@ -71,6 +128,9 @@ class DecoderPlan : public torch::CustomClassHolder {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Seconds spent adding partial sums over the tensor-parallel ranks since the plan was built.
+  double collective_seconds() const { return reduce_.seconds(); }
 
   // x [T, hidden] (the embeddings) -> (output of the last layer, its residual), which the final norm adds.
   // kv_caches: k and v cache of each layer; scales: k, v and q scale of each layer (q 0: not full FP8);
@@ -118,13 +178,13 @@ class DecoderPlan : public torch::CustomClassHolder {
       ops.write_kv.call(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
       const at::Tensor attn = ops.attention.call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                                  attn_scale_, k_scale, v_scale, q_scale, partition_);
-      const at::Tensor o = l.o(ops, attn.reshape({t, -1}), path, lora, &l.gate_up);
+      const at::Tensor o = reduce_(l.o(ops, attn.reshape({t, -1}), path, lora, &l.gate_up));
       ops.rms_norm_out.call(o, *residual, l.post_norm, eps_, h, res);
       residual = res;
       const at::Tensor gate_up = l.gate_up(ops, h, path, lora, &l.down);
       if (!act.defined()) act = at::empty({t, gate_up.size(1) / 2}, x.options());
       ops.silu_and_mul_out.call(gate_up, act);
-      x = l.down(ops, act, path, lora, i + 1 < n ? &layers_[i + 1].qkv : nullptr);
+      x = reduce_(l.down(ops, act, path, lora, i + 1 < n ? &layers_[i + 1].qkv : nullptr));
     }
     return {x, *residual};
   }
@@ -151,6 +211,7 @@ class DecoderPlan : public torch::CustomClassHolder {
   bool nt16_ = false;
   bool prefetch_next_ = true;
   std::string fp8_gemm_, bf16_gemm_;
+  Reduce reduce_;
 };
 
 bool decoder_plan_supported() { return ops_supported(); }
@@ -160,8 +221,9 @@ bool decoder_plan_supported() { return ops_supported(); }
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.class_<DecoderPlan>("DecoderPlan")
       .def(torch::init<std::vector<OptTensor>, at::Tensor, at::Tensor, std::vector<int64_t>, double, double, bool,
-                       bool, bool, std::vector<std::string>, bool>())
+                       bool, bool, std::vector<std::string>, bool, std::string, int64_t, bool>())
       .def("num_layers", &DecoderPlan::num_layers)
+      .def("collective_seconds", &DecoderPlan::collective_seconds)
       .def("forward", &DecoderPlan::forward)
       .def("forward_tokens", &DecoderPlan::forward_tokens);
   m.def("decoder_plan_supported() -> bool", TORCH_FN(decoder_plan_supported));

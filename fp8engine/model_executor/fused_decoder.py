@@ -10,6 +10,9 @@ whenever the layers' ops are the C++ kernels: a dense model (no MoE), the C++ at
 or BF16 ones (which take the C++ kernel or torch's GEMM by the step's row count, as the Python layer does), and
 no KV-scale calibration running (its observer needs the Python layer); a loaded LoRA adapter runs inside it.
 Whether the plan may be built at all is the kernel set's `decoder_plan` (FP8ENGINE_FUSED_DECODER=0 turns it off).
+Under tensor parallelism every rank runs its shard's DecoderPlan, which adds o_proj's and down_proj's partial sums
+over the ranks itself (the group's all-reduce or its fixed-order sum, as the Python layers' `reduce`); a hybrid's
+ranks run the Python layers.
 """
 
 import torch
@@ -40,7 +43,7 @@ class FusedDecoder:
 
     name = "cpp-plan"  # get_stats().decoder_backend
 
-    def __init__(self, model, kernels: KernelSet, scale_fmt: str | None):
+    def __init__(self, model, kernels: KernelSet, scale_fmt: str | None, tp=None):
         layers = model.model.layers
         first = layers[0].self_attn
         tensors = []
@@ -56,7 +59,9 @@ class FusedDecoder:
             tensors, first.rotary.cos, first.rotary.sin,
             [first.num_heads, first.num_kv_heads, first.head_dim, kernels.attention_partition],
             layers[0].input_layernorm.eps, first.attn.scale, scale_fmt == "ue8m0", kernels.batch_invariant, nt16,
-            list(kernels.gemms), envs.flag("FP8ENGINE_PREFETCH_NEXT"))
+            list(kernels.gemms), envs.flag("FP8ENGINE_PREFETCH_NEXT"),
+            "" if tp is None else tp.group.group_name, 1 if tp is None else tp.size, tp is not None and tp.fixed_order)
+        self.tp, self.collective_seconds = tp, 0.0  # the plan's own count, added to the group's after each call
         self.attn = [layer.self_attn.attn for layer in layers]
         norm = model.model.norm  # its tensors and the embedding's, held like the layers' (updated in place)
         self.embed, self.norm_weight, self.norm_eps = model.model.embed_tokens.weight, norm.weight, norm.eps
@@ -80,13 +85,24 @@ class FusedDecoder:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers on the embeddings x -> (last layer's output, its residual)."""
-        return self.plan.forward(x, *self._args(x.shape[0], positions, meta))
+        out = self.plan.forward(x, *self._args(x.shape[0], positions, meta))
+        self._count()
+        return out
 
     def from_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Embedding lookup, the decoder layers and the final norm in the one call: the normed hidden states, as
         the Python model computes them around __call__."""
-        return self.plan.forward_tokens(input_ids, self.embed, self.norm_weight, self.norm_eps,
-                                        *self._args(input_ids.shape[0], positions, meta))
+        out = self.plan.forward_tokens(input_ids, self.embed, self.norm_weight, self.norm_eps,
+                                       *self._args(input_ids.shape[0], positions, meta))
+        self._count()
+        return out
+
+    def _count(self) -> None:
+        """Tensor parallelism: the seconds the plan's all-reduces took, into the group's (TPGroup.seconds)."""
+        if self.tp is not None:
+            total = self.plan.collective_seconds()
+            self.tp.seconds += total - self.collective_seconds
+            self.collective_seconds = total
 
 
 def _layout(linear: Linear, kernels: KernelSet) -> int:
@@ -183,15 +199,16 @@ def _build_hybrid(model, kernels: KernelSet, scale_fmt: str | None) -> HybridDec
     return HybridDecoder(model, kernels, scale_fmt)
 
 
-def build(model, kernels: KernelSet, scale_fmt: str | None) -> FusedDecoder | HybridDecoder | None:
+def build(model, kernels: KernelSet, scale_fmt: str | None, tp=None) -> FusedDecoder | HybridDecoder | None:
     """A FusedDecoder (dense Llama-family layers) or HybridDecoder (Qwen3.5 dense) for this model and kernel set, or
     None where no plan applies: the kernel set has no plan (not the CPU, turned off, kernels other than the C++
-    ones), or a model whose layers are neither."""
+    ones), or a model whose layers are neither. tp: this rank's TPGroup under tensor parallelism, where only the
+    dense plan runs (its row-parallel projections' partial sums added over the ranks inside it)."""
     from fp8engine.model_executor.models.llama import MLP, DecoderAttention
     if not kernels.decoder_plan:
         return None
     if getattr(model, "hybrid", False):
-        return _build_hybrid(model, kernels, scale_fmt)
+        return None if tp is not None else _build_hybrid(model, kernels, scale_fmt)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers or not all(isinstance(getattr(layer, "self_attn", None), DecoderAttention)
                              and type(layer.mlp) is MLP for layer in layers):
@@ -206,4 +223,7 @@ def build(model, kernels: KernelSet, scale_fmt: str | None) -> FusedDecoder | Hy
                                              layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]
     if len({n.eps for n in norms}) != 1 or len({id(layer.self_attn.rotary) for layer in layers}) != 1:
         return None
-    return FusedDecoder(model, kernels, scale_fmt)
+    if tp is not None and any(m.bias is not None for layer in layers for m in (layer.self_attn.o_proj,
+                                                                               layer.mlp.down_proj)):
+        return None  # a row-parallel bias goes after the sum (Linear.forward); the plan adds it in the projection
+    return FusedDecoder(model, kernels, scale_fmt, tp)

@@ -156,9 +156,8 @@ class ModelRunner:
         self.routed_experts = self._allocate_routed_experts()
         self.states = self._allocate_states()
         self._attach_cache(self.kv_cache, self.routed_experts)
-        # the C++ decoder plan has no all-reduce between its layers: tensor-parallel ranks run the Python layers
-        self.model.fused = None if self.tp is not None else fused_decoder.build(self.model, self.kernels,
-                                                                                 config.fp8_scale_fmt)
+        # (tensor-parallel ranks each run their shard's plan, which adds the partial sums over the ranks itself)
+        self.model.fused = fused_decoder.build(self.model, self.kernels, config.fp8_scale_fmt, self.tp)
         self.lora_layers = {name.removesuffix(".lora"): m for name, m in self.model.named_modules()
                             if isinstance(m, LoRA)}
         # a prefill chunk's kernels compiled now, not in the first request (by rank 0, which sends it to its workers)

@@ -76,6 +76,11 @@ class Worker:
         """Rank 0 replays a decode graph: this rank replays its own for the same rows (DecodeGraphs.step)."""
         self.runner.graphs.step(rows, size, clear, capture)
 
+    def decoder(self) -> str:
+        """What runs this rank's decoder layers: "python", or the C++ plan's name."""
+        fused = self.runner.model.fused
+        return "python" if fused is None else fused.name
+
     def graph_counts(self) -> tuple[int, int] | None:
         """(captures, replays) of this rank's decode graphs since they were last built; None without them."""
         graphs = self.runner.graphs
@@ -195,7 +200,7 @@ class Worker:
                 tensor_parallel.pieces(resolve(self.runner.model, hf_name), self.runner.dtype)]
 
 
-REPLIES = frozenset({"release", "restore", "resident_bytes", "graph_counts", "stage", "plan_update",
+REPLIES = frozenset({"release", "restore", "resident_bytes", "graph_counts", "decoder", "stage", "plan_update",
                      "join_update_group", "receive_update", "leave_update_group", "commit_lora", "weight_names",
                      "commit", "reload", "read"})
 
