@@ -325,13 +325,21 @@ def test_no_launch_takes_pdl_by_default(compiled):
 def test_gemm_tma_tiles_compile_to_bulk_tensor_copies_and_fp8_wgmma(clean_pool):
     """FP8ENGINE_TMA_GEMM's kernel for an 8B's projections at prefill, sm_90: its A and weight tiles arrive by
     cp.async.bulk.tensor (TMA), it multiplies with e4m3 wgmma, fits the registers without spills, and two of its
-    64 x 128 tiles fit an SM; the activation quant beside it is unchanged."""
-    compiled = clean_pool.submit(tl_launch.compile_tma, 90).result()
-    assert {c.name for c in compiled} == {"_w8a8_block_matmul_tma_kernel", "_group_quant_kernel"}
-    tma = next(c for c in compiled if c.name == "_w8a8_block_matmul_tma_kernel")
-    assert len(tma.cases) == 4 and tma.ptx.count("cp.async.bulk.tensor") >= 2 and tma.mma["wgmma"] == {"e4m3"}
-    tl_launch.assert_resources(tma)
-    assert tl_launch.occupancy(tma, tma.grids[0][1])["blocks_per_sm"] >= 2
+    64 x 128 tiles fit an SM; the activation quant beside it is unchanged. With PDL on it prefetches its weight rows'
+    first K blocks into L2 and then waits before its first global access (the descriptors' copies included), as the
+    pointer kernel does, still without spills."""
+    for with_pdl in (False, True):
+        compiled = clean_pool.submit(tl_launch.compile_tma, 90, with_pdl).result()
+        assert {c.name for c in compiled} == {"_w8a8_block_matmul_tma_kernel", "_group_quant_kernel"}
+        tma = next(c for c in compiled if c.name == "_w8a8_block_matmul_tma_kernel")
+        assert len(tma.cases) == 4 and tma.ptx.count("cp.async.bulk.tensor") >= 2 and tma.mma["wgmma"] == {"e4m3"}
+        tl_launch.assert_resources(tma)
+        assert tl_launch.occupancy(tma, tma.grids[0][1])["blocks_per_sm"] >= 2
+        if with_pdl:
+            tl_launch.assert_pdl(tma, prefetch=True)
+            assert tma.ptx.find("griddepcontrol.wait") < tma.ptx.find("cp.async.bulk.tensor")
+        else:
+            assert "prefetch.global" not in tma.ptx and "griddepcontrol" not in tma.ptx
 
 
 # ------------------------------------------------------------------------------------------ batch invariance

@@ -877,10 +877,10 @@ def tma_cases() -> list[Case]:
     return [c for c in case_sets()["llama-7b"] if c.kind == "linear" and c.name.endswith("/prefill")]
 
 
-def compile_tma(arch: int = 90) -> list[CompiledLaunch]:
-    """compile_cases of tma_cases() with the GEMM's TMA tiles on."""
+def compile_tma(arch: int = 90, with_pdl: bool = False) -> list[CompiledLaunch]:
+    """compile_cases of tma_cases() with the GEMM's TMA tiles on (and PDL, with_pdl)."""
     from fp8engine.model_executor.kernels import pdl
-    with pdl.TMA_GEMM.forced(True):
+    with pdl.TMA_GEMM.forced(True), pdl.forced(with_pdl):
         return compile_cases(tma_cases(), arch)
 
 

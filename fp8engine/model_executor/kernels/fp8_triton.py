@@ -164,19 +164,23 @@ def _w8a8_block_matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, 
 
 
 @triton.jit
-def _w8a8_block_matmul_tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
-                                  stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
+def _w8a8_block_matmul_tma_kernel(a_desc, b_desc, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
+                                  stride_bn, stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
                                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """_w8a8_block_matmul_kernel (no K split) with its A and weight tiles copied by the tensor memory accelerator:
     a_desc / b_desc describe x_q [M, K] and w_q [N, K] in [BLOCK_M | BLOCK_N, BLOCK_K] boxes, whose rows and columns
-    past the edges arrive as zeros (the masked loads' `other`). The same products and sums in the same order."""
+    past the edges arrive as zeros (the masked loads' `other`). The same products and sums in the same order. PDL: as
+    the pointer kernel, its weight rows' first two K blocks go to L2 before the wait (b_ptr: w_q's own address)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    rows = b_ptr + tl.where(mask_n, offs_n, 0) * stride_bn
+    _prefetch_l2(rows, PDL)
+    _prefetch_l2(rows + tl.minimum(1, tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K, PDL)
     _pdl_wait(PDL)
     as_ptrs = as_ptr + offs_m * stride_asm
     bs_ptrs = bs_ptr + (offs_n // BLOCK_K) * stride_bsn
@@ -390,8 +394,8 @@ def w8a8_matmul_with(config: GemmConfig, x_q: torch.Tensor, x_scale: torch.Tenso
     if m and n and k and config.tma and split == 1 and not batch_invariant and _tma_fits(x_q, w_q):
         _w8a8_block_matmul_tma_kernel[grid[:2]](
             TensorDescriptor.from_tensor(x_q, [config.block_m, BLOCK]),
-            TensorDescriptor.from_tensor(w_q, [config.block_n, BLOCK]), out, x_scale, w_scale_inv, bias, m, n, k,
-            out.stride(0), out.stride(1), *x_scale.stride(), *w_scale_inv.stride(),
+            TensorDescriptor.from_tensor(w_q, [config.block_n, BLOCK]), w_q, out, x_scale, w_scale_inv, bias, m, n, k,
+            w_q.stride(0), out.stride(0), out.stride(1), *x_scale.stride(), *w_scale_inv.stride(),
             HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK,
             num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options())
     elif m and n:
