@@ -262,11 +262,13 @@ def gemm(run: Run) -> dict:
             tma_bitwise = _tma_same_bits(x_q, x_s, *weights[0])
             with pdl.TMA_GEMM.forced(True):
                 tma_us = round(per_call_us(fp8, weights), 2)
-        # FP8ENGINE_SWAP_AB_GEMM's launch (up to 16 rows, sm_90 and later), its partials kept where the engine's
-        # fused norm adds them (o_proj, down_proj): time, and its result against the default launch's
-        swap_us = swap_close = None
+        # FP8ENGINE_SWAP_AB_GEMM's launch (up to 16 rows, sm_90 and later) and the default one, their partials kept
+        # where the engine's fused norm adds them (o_proj, down_proj): times, and the swap's result against the default
+        swap_us = swap_close = partials_us = None
         if m <= 16 and (run.dry or torch.cuda.get_device_capability()[0] >= 9):
             keep = layer in ("o_proj", "down_proj")
+            partials_us = round(per_call_us(lambda w: ft.w8a8_block_fp8_matmul(  # the default as the engine runs it
+                x_q, x_s, *w, torch.bfloat16, partials=keep), weights), 2)
             with pdl.SWAP_AB_GEMM.forced(True):
                 swap_us = round(per_call_us(lambda w: ft.w8a8_block_fp8_matmul(
                     x_q, x_s, *w, torch.bfloat16, partials=keep), weights), 2)
@@ -274,7 +276,8 @@ def gemm(run: Run) -> dict:
             swap_close = bool(torch.allclose(swapped, fp8(weights[0]).float(), rtol=2**-6, atol=1e-3))
         moved = n * k + m * k + 2 * m * n
         rows.append({"layer": layer, "m": m, "n": n, "k": k, "fp8_us": round(fp8_us, 2), "fp8_bi_us": round(bi_us, 2),
-                     "fp8_tma_us": tma_us, "tma_bitwise": tma_bitwise, "fp8_swap_us": swap_us,
+                     "fp8_tma_us": tma_us, "tma_bitwise": tma_bitwise, "fp8_partials_us": partials_us,
+                     "fp8_swap_us": swap_us,
                      "swap_close": swap_close, "bf16_matmul_us": round(bf16_us, 2),
                      "fp8_gb_s": round(moved / fp8_us / 1e3, 1), "config": list(ft.gemm_config(m, n, k, False))})
         del weights, bf16

@@ -282,7 +282,8 @@ class FakeCuda(TorchFunctionMode):
                        (torch.cuda, "Event"): torch.cuda.Event,
                        (torch.cuda, "device_count"): torch.cuda.device_count,
                        (torch.cuda, "current_device"): torch.cuda.current_device,
-                       (torch.cuda, "set_device"): torch.cuda.set_device}
+                       (torch.cuda, "set_device"): torch.cuda.set_device,
+                       (torch.cuda, "current_stream"): torch.cuda.current_stream}
         self._saved[cuda_graphs, "capture_cuda"] = cuda_graphs.capture_cuda
         if self.graphs is not None:
             cuda_graphs.capture_cuda = self.stand_in_capture(self.graphs == "replay")
@@ -292,6 +293,7 @@ class FakeCuda(TorchFunctionMode):
         torch.cuda.is_available = lambda: True
         torch.cuda.mem_get_info = lambda device=None: (mode.free_bytes, CUDA_TOTAL_BYTES)
         torch.cuda.synchronize = lambda device=None: None
+        torch.cuda.current_stream = lambda device=None: None  # what an Event records on (every op is done)
         torch.cuda.empty_cache = lambda: None
         torch.cuda.reset_peak_memory_stats = lambda device=None: None
         torch.cuda.memory_allocated = lambda device=None: 0

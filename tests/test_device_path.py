@@ -243,6 +243,30 @@ def test_two_ranks_on_the_device_equal_one(model, monkeypatch):
             two.shutdown()
 
 
+def test_two_fp8_ranks_on_the_device_score_as_one(tmp_path, tokenizer, monkeypatch):
+    """FP8 linears on CUDA run the fused decoder layers under tensor parallelism too, where o_proj's and down_proj's
+    FP8 GEMMs (Linear.forward_quantized) add their partial sums over the ranks (until session 41 they did not: each
+    rank went on with its own share). T = 2 scores T = 1's greedy responses near T = 1 (a rank's partial sums are
+    rounded before they are added, and the next layer's activation quant can turn that into an E4M3 step: 0.16 at
+    most over 8 tokens here; without the sums, 5.8)."""
+    shape = dict(vocab_size=1024, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 intermediate_size=512)  # o_proj and down_proj: whole 128-wide FP8 blocks a rank
+    tp_model = save_tiny("llama-llama3", tmp_path, tokenizer, **shape)
+    _ranks_on_the_device(monkeypatch, 2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0, logprobs_mode="raw")
+    with FakeCuda(num_devices=2, free_bytes=TP_FREE_BYTES):
+        one = make_engine(tp_model, device="cuda", quantization="fp8", enforce_eager=True, num_kv_blocks=KV_BLOCKS)
+        two = make_engine(tp_model, device="cuda", quantization="fp8", enforce_eager=True, num_kv_blocks=KV_BLOCKS,
+                          tensor_parallel_size=2)
+        try:
+            assert two.get_stats().kernels["fusion"] == "norm+qkv+attn+act"
+            responses = [c.token_ids for o in one.generate(PROMPTS[:2], greedy) for c in o.outputs]
+            scored = [e.score(PROMPTS[:2], responses, greedy) for e in (one, two)]
+        finally:
+            two.shutdown()
+    assert max(abs(a - b) for x, y in zip(*scored) for a, b in zip(x, y)) < 0.5
+
+
 def test_ranks_need_a_device_each(model, monkeypatch):
     _ranks_on_the_device(monkeypatch, 1)
     with FakeCuda(num_devices=1), pytest.raises(ValueError, match="tensor_parallel_size=2 needs a CUDA device per "

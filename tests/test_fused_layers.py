@@ -270,6 +270,27 @@ def test_swapped_operands_run_the_fp8_engine_and_hand_their_partials_to_the_fuse
     assert set(splits) == {1, 2}  # o_proj split, the other projections not
 
 
+def test_a_row_parallel_fp8_projection_sums_over_the_ranks_on_the_fused_path_too(llama_model):
+    """Tensor parallelism on CUDA runs the fused layers: a row-parallel FP8 projection's forward_quantized (o_proj,
+    down_proj there) hands its rows to the group's reduce — whole sums, never K-split partials, even where its caller
+    takes partials — and adds its bias after, as Linear.forward does."""
+    from fp8engine.weights import quant
+    with FakeCuda():
+        engine = make_engine(llama_model, device="cuda", num_kv_blocks=16, quantization="fp8", enforce_eager=True)
+        o = engine.runner.model.model.layers[0].self_attn.o_proj
+        x_q, x_s = quant.quantize_activation_groups(_randn(3, o.weight.shape[1], seed=31).to("cuda"))
+        alone = o.forward_quantized(x_q, x_s, torch.bfloat16, partials=True)
+        seen = []
+        o.reduce = lambda y: seen.append(tuple(y.shape)) or y * 2  # a stand-in group of "two equal ranks"
+        o.bias = torch.ones(o.weight.shape[0], dtype=torch.bfloat16, device="cuda")
+        try:
+            summed = o.forward_quantized(x_q, x_s, torch.bfloat16, partials=True)
+        finally:
+            o.reduce, o.bias = None, None
+    assert seen == [(3, o.weight.shape[0])]
+    assert torch.equal(summed, alone * 2 + 1)
+
+
 def test_a_k_split_down_proj_hands_its_partials_to_the_next_fused_norm(tmp_path, tokenizer, monkeypatch):
     """intermediate 8192: down_proj splits K in 4 at decode sizes (fp8_triton.gemm_config), and the next fused norm
     (here the final one) adds the float32 partials in order instead of a torch sum and a copy after the GEMM."""

@@ -360,11 +360,11 @@ class ModelRunner:
                 routed[dst] = routed[src]
 
     # ------------------------------------------------------------------ tensor parallelism (rank 0's side)
-    def _following(self):
-        """Around what rank 0 runs on the device while its workers run the same (tensor_parallel.Leader.guard, its
-        stream waited for on leaving): a failure there, or a worker's death meanwhile, is a RuntimeError naming the
-        rank that died."""
-        return self.tp_leader.guard(sync=True) if self.tp_leader is not None else contextlib.nullcontext()
+    def _following(self, sync: bool = False):
+        """Around what rank 0 runs while its workers run the same (tensor_parallel.Leader.guard): a failure there is
+        a RuntimeError naming the rank that died. sync: rank 0's own forward, replay or head call, whose stream is
+        waited for on leaving, and which a worker's death meanwhile fails too."""
+        return self.tp_leader.guard(sync) if self.tp_leader is not None else contextlib.nullcontext()
 
     def _calibration(self) -> list[int] | None:
         """What a worker needs to measure KV scales in the forward it is sent: rank 0's live blocks while its attention
@@ -646,7 +646,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         # every tensor-parallel rank profiles itself here, in this order (rank 0 sends its workers nothing)
-        with self._following():
+        with self._following(sync=True):
             hidden = self._forward_detached([0] * n)
             sampled = self.model.compute_logits(hidden[:min(n, self.config.max_num_seqs)])
             prompt = self.model.compute_logits(hidden[:PromptLogits(None, hidden, self.vocab_size).rows])
@@ -668,7 +668,7 @@ class ModelRunner:
         calibration and the start-up profile: the engine's cache and the scheduler's blocks are untouched."""
         if self.tp_leader is not None:
             self.tp_leader.send("forward_detached", token_ids, self._calibration())
-        with self._following():
+        with self._following(sync=True):
             return self._forward_detached(token_ids)
 
     def _forward_detached(self, token_ids: list[int]) -> torch.Tensor:
@@ -697,14 +697,14 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.takes(scheduled):
             logits = self._graphs_guarded(self.graphs.run, scheduled, feed)
             if logits is not None:
-                with self._following():  # the replay's collectives land (or a worker's death fails the step)
+                with self._following(sync=True):  # the replay's collectives land (or a worker's death fails it)
                     return StepOutput(logits, {})
         flat, prompt_rows = self._flatten(scheduled)
         if feed is not None:  # no graph after all (a capture failed): the tokens read here, one a row
             flat[0][:] = [int(t) for t in feed[:, 0].tolist()]
         if self.tp_leader is not None:
             self.tp_leader.send("execute", flat, self._calibration())
-        with self._following():
+        with self._following(sync=True):
             input_ids, positions, meta, sample_rows = self._tensors(flat)
             hidden = self.model(input_ids, positions, meta)
             logits = self._sampled_logits(hidden, sample_rows)
@@ -742,7 +742,7 @@ class ModelRunner:
         if self.tp_leader is not None:
             # a host copy: pickling a view would send its whole base, a device tensor would land on rank 0's device
             self.tp_leader.send("head_logits", hidden.to("cpu", copy=True))
-        with self._following():
+        with self._following(sync=True):
             return self.model.compute_logits(hidden)
 
     def forward_flat(self, flat: tuple) -> None:

@@ -339,8 +339,9 @@ class Leader:
     A watcher thread looks for a worker's exit every WATCH_INTERVAL_S. gloo fails a collective whose peer is gone at
     once, but an NCCL one never completes: rank 0 would wait in its next device sync until NCCL's timeout (whose
     default handling then ends the process). So on CUDA the watcher aborts the device group, which ends that wait,
-    and rank 0's own device work (guard(sync=True)) waits for its stream before its results count: a worker that died
-    meanwhile fails the call, and what that step computed never reaches the caller."""
+    and rank 0's own device work (guard(sync=True): its forwards, replays and head calls) waits for its stream before
+    its results count: a worker that died meanwhile fails the call, and what that step computed never reaches the
+    caller."""
 
     def __init__(self, config: EngineConfig, model_dir: str):
         self.size = config.tensor_parallel_size
@@ -354,7 +355,8 @@ class Leader:
         self._closer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._stop)
         devices = device_indices(config)
         # rank 0's own device work is waited for before its results count (guard(sync=True)); none on CPU
-        self.device_sync = None if devices[0] is None else functools.partial(torch.cuda.synchronize, devices[0])
+        self.device_sync = None if devices[0] is None else functools.partial(_sync_stream, devices[0])
+        self._ending = threading.Lock()  # the watcher's abort and close()'s destroy of the groups: one, then the other
         port = device_port = free_port()
         while device_port == port:
             device_port = free_port()
@@ -378,13 +380,14 @@ class Leader:
     def _worker_exited(self) -> None:
         """The watcher's: a worker exited while the group was up. On CUDA the device group is aborted, so a wait of
         rank 0's on a collective the worker will never join ends (NCCL's abort; gloo's group already failed it)."""
-        if self.failed is not None:
-            return
-        self.lost = True
-        group = getattr(self, "group", None)
-        if group is not None and group.device_group is not group.group:
-            logger.error("tensor-parallel worker exited: aborting the device group (%s)", group.backend)
-            _abort(group.device_group)
+        with self._ending:
+            if self.failed is not None:  # closed (or failed) meanwhile: its groups are destroyed, or being
+                return
+            self.lost = True
+            group = getattr(self, "group", None)
+            if group is not None and group.device_group is not group.group:
+                logger.error("tensor-parallel worker exited: aborting the device group (%s)", group.backend)
+                _abort(group.device_group)
 
     def send(self, op: str, *args) -> None:
         """Every worker runs `op(*args)` next (tp_worker.Worker); raises the group's failure if there is one."""
@@ -470,11 +473,12 @@ class Leader:
         if self.failed is None:
             self.failed = "the tensor-parallel workers were shut down"
         self._closer()
-        group, self.group = getattr(self, "group", None), None
-        if group is not None:
-            for pg in {group.group, group.device_group}:
-                with contextlib.suppress(Exception):
-                    dist.destroy_process_group(pg)
+        with self._ending:
+            group, self.group = getattr(self, "group", None), None
+            if group is not None:
+                for pg in {group.group, group.device_group}:
+                    with contextlib.suppress(Exception):
+                        dist.destroy_process_group(pg)
 
 
 def device_indices(config: EngineConfig) -> list[int | None]:
@@ -534,6 +538,14 @@ def _watch(leader: "weakref.ref[Leader]", procs: list[subprocess.Popen], stop: t
             if owner is not None and not stop.is_set():
                 owner._worker_exited()
             return
+
+
+def _sync_stream(device: int) -> None:
+    """Waits for what is queued on rank 0's device's current stream (its forward's kernels, which wait on their
+    collectives), not for the device's other streams (a colocated trainer's)."""
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    done.synchronize()
 
 
 def _abort(group: dist.ProcessGroup) -> None:

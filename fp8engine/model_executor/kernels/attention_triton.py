@@ -193,10 +193,10 @@ def _scores(q, q_pos, start, num_keys, seq, kv_head, block_tables_ptr, k_cache_p
 @triton.jit
 def _load_v(v_cache_ptr, rows, key_ok, dims, dim_ok, MMA_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """The V tile [keys, dims] as p @ v's B operand. An E4M3 cache's is loaded as its transpose ([dims, keys], as K's
-    tile) and transposed after the upcast: loaded [keys, dims], Triton copied it 8 bytes a thread (the shared buffer's
-    vector width of a 16-bit operand), this way 16 as K's; the same values. A BF16 / float32 cache's as it is (16
-    bytes already; transposed, sm_89 spills)."""
-    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+    tile) and transposed after the upcast to bf16: loaded [keys, dims], Triton copied it 8 bytes a thread (the shared
+    buffer's vector width of a 16-bit operand), this way 16 as K's; the same values. A BF16 / float32 cache's, and an
+    E4M3 one under a float32 model (FMA, no tensor cores), as it is (transposed, sm_89 spills a BF16 one)."""
+    if v_cache_ptr.dtype.element_ty == tl.float8e4nv and MMA_DTYPE != tl.float32:
         v = tl.load(v_cache_ptr + rows[None, :] + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
         return tl.trans(_upcast(v, MMA_DTYPE, INTERPRET))
     v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)

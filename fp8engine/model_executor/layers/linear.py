@@ -91,15 +91,24 @@ class Linear(nn.Module):
     def forward_quantized(self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype,
                           partials: bool = False) -> torch.Tensor:
         """The FP8 layer on activations quantized already (E4M3 [T, K] and their 1 x 128 scales, from a fused kernel
-        before it: kernels.fp8_gemm); no LoRA, no tensor parallelism (the fused path is built without them).
-        partials: a K-split launch may return its float32 partials [split, T, N] for the fused norm after it."""
+        before it: kernels.fp8_gemm); no LoRA (the fused path is built without it). A row-parallel layer's partial
+        sums are added over the ranks, then its bias, as forward does. partials: a K-split launch may return its
+        float32 partials [split, T, N] for the fused norm after it (not a row-parallel layer's: they are summed)."""
         gemm = self.kernels.fp8_gemm
+        if self.reduce is not None:
+            y = self.reduce(gemm(x_q, x_scale, self.weight, self.weight_scale_inv, out_dtype, None)
+                            if self.fused_scales else self._quantized_shards(x_q, x_scale, out_dtype))
+            return y if self.bias is None else y + self.bias
         if self.fused_scales:
             return gemm(x_q, x_scale, self.weight, self.weight_scale_inv, out_dtype, self.bias,
                         partials=partials and self.bias is None)
-        out = torch.cat([gemm(x_q, x_scale, *self.shard_views(shard), out_dtype, None)
-                         for shard in range(len(self.shard_sizes))], dim=-1)
+        out = self._quantized_shards(x_q, x_scale, out_dtype)
         return out if self.bias is None else out + self.bias
+
+    def _quantized_shards(self, x_q: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """forward_quantized of a layer whose fused shards have scales of their own, without its bias."""
+        return torch.cat([self.kernels.fp8_gemm(x_q, x_scale, *self.shard_views(shard), out_dtype, None)
+                          for shard in range(len(self.shard_sizes))], dim=-1)
 
     def _base(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
         bias = self.bias if with_bias else None
