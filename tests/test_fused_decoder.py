@@ -160,7 +160,8 @@ def test_plan_checks_its_inputs():
 
 def test_hybrid_plan_checks_its_inputs():
     cos = torch.zeros(8, 8, dtype=torch.bfloat16)
-    args = (cos, cos, [4, 2, 32, 8, 0, 2, 4, 32, 32, 4], 1e-6, 0.1, False, False, ["avx512", "avx512"], True)
+    args = (cos, cos, [4, 2, 32, 8, 0, 2, 4, 32, 32, 4], 1e-6, 0.1, False, False, ["avx512", "avx512"], True, "", 1,
+            False)
     with pytest.raises(RuntimeError, match="55 tensors per layer expected, got 3 for 1 layers"):
         torch.classes.fp8engine.HybridPlan([None] * 3, [0], [-1] * 7, *args)
     with pytest.raises(RuntimeError, match="layer 0 has no input norm"):

@@ -480,24 +480,29 @@ def doomed(tp2_dir):
     engine.shutdown()
 
 
-@pytest.mark.parametrize("quantization, order", [(None, "library"), ("fp8", "fixed")])
-def test_every_rank_runs_the_cpp_decoder_plan_bit_for_bit_the_python_layers(tp2_dir, monkeypatch, quantization, order):
-    """Each rank runs its shard's layers as one C++ call (csrc/decoder.cpp), o_proj's and down_proj's partial sums
+@pytest.mark.parametrize("arch, quantization, order", [("qwen2", None, "library"), ("qwen2", "fp8", "fixed"),
+                                                       ("qwen3_5", "fp8", "library")])
+def test_every_rank_runs_the_cpp_decoder_plan_bit_for_bit_the_python_layers(tp2_dir, tmp_path, tokenizer, monkeypatch,
+                                                                            arch, quantization, order):
+    """Each rank runs its shard's layers as one C++ call (csrc/decoder.cpp; a hybrid's decode steps through
+    csrc/hybrid_decoder.cpp), the row-parallel projections' partial sums (o_proj, down_proj, a GDN layer's out_proj)
     added over the ranks inside it by torch's functional collectives on the group (gloo's all-reduce, or gathered and
     added in rank order): tokens and logprobs bit for bit those of the ranks' Python layers (FP8ENGINE_FUSED_DECODER=
     0), BF16 and FP8; the plan's collective time counts in the group's."""
+    model = tp2_dir if arch == "qwen2" else save_tiny(arch, tmp_path / arch, tokenizer, **HYBRID_TP2)
+    plan_name = "cpp-plan" if arch == "qwen2" else "cpp-plan-decode"
     monkeypatch.setenv("FP8ENGINE_TP_ALL_REDUCE", order)
     outs, decoders = [], []
     for plan in ("1", "0"):
         monkeypatch.setenv("FP8ENGINE_FUSED_DECODER", plan)
-        engine = make_engine(tp2_dir, quantization=quantization, num_kv_blocks=64, tensor_parallel_size=2)
+        engine = make_engine(model, quantization=quantization, num_kv_blocks=64, tensor_parallel_size=2)
         try:
             outs.append([(c.token_ids, c.logprobs) for o in engine.generate(PROMPTS, GREEDY) for c in o.outputs])
             decoders.append([engine.runner.kernel_names["decoder"], *engine.runner.tp_leader.call("decoder")])
             assert engine.runner.tp.seconds > 0
         finally:
             engine.shutdown()
-    assert decoders == [["cpp-plan", "cpp-plan"], ["python", "python"]]
+    assert decoders == [[plan_name, plan_name], ["python", "python"]]
     assert outs[0] == outs[1]
 
 

@@ -6,9 +6,11 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <chrono>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "next_weight.h"
 
@@ -113,5 +115,52 @@ inline bool ops_supported() {
     return false;
   }
 }
+
+// A row-parallel projection's partial sums added over the ranks, as tensor_parallel.py's TPGroup.all_reduce adds
+// them (the same ops on the same group: the same bits).
+class Reduce {
+ public:
+  Reduce(std::string group, int64_t size, bool fixed_order)
+      : group_(std::move(group)), size_(size), fixed_order_(fixed_order) {
+    TORCH_CHECK(size_ >= 1 && (size_ == 1 || !group_.empty()), "DecoderPlan: a tensor-parallel group needs a name");
+    if (size_ > 1) {
+      auto& dispatcher = c10::Dispatcher::singleton();
+      all_reduce_ = dispatcher.findSchemaOrThrow("_c10d_functional::all_reduce", "");
+      all_gather_ = dispatcher.findSchemaOrThrow("_c10d_functional::all_gather_into_tensor", "");
+      wait_ = dispatcher.findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+    }
+  }
+
+  at::Tensor operator()(const at::Tensor& y) const {
+    if (size_ == 1) return y;
+    const auto start = std::chrono::steady_clock::now();
+    at::Tensor out;
+    if (fixed_order_) {  // every rank's y, added in rank order in float32
+      const at::Tensor parts = call(*wait_, {call(*all_gather_, {y.contiguous(), size_, group_})});
+      const int64_t t = y.size(0);
+      at::Tensor total = parts.narrow(0, 0, t).to(at::kFloat);
+      for (int64_t r = 1; r < size_; ++r) total.add_(parts.narrow(0, r * t, t));
+      out = total.to(y.scalar_type());
+    } else {  // the backend's all-reduce, in float32
+      out = call(*wait_, {call(*all_reduce_, {y.to(at::kFloat), std::string("sum"), group_})}).to(y.scalar_type());
+    }
+    seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return out;
+  }
+
+  double seconds() const { return seconds_; }
+
+ private:
+  static at::Tensor call(const c10::OperatorHandle& op, std::vector<c10::IValue> args) {
+    op.callBoxed(&args);
+    return args.at(0).toTensor();
+  }
+
+  std::string group_;
+  int64_t size_;
+  bool fixed_order_;
+  std::optional<c10::OperatorHandle> all_reduce_, all_gather_, wait_;
+  mutable double seconds_ = 0;
+};
 
 }  // namespace fp8e::plan

@@ -87,9 +87,11 @@ class HybridPlan : public torch::CustomClassHolder {
  public:
   HybridPlan(std::vector<OptTensor> tensors, std::vector<int64_t> kinds, std::vector<int64_t> nt16, at::Tensor cos,
              at::Tensor sin, std::vector<int64_t> dims, double eps, double attn_scale, bool ue8m0,
-             bool batch_invariant, std::vector<std::string> gemms, bool prefetch_next)
+             bool batch_invariant, std::vector<std::string> gemms, bool prefetch_next, std::string tp_group,
+             int64_t tp_size, bool tp_fixed_order)
       : cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), attn_scale_(attn_scale),
-        batch_invariant_(batch_invariant), prefetch_next_(prefetch_next) {
+        batch_invariant_(batch_invariant), prefetch_next_(prefetch_next),
+        reduce_(std::move(tp_group), tp_size, tp_fixed_order) {
     TORCH_CHECK(gemms.size() == 2, "HybridPlan: gemms [fp8, bf16] expected");
     fp8_gemm_ = gemms[0], bf16_gemm_ = gemms[1];
     const int64_t n = static_cast<int64_t>(kinds.size());
@@ -187,10 +189,13 @@ class HybridPlan : public torch::CustomClassHolder {
       const at::Tensor gate_up = l.gate_up(ops, h2, path, lora, &l.down);
       at::Tensor act = at::empty({t, gate_up.size(1) / 2}, gate_up.options());
       ops.silu_and_mul_out.call(gate_up, act);
-      x = l.down(ops, act, path, lora, next_qkv);
+      x = reduce_(l.down(ops, act, path, lora, next_qkv));
     }
     return {x, residual};
   }
+
+  // Seconds spent adding partial sums over the tensor-parallel ranks since the plan was built.
+  double collective_seconds() const { return reduce_.seconds(); }
 
  private:
   // GatedAttention.forward: qkv_proj gives per head [q | gate], then k, v; per-head zero-centred q/k norms, partial
@@ -215,7 +220,8 @@ class HybridPlan : public torch::CustomClassHolder {
     const at::Tensor out = ops.attention.call(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
                                               attn_scale_, k_scale, v_scale, q_scale, partition_)
                                .reshape({t, -1});
-    return l.p1(ops, at::mul(out, sigmoid_ref(gate.to(at::kFloat)).to(out.scalar_type())), path, lora, &l.gate_up);
+    return reduce_(
+        l.p1(ops, at::mul(out, sigmoid_ref(gate.to(at::kFloat)).to(out.scalar_type())), path, lora, &l.gate_up));
   }
 
   // PartialRotary.rotate: x * cos + rotate_half(x) * sin on the first rotary_dim features, the rest as they are.
@@ -263,7 +269,7 @@ class HybridPlan : public torch::CustomClassHolder {
     // gated_rms_norm_ref: the norm in float32 rounded to the model dtype, times w, times silu(z) in float32
     const at::Tensor normed = rms_normed(core.to(x.scalar_type()).to(at::kFloat), eps_).to(x.scalar_type());
     const at::Tensor gated = at::mul(at::mul(*l.gdn_norm, normed), silu_ref(z.to(at::kFloat))).to(x.scalar_type());
-    return l.p4(ops, gated.flatten(1), path, lora, &l.gate_up);
+    return reduce_(l.p4(ops, gated.flatten(1), path, lora, &l.gate_up));
   }
 
   using GdnOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -284,6 +290,7 @@ class HybridPlan : public torch::CustomClassHolder {
   bool batch_invariant_ = false;
   bool prefetch_next_ = true;
   std::string fp8_gemm_, bf16_gemm_;
+  Reduce reduce_;  // tensor parallelism: out_proj's, o_proj's and down_proj's partial sums over the ranks
 };
 
 }  // namespace
@@ -291,7 +298,9 @@ class HybridPlan : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(fp8engine, m) {
   m.class_<HybridPlan>("HybridPlan")
       .def(torch::init<std::vector<OptTensor>, std::vector<int64_t>, std::vector<int64_t>, at::Tensor, at::Tensor,
-                       std::vector<int64_t>, double, double, bool, bool, std::vector<std::string>, bool>())
+                       std::vector<int64_t>, double, double, bool, bool, std::vector<std::string>, bool, std::string,
+                       int64_t, bool>())
       .def("num_layers", &HybridPlan::num_layers)
+      .def("collective_seconds", &HybridPlan::collective_seconds)
       .def("forward", &HybridPlan::forward);
 }

@@ -10,9 +10,9 @@ whenever the layers' ops are the C++ kernels: a dense model (no MoE), the C++ at
 or BF16 ones (which take the C++ kernel or torch's GEMM by the step's row count, as the Python layer does), and
 no KV-scale calibration running (its observer needs the Python layer); a loaded LoRA adapter runs inside it.
 Whether the plan may be built at all is the kernel set's `decoder_plan` (FP8ENGINE_FUSED_DECODER=0 turns it off).
-Under tensor parallelism every rank runs its shard's DecoderPlan, which adds o_proj's and down_proj's partial sums
-over the ranks itself (the group's all-reduce or its fixed-order sum, as the Python layers' `reduce`); a hybrid's
-ranks run the Python layers.
+Under tensor parallelism every rank runs its shard's plan, which adds the row-parallel projections' partial sums
+(o_proj, down_proj, a GDN layer's out_proj) over the ranks itself (the group's all-reduce or its fixed-order sum, as
+the Python layers' `reduce`).
 """
 
 import torch
@@ -38,7 +38,26 @@ def _proj(linear: Linear) -> list:
     return [linear.weight, None, linear.bias, None, *lora]
 
 
-class FusedDecoder:
+def _tp_args(tp) -> tuple[str, int, bool]:
+    """A plan's tensor-parallel arguments: the group's name, its size (1: none), whether partial sums are added in
+    rank order."""
+    return ("", 1, False) if tp is None else (tp.group.group_name, tp.size, tp.fixed_order)
+
+
+class _Counted:
+    """A plan that may add partial sums over tensor-parallel ranks: its collective seconds go to the group's."""
+
+    tp = None
+    collective_seconds = 0.0
+
+    def _count(self) -> None:
+        if self.tp is not None:
+            total = self.plan.collective_seconds()
+            self.tp.seconds += total - self.collective_seconds
+            self.collective_seconds = total
+
+
+class FusedDecoder(_Counted):
     """Runs a model's decoder layers through one DecoderPlan; `usable` says when a step may take it."""
 
     name = "cpp-plan"  # get_stats().decoder_backend
@@ -59,9 +78,8 @@ class FusedDecoder:
             tensors, first.rotary.cos, first.rotary.sin,
             [first.num_heads, first.num_kv_heads, first.head_dim, kernels.attention_partition],
             layers[0].input_layernorm.eps, first.attn.scale, scale_fmt == "ue8m0", kernels.batch_invariant, nt16,
-            list(kernels.gemms), envs.flag("FP8ENGINE_PREFETCH_NEXT"),
-            "" if tp is None else tp.group.group_name, 1 if tp is None else tp.size, tp is not None and tp.fixed_order)
-        self.tp, self.collective_seconds = tp, 0.0  # the plan's own count, added to the group's after each call
+            list(kernels.gemms), envs.flag("FP8ENGINE_PREFETCH_NEXT"), *_tp_args(tp))
+        self.tp = tp
         self.attn = [layer.self_attn.attn for layer in layers]
         norm = model.model.norm  # its tensors and the embedding's, held like the layers' (updated in place)
         self.embed, self.norm_weight, self.norm_eps = model.model.embed_tokens.weight, norm.weight, norm.eps
@@ -97,13 +115,6 @@ class FusedDecoder:
         self._count()
         return out
 
-    def _count(self) -> None:
-        """Tensor parallelism: the seconds the plan's all-reduces took, into the group's (TPGroup.seconds)."""
-        if self.tp is not None:
-            total = self.plan.collective_seconds()
-            self.tp.seconds += total - self.collective_seconds
-            self.collective_seconds = total
-
 
 def _layout(linear: Linear, kernels: KernelSet) -> int:
     """Where a hybrid plan's projection reads its weight (csrc/decoder_ops.h Proj::nt16): 1 the nt16 layout, 0 rows, as
@@ -117,7 +128,7 @@ def _layout(linear: Linear, kernels: KernelSet) -> int:
 PER_LAYER, PROJ_SLOTS = 55, (2, 9, 16, 23, 30, 41, 48)
 
 
-class HybridDecoder:
+class HybridDecoder(_Counted):
     """Runs a hybrid model's decoder layers (Qwen3.5 dense, models/qwen3_5.py) through one HybridPlan
     (csrc/hybrid_decoder.cpp) on decode steps; `usable` says which steps: every sequence one new token, its state
     slot given, a snapshot only of the state after it, no KV-scale calibration running. Prefill, chunked and
@@ -126,7 +137,7 @@ class HybridDecoder:
 
     name = "cpp-plan-decode"
 
-    def __init__(self, model, kernels: KernelSet, scale_fmt: str | None):
+    def __init__(self, model, kernels: KernelSet, scale_fmt: str | None, tp=None):
         layers = model.model.layers
         attn = next(layer.self_attn for layer in layers if not layer.is_linear)
         gdn = next((layer.linear_attn for layer in layers if layer.is_linear), None)
@@ -155,7 +166,8 @@ class HybridDecoder:
         self.plan = torch.classes.fp8engine.HybridPlan(
             tensors, kinds, nt16, attn.rotary.cos, attn.rotary.sin, dims, layers[0].input_layernorm.eps,
             attn.attn.scale, scale_fmt == "ue8m0", kernels.batch_invariant, list(kernels.gemms),
-            envs.flag("FP8ENGINE_PREFETCH_NEXT"))
+            envs.flag("FP8ENGINE_PREFETCH_NEXT"), *_tp_args(tp))
+        self.tp = tp
         self.attn = model.attention_layers()
         self.gdn = model.gdn_layers()
         self.loras = [m.lora for m in model.modules() if isinstance(m, Linear) and m.lora is not None]
@@ -175,13 +187,15 @@ class HybridDecoder:
         bf16_kernel = bf16_linear_cpu.kernel_takes(x.shape[0], self.batch_invariant, self.bf16_gemm)
         lora = any(lora.active for lora in self.loras)
         snapshots = meta.state_snapshots
-        return self.plan.forward(x, positions, caches, scales, [g.conv_state for g in self.gdn],
-                                 [g.rec_state for g in self.gdn], meta.slot_mapping, meta.query_start_loc,
-                                 meta.seq_lens, meta.block_tables, meta.state_slots, [i for i, _, _ in snapshots],
-                                 [slot for _, _, slot in snapshots], bf16_kernel, lora)
+        out = self.plan.forward(x, positions, caches, scales, [g.conv_state for g in self.gdn],
+                                [g.rec_state for g in self.gdn], meta.slot_mapping, meta.query_start_loc,
+                                meta.seq_lens, meta.block_tables, meta.state_slots, [i for i, _, _ in snapshots],
+                                [slot for _, _, slot in snapshots], bf16_kernel, lora)
+        self._count()
+        return out
 
 
-def _build_hybrid(model, kernels: KernelSet, scale_fmt: str | None) -> HybridDecoder | None:
+def _build_hybrid(model, kernels: KernelSet, scale_fmt: str | None, tp=None) -> HybridDecoder | None:
     """A HybridDecoder where its ops are the layers': dense MLPs (no MoE block), the C++ linears (the GDN's a and b
     projections in the model dtype included), the C++ gated delta rule, one eps for every norm."""
     from fp8engine.model_executor.models.llama import MLP
@@ -196,19 +210,22 @@ def _build_hybrid(model, kernels: KernelSet, scale_fmt: str | None) -> HybridDec
     eps = {n.eps for n in norms} | {g.eps for g in gdns}
     if len(eps) != 1 or len({id(a.rotary) for a in attns}) != 1 or len({g.kernel_size for g in gdns}) > 1:
         return None
-    return HybridDecoder(model, kernels, scale_fmt)
+    row_parallel = [g.out_proj for g in gdns] + [a.o_proj for a in attns] + [layer.mlp.down_proj for layer in layers]
+    if tp is not None and any(m.bias is not None for m in row_parallel):
+        return None  # a row-parallel bias goes after the sum (Linear.forward); the plan adds it in the projection
+    return HybridDecoder(model, kernels, scale_fmt, tp)
 
 
 def build(model, kernels: KernelSet, scale_fmt: str | None, tp=None) -> FusedDecoder | HybridDecoder | None:
     """A FusedDecoder (dense Llama-family layers) or HybridDecoder (Qwen3.5 dense) for this model and kernel set, or
     None where no plan applies: the kernel set has no plan (not the CPU, turned off, kernels other than the C++
-    ones), or a model whose layers are neither. tp: this rank's TPGroup under tensor parallelism, where only the
-    dense plan runs (its row-parallel projections' partial sums added over the ranks inside it)."""
+    ones), or a model whose layers are neither. tp: this rank's TPGroup under tensor parallelism (the plan adds its
+    row-parallel projections' partial sums over the ranks itself)."""
     from fp8engine.model_executor.models.llama import MLP, DecoderAttention
     if not kernels.decoder_plan:
         return None
     if getattr(model, "hybrid", False):
-        return None if tp is not None else _build_hybrid(model, kernels, scale_fmt)
+        return _build_hybrid(model, kernels, scale_fmt, tp)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers or not all(isinstance(getattr(layer, "self_attn", None), DecoderAttention)
                              and type(layer.mlp) is MLP for layer in layers):
