@@ -111,6 +111,33 @@ def _weight_quant_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_wn, stride_wk, stride
 
 
 @triton.jit
+def _prefetch_then_wait(b_ptr, offs_n, mask_n, stride_bn, stride_bk, kb_begin, num_kb, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
+    """A GEMM's PDL start: its weight rows' first two K blocks of its run (a 128-byte line a row each) into L2, then
+    the wait for the kernel before (nothing without PDL)."""
+    rows = b_ptr + tl.where(mask_n, offs_n, 0) * stride_bn
+    _prefetch_l2(rows + kb_begin * BLOCK_K * stride_bk, PDL)
+    _prefetch_l2(rows + tl.minimum(kb_begin + 1, num_kb - 1) * BLOCK_K * stride_bk, PDL)
+    _pdl_wait(PDL)
+
+
+@triton.jit
+def _tile(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """A GEMM program's share: its K blocks [begin, end) of num_kb (program_id(2)'s run of a K split, else all), its
+    rows and columns (int64) and their masks."""
+    num_kb = tl.cdiv(K, BLOCK_K)
+    kb_begin = 0
+    kb_end = num_kb
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(num_kb, SPLIT_K)
+        kb_begin = tl.program_id(2) * per_split
+        kb_end = tl.minimum(kb_begin + per_split, num_kb)
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    return kb_begin, kb_end, num_kb, offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
 def _w8a8_block_matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
                               stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
                               stride_asm, stride_ask, stride_bsn, stride_bsk,
@@ -120,27 +147,12 @@ def _w8a8_block_matmul_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, 
     """SPLIT_K > 1: program (m, n, s) sums the s-th run of K blocks into float32 partials c[s] (no bias); the
     caller adds them up in a fixed order. SPLIT_K == 1 is the plain kernel (one program per output tile).
     PDL: its weight rows' first two K blocks (a 128-byte line a row each) go to L2 before the wait."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    num_kb = tl.cdiv(K, BLOCK_K)
-    kb_begin = 0
-    kb_end = num_kb
-    if SPLIT_K > 1:
-        per_split = tl.cdiv(num_kb, SPLIT_K)
-        kb_begin = tl.program_id(2) * per_split
-        kb_end = tl.minimum(kb_begin + per_split, num_kb)
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    kb_begin, kb_end, num_kb, offs_m, offs_n, mask_m, mask_n = _tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + (offs_k[None, :] + kb_begin * BLOCK_K) * stride_ak
     b_ptrs = b_ptr + offs_n[None, :] * stride_bn + (offs_k[:, None] + kb_begin * BLOCK_K) * stride_bk
     as_ptrs = as_ptr + offs_m * stride_asm
-    rows = b_ptr + tl.where(mask_n, offs_n, 0) * stride_bn
-    _prefetch_l2(rows + kb_begin * BLOCK_K * stride_bk, PDL)
-    _prefetch_l2(rows + tl.minimum(kb_begin + 1, num_kb - 1) * BLOCK_K * stride_bk, PDL)
-    _pdl_wait(PDL)
+    _prefetch_then_wait(b_ptr, offs_n, mask_n, stride_bn, stride_bk, kb_begin, num_kb, BLOCK_K, PDL)
     # Weight scales are per 128 rows of W, and BLOCK_K == 128 is that block size.
     bs_ptrs = bs_ptr + (offs_n // BLOCK_K) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -178,10 +190,7 @@ def _w8a8_block_matmul_tma_kernel(a_desc, b_desc, b_ptr, c_ptr, as_ptr, bs_ptr, 
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    rows = b_ptr + tl.where(mask_n, offs_n, 0) * stride_bn
-    _prefetch_l2(rows, PDL)
-    _prefetch_l2(rows + tl.minimum(1, tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K, PDL)
-    _pdl_wait(PDL)
+    _prefetch_then_wait(b_ptr, offs_n, mask_n, stride_bn, 1, 0, tl.cdiv(K, BLOCK_K), BLOCK_K, PDL)
     as_ptrs = as_ptr + offs_m * stride_asm
     bs_ptrs = bs_ptr + (offs_n // BLOCK_K) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -209,27 +218,12 @@ def _w8a8_block_matmul_swap_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr
     Hopper's wgmma and a tile of BLOCK_M = 8 or 16 rows is its narrow side (m64n16k32 on E4M3 operands: no conversion
     of the weight codes, no tensor-core work on padding rows). The accumulator is the output tile's transpose; the
     same per-K-block promotion and scales, the same K split and partials."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    num_kb = tl.cdiv(K, BLOCK_K)
-    kb_begin = 0
-    kb_end = num_kb
-    if SPLIT_K > 1:
-        per_split = tl.cdiv(num_kb, SPLIT_K)
-        kb_begin = tl.program_id(2) * per_split
-        kb_end = tl.minimum(kb_begin + per_split, num_kb)
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    kb_begin, kb_end, num_kb, offs_m, offs_n, mask_m, mask_n = _tile(M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + (offs_k[None, :] + kb_begin * BLOCK_K) * stride_ak
     w_ptrs = b_ptr + offs_n[:, None] * stride_bn + (offs_k[None, :] + kb_begin * BLOCK_K) * stride_bk
     as_ptrs = as_ptr + offs_m * stride_asm
-    rows = b_ptr + tl.where(mask_n, offs_n, 0) * stride_bn
-    _prefetch_l2(rows + kb_begin * BLOCK_K * stride_bk, PDL)
-    _prefetch_l2(rows + tl.minimum(kb_begin + 1, num_kb - 1) * BLOCK_K * stride_bk, PDL)
-    _pdl_wait(PDL)
+    _prefetch_then_wait(b_ptr, offs_n, mask_n, stride_bn, stride_bk, kb_begin, num_kb, BLOCK_K, PDL)
     bs_ptrs = bs_ptr + (offs_n // BLOCK_K) * stride_bsn
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kb in range(kb_begin, kb_end):
